@@ -1,0 +1,49 @@
+# Two entry points on a fresh machine with Python >= 3.11 and make:
+#   make demo   - install, build the demo model if missing, run the main job on it
+#   make test   - install with the dev extra, lint, run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build; on a CUDA machine set TORCH=torch (or keep the torch already in the venv).
+TORCH ?= torch==2.13.0
+DEMO_PRESET ?= bench
+DEMO_MODEL ?= models/demo-$(DEMO_PRESET)
+DEMO_PROMPTS ?= examples/demo_prompts.txt
+DEMO_TOKENS ?= 32
+
+.PHONY: install dev test lint demo demo-model clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+dev: $(VENV)/.installed-dev
+
+lint: dev
+	$(BIN)/ruff check .
+
+test: dev lint
+	$(BIN)/python -m pytest -q
+
+$(DEMO_MODEL)/config.json: | $(VENV)/.installed
+	$(BIN)/moe-lightning make-demo-model --preset $(DEMO_PRESET) --out $(DEMO_MODEL)
+
+demo-model: $(DEMO_MODEL)/config.json
+
+demo: install demo-model
+	$(BIN)/moe-lightning generate --model $(DEMO_MODEL) --prompts-file $(DEMO_PROMPTS) \
+		--max-new-tokens $(DEMO_TOKENS) --ignore-eos
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,1 @@
+"""moe-lightning: high-throughput MoE inference on memory-constrained GPUs."""

@@ -1,0 +1,246 @@
+"""Reading HF safetensors checkpoints (single file or sharded) into our weight layout.
+
+Headers are parsed and checked here before any tensor is mapped, so a truncated or mislabelled file
+is reported with its name instead of failing deep inside a later read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moe_lightning.spec import ModelSpec
+from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
+
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint we cannot read; the message names the tensor and/or file."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # byte offset of the data inside the file
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """Parses and validates one .safetensors header; raises CheckpointError naming the file."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (header_len,) = struct.unpack("<Q", raw)
+        if 8 + header_len > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file (header says {header_len} bytes, file has {size})"
+            )
+        try:
+            header = json.loads(f.read(header_len))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path}: corrupt safetensors header: {exc}") from exc
+    data_start = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        begin, end = info["data_offsets"]
+        shape = tuple(int(s) for s in info["shape"])
+        numel = 1
+        for s in shape:
+            numel *= s
+        expected = numel * torch.empty((), dtype=dtype).element_size()
+        if end - begin != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} spans {end - begin} bytes but shape {list(shape)} needs {expected}"
+            )
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, file has {size}"
+            )
+        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, end - begin)
+    return entries
+
+
+class CheckpointReader:
+    """Name -> tensor access over all safetensors files of an HF model directory."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        files = self._files()
+        self.entries: dict[str, TensorEntry] = {}
+        for file in files:
+            self.entries.update(read_safetensors_header(file))
+        self._handles: dict[Path, object] = {}
+
+    def _files(self) -> list[Path]:
+        index = self.model_dir / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+            files = sorted({self.model_dir / f for f in weight_map.values()})
+            for f in files:
+                if not f.is_file():
+                    raise CheckpointError(f"{index} names shard {f.name}, which does not exist")
+            return files
+        single = self.model_dir / SINGLE_FILE
+        if single.is_file():
+            return [single]
+        found = sorted(self.model_dir.glob("*.safetensors"))
+        if not found:
+            raise CheckpointError(f"{self.model_dir}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors found")
+        return found
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            files = sorted({e.file.name for e in self.entries.values()})
+            raise CheckpointError(
+                f"tensor {name!r} is missing from the checkpoint (files: {', '.join(files)})"
+            ) from None
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        entry = self.entry(name)
+        if shape is not None and entry.shape != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} in {entry.file.name} has shape {list(entry.shape)}, expected {list(shape)}"
+            )
+        handle = self._handles.get(entry.file)
+        if handle is None:
+            handle = safe_open(str(entry.file), framework="pt")
+            self._handles[entry.file] = handle
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def total_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values())
+
+
+def _convert(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype).contiguous()
+
+
+class MixtralNames:
+    """HF names of Mixtral tensors; released checkpoints and transformers' save_pretrained use these."""
+
+    embed = "model.embed_tokens.weight"
+    final_norm = "model.norm.weight"
+    lm_head = "lm_head.weight"
+
+    @staticmethod
+    def layer(i: int) -> str:
+        return f"model.layers.{i}"
+
+
+def load_layer(
+    reader: CheckpointReader, spec: ModelSpec, i: int, dtype: torch.dtype, device: torch.device | str
+) -> LayerWeights:
+    d, e = spec.hidden_size, spec.num_experts
+    p = MixtralNames.layer(i)
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _convert(reader.get(name, shape), dtype, device)
+
+    q = reader.get(f"{p}.self_attn.q_proj.weight", (spec.q_size, d))
+    k = reader.get(f"{p}.self_attn.k_proj.weight", (spec.kv_size, d))
+    v = reader.get(f"{p}.self_attn.v_proj.weight", (spec.kv_size, d))
+    experts = _load_experts(reader, spec, p, dtype, device)
+    if len(experts) != e:
+        raise CheckpointError(f"layer {i}: found {len(experts)} experts, config says {e}")
+    router_name = f"{p}.block_sparse_moe.gate.weight"
+    if router_name not in reader:
+        router_name = f"{p}.mlp.gate.weight"
+    return LayerWeights(
+        attn_norm=get(f"{p}.input_layernorm.weight", (d,)),
+        wqkv=_convert(torch.cat([q, k, v], dim=0), dtype, device),
+        wo=get(f"{p}.self_attn.o_proj.weight", (d, spec.q_size)),
+        ffn_norm=get(f"{p}.post_attention_layernorm.weight", (d,)),
+        router=get(router_name, (e, d)),
+        experts=experts,
+    )
+
+
+def _load_experts(
+    reader: CheckpointReader, spec: ModelSpec, prefix: str, dtype: torch.dtype, device: torch.device | str
+) -> list[ExpertWeights]:
+    d, inter, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    fused = f"{prefix}.mlp.experts.gate_up_proj"
+    if fused in reader:  # transformers 5 native layout: (E, 2I, D) and (E, D, I)
+        gate_up = reader.get(fused, (e, 2 * inter, d))
+        down = reader.get(f"{prefix}.mlp.experts.down_proj", (e, d, inter))
+        return [ExpertWeights(_convert(gate_up[j], dtype, device), _convert(down[j], dtype, device)) for j in range(e)]
+    experts = []
+    for j in range(e):
+        q = f"{prefix}.block_sparse_moe.experts.{j}"
+        w1 = reader.get(f"{q}.w1.weight", (inter, d))
+        w3 = reader.get(f"{q}.w3.weight", (inter, d))
+        w2 = reader.get(f"{q}.w2.weight", (d, inter))
+        experts.append(ExpertWeights(_convert(torch.cat([w1, w3], dim=0), dtype, device), _convert(w2, dtype, device)))
+    return experts
+
+
+def load_model_weights(
+    model_dir: str | Path,
+    spec: ModelSpec,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    progress: bool = True,
+    layers: Iterable[int] | None = None,
+    on_layer: Callable[[int], None] | None = None,
+) -> ModelWeights:
+    """Loads (a subset of) the model into our layout, converting to `dtype` on `device`."""
+    reader = CheckpointReader(model_dir)
+    d, v = spec.hidden_size, spec.vocab_size
+    embed = _convert(reader.get(MixtralNames.embed, (v, d)), dtype, device)
+    if spec.tie_word_embeddings or MixtralNames.lm_head not in reader:
+        if not spec.tie_word_embeddings:
+            reader.entry(MixtralNames.lm_head)  # raises: untied model without lm_head
+        lm_head = embed
+    else:
+        lm_head = _convert(reader.get(MixtralNames.lm_head, (v, d)), dtype, device)
+    wanted = list(range(spec.num_layers)) if layers is None else list(layers)
+    loaded = []
+    bar = tqdm(wanted, desc="loading layers", unit="layer", disable=not progress, leave=False)
+    for i in bar:
+        loaded.append(load_layer(reader, spec, i, dtype, device))
+        if on_layer is not None:
+            on_layer(i)
+    return ModelWeights(
+        embed=embed,
+        layers=loaded,
+        final_norm=_convert(reader.get(MixtralNames.final_norm, (d,)), dtype, device),
+        lm_head=lm_head,
+    )

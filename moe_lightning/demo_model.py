@@ -1,0 +1,178 @@
+"""Built-in demo checkpoints: HF-format Mixtral models with random weights, deterministic by seed.
+
+They need no download, load in transformers as they are, and come with a real byte-level BPE
+tokenizer trained on a generated corpus, so text in and text out work end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tqdm import tqdm
+
+from moe_lightning.spec import DTYPES, ModelSpec
+
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Mixtral
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # a few MB: unit and end-to-end tests
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=512,
+        max_position_embeddings=1024,
+    ),
+    # ~0.8 B parameters, ~3.2 GB in fp32: benchmarks on a 2-core machine
+    "bench": dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def mixtral_config(preset: str | dict[str, Any], dtype: str = "float32") -> dict[str, Any]:
+    """An HF config.json dict for a preset name or a dict of overrides."""
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+        preset = PRESETS[preset]
+    config: dict[str, Any] = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "sliding_window": None,
+        "initializer_range": 0.02,
+        "dtype": dtype,
+    }
+    config.update(preset)
+    return config
+
+
+def _random_state_dict(spec: ModelSpec, seed: int, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    d, inter = spec.hidden_size, spec.intermediate_size
+
+    def normal(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+
+    def norm_weight() -> torch.Tensor:
+        # not all ones, so a test notices a norm weight that is dropped or misplaced
+        return (1.0 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+
+    sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(spec.vocab_size, d)}
+    for i in tqdm(range(spec.num_layers), desc="generating layers", unit="layer", disable=not progress, leave=False):
+        p = f"model.layers.{i}"
+        sd[f"{p}.input_layernorm.weight"] = norm_weight()
+        sd[f"{p}.self_attn.q_proj.weight"] = normal(spec.q_size, d)
+        sd[f"{p}.self_attn.k_proj.weight"] = normal(spec.kv_size, d)
+        sd[f"{p}.self_attn.v_proj.weight"] = normal(spec.kv_size, d)
+        sd[f"{p}.self_attn.o_proj.weight"] = normal(d, spec.q_size)
+        sd[f"{p}.post_attention_layernorm.weight"] = norm_weight()
+        sd[f"{p}.block_sparse_moe.gate.weight"] = normal(spec.num_experts, d)
+        for e in range(spec.num_experts):
+            q = f"{p}.block_sparse_moe.experts.{e}"
+            sd[f"{q}.w1.weight"] = normal(inter, d)
+            sd[f"{q}.w3.weight"] = normal(inter, d)
+            sd[f"{q}.w2.weight"] = normal(d, inter)
+    sd["model.norm.weight"] = norm_weight()
+    if not spec.tie_word_embeddings:
+        sd["lm_head.weight"] = normal(spec.vocab_size, d)
+    return sd
+
+
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ar", "en", "is", "on")]
+
+
+def _corpus(seed: int, n_words: int) -> list[str]:
+    # A deterministic pseudo-language with Zipf-like word frequencies, so BPE learns real merges.
+    rng = random.Random(seed)
+    lexicon = ["".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(20000)]
+    weights = [1.0 / (r + 1) for r in range(len(lexicon))]
+    words = rng.choices(lexicon, weights=weights, k=n_words)
+    lines, line = [], []
+    for w in words:
+        line.append(w)
+        if len(line) >= rng.randint(6, 14):
+            lines.append(" ".join(line).capitalize() + rng.choice([".", "?", "!", ","]))
+            line = []
+    return lines
+
+
+def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+    """A byte-level BPE whose vocabulary is exactly `vocab_size` (padded with reserved tokens)."""
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed, n_words=min(400_000, 40 * vocab_size)), trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if missing > 0:
+        tok.add_special_tokens([f"<reserved_{i}>" for i in range(missing)])
+    bos = SPECIAL_TOKENS[1]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    return tok
+
+
+def write_demo_model(
+    out_dir: str | Path,
+    preset: str | dict[str, Any] = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    progress: bool = True,
+    with_tokenizer: bool = True,
+) -> Path:
+    """Writes config.json, model.safetensors, tokenizer.json and generation_config.json."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = mixtral_config(preset, dtype)
+    spec = ModelSpec.from_hf_config(config)
+    sd = _random_state_dict(spec, seed, DTYPES[dtype], progress)
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    del sd
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    if with_tokenizer:
+        tok = build_tokenizer(spec.vocab_size, seed)
+        tok.save(str(out / "tokenizer.json"))
+        tok_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "model_max_length": spec.max_position_embeddings,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return out

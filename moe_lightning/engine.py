@@ -1,0 +1,159 @@
+"""In-process generation: every stage in one process, over a local paged KV cache.
+
+This is the reference path the services are checked against, and the baseline the stack's
+benchmark compares with. It composes the same stage functions the services run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.request import GenerationRequest, GenerationResult
+from moe_lightning.sampling import sample
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages import (
+    AttentionMetadata,
+    embed_tokens,
+    head_logits,
+    paged_attention,
+    post_attention,
+    pre_attention,
+    write_kv,
+)
+from moe_lightning.stopping import StopChecker
+from moe_lightning.tokenizer import TextTokenizer
+from moe_lightning.weights import ModelWeights
+
+# (step, indices of the requests in this batch, their logits (B, V)) -> None
+LogitsHook = Callable[[int, list[int], torch.Tensor], None]
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    decode_tokens: int = 0  # tokens produced by decode steps (excludes the one from prefill)
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    def to_dict(self) -> dict[str, float]:
+        total = self.total_seconds
+        return {
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "decode_steps": self.decode_steps,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "generated_tokens_per_second": self.generated_tokens / total if total else 0.0,
+            "decode_tokens_per_second": self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0,
+        }
+
+
+@dataclass(slots=True)
+class _Sequence:
+    index: int
+    request: GenerationRequest
+    checker: StopChecker
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+def forward_step(
+    spec: ModelSpec, weights: ModelWeights, cache: PagedKVCache, tokens: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """Runs all layers for a ragged batch; tokens: (T,) -> logits of each sequence's last token (B, V)."""
+    positions = meta.positions().to(tokens.device)  # (T,)
+    slots = meta.slot_mapping().to(tokens.device)  # (T,)
+    hidden = embed_tokens(weights.embed, tokens)  # (T, D)
+    for i, layer in enumerate(weights.layers):
+        q, k, v = pre_attention(spec, layer, hidden, positions)
+        write_kv(cache.k[i], cache.v[i], k, v, slots)
+        attn = paged_attention(q, cache.k[i], cache.v[i], meta, spec.sliding_window)  # (T, H * Hd)
+        hidden, _ = post_attention(spec, layer, hidden, attn)
+    last = torch.tensor(meta.q_lens).cumsum(0) - 1  # (B,) row of each sequence's last token
+    return head_logits(spec, weights.final_norm, weights.lm_head, hidden[last.to(hidden.device)])
+
+
+class InProcessEngine:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: ModelWeights,
+        tokenizer: TextTokenizer | None = None,
+        block_size: int = 16,
+        device: torch.device | str = "cpu",
+        kv_shuffle_seed: int | None = None,
+    ) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.dtype = weights.embed.dtype
+        self.kv_shuffle_seed = kv_shuffle_seed
+
+    @torch.inference_mode()
+    def generate(
+        self, requests: Sequence[GenerationRequest], on_logits: LogitsHook | None = None
+    ) -> tuple[list[GenerationResult], GenerationStats]:
+        for r in requests:
+            r.validate(self.spec)
+        seqs = [
+            _Sequence(i, r, StopChecker(r, self.spec.eos_token_ids, self.tokenizer), r.sampling.make_generator())
+            for i, r in enumerate(requests)
+        ]
+        blocks = sum(-(-(len(r.prompt_ids) + r.max_new_tokens) // self.block_size) for r in requests)
+        cache = PagedKVCache(self.spec, max(blocks, 1), self.block_size, self.dtype, self.device, self.kv_shuffle_seed)
+        stats = GenerationStats(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
+        active = seqs
+        t0 = time.perf_counter()
+        meta = cache.append([s.index for s in active], [len(s.request.prompt_ids) for s in active])
+        tokens = torch.tensor([t for s in active for t in s.request.prompt_ids], device=self.device)
+        logits = forward_step(self.spec, self.weights, cache, tokens, meta)
+        step = 0
+        while True:
+            if on_logits is not None:
+                on_logits(step, [s.index for s in active], logits)
+            next_ids = sample(logits, [s.request.sampling for s in active], [s.generator for s in active]).tolist()
+            for s, tok in zip(active, next_ids, strict=True):
+                s.output.append(tok)
+                s.finish_reason = s.checker.check(s.output)
+                if s.finish_reason is not None:
+                    cache.free(s.index)
+            now = time.perf_counter()
+            if step == 0:
+                stats.prefill_seconds = now - t0
+            else:
+                stats.decode_seconds += now - t0
+                stats.decode_steps += 1
+                stats.decode_tokens += len(active)
+            active = [s for s in active if s.finish_reason is None]
+            if not active:
+                break
+            t0 = time.perf_counter()
+            meta = cache.append([s.index for s in active], [1] * len(active))
+            tokens = torch.tensor([s.output[-1] for s in active], device=self.device)
+            logits = forward_step(self.spec, self.weights, cache, tokens, meta)
+            step += 1
+        results = [
+            GenerationResult(
+                token_ids=s.output,
+                text=s.checker.final_text(s.output),
+                finish_reason=s.finish_reason or "",
+                prompt_tokens=len(s.request.prompt_ids),
+            )
+            for s in seqs
+        ]
+        stats.generated_tokens = sum(len(s.output) for s in seqs)
+        return results, stats

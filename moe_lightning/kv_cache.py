@@ -1,0 +1,94 @@
+"""Paged KV cache: fixed-size blocks, a free list, and a block table per sequence."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import torch
+
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.attention import AttentionMetadata
+
+
+class KVCacheFullError(RuntimeError):
+    """Not enough free blocks for the tokens asked for."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, shuffle_seed: int | None = None) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        order = list(range(num_blocks))
+        if shuffle_seed is not None:  # tests use this to prove block order does not matter
+            random.Random(shuffle_seed).shuffle(order)
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(order)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise KVCacheFullError(f"KV cache full: need {n} blocks, {len(self._free)} of {self.num_blocks} free")
+        return [self._free.popleft() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(blocks)
+
+
+class PagedKVCache:
+    """K and V storage for all layers: (L, NB, BS, K, Hd) each, plus per-sequence bookkeeping."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        shuffle_seed: int | None = None,
+    ) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks, shuffle_seed)
+        self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
+        length = self.lengths.get(seq_id, 0) + new_tokens
+        have = len(self.tables.get(seq_id, ()))
+        return max(0, -(-length // self.block_size) - have)
+
+    def append(self, seq_ids: list[int], q_lens: list[int]) -> AttentionMetadata:
+        """Reserves room for each sequence's new tokens and returns the batch's metadata.
+
+        All-or-nothing: when the blocks do not suffice nothing is allocated.
+        """
+        need = sum(self.blocks_needed(s, q) for s, q in zip(seq_ids, q_lens, strict=True))
+        if need > self.allocator.num_free:
+            raise KVCacheFullError(f"KV cache full: the batch needs {need} more blocks, {self.allocator.num_free} free")
+        for s, q in zip(seq_ids, q_lens, strict=True):
+            table = self.tables.setdefault(s, [])
+            table.extend(self.allocator.allocate(self.blocks_needed(s, q)))
+            self.lengths[s] = self.lengths.get(s, 0) + q
+        return AttentionMetadata(
+            q_lens=tuple(q_lens),
+            ctx_lens=tuple(self.lengths[s] for s in seq_ids),
+            block_tables=tuple(tuple(self.tables[s]) for s in seq_ids),
+            block_size=self.block_size,
+        )
+
+    def free(self, seq_id: int) -> None:
+        self.allocator.free(self.tables.pop(seq_id, []))
+        self.lengths.pop(seq_id, None)
+
+    def usage(self) -> float:
+        """Fraction of blocks in use."""
+        a = self.allocator
+        return 1.0 - a.num_free / a.num_blocks

@@ -1,0 +1,69 @@
+"""Head-side sampling: greedy, temperature, top-k, top-p, reproducible per request by seed."""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    seed: int | None = None  # fixes the request's random stream; None draws one
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        if self.greedy:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
+        return gen
+
+
+def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    # logits: (V,) fp32, already divided by temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token once the mass before it already reaches top_p; the most likely always stays
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """logits: (B, V) -> next token ids (B,) on the CPU."""
+    logits = logits.float()
+    out = torch.argmax(logits, dim=-1).cpu()  # (B,)
+    for b, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if p.greedy:
+            continue
+        row = _filter(logits[b] / p.temperature, p)
+        probs = torch.softmax(row, dim=-1)
+        out[b] = torch.multinomial(probs, 1, generator=gen).item()
+    return out

@@ -1,0 +1,219 @@
+"""ModelSpec: one normalized, validated description of an MoE decoder.
+
+Every process (weight store, expert runner, attention, orchestrator) works from this object, never
+from a raw HF config, so the differences between model families live in one place.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM",)
+
+
+class ModelSpecError(ValueError):
+    """A config.json that we cannot serve; the message names the field."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """Shapes and numerics of an MoE decoder.
+
+    Dimension legend used in shape comments across the code base:
+      T tokens in a (ragged) batch, B sequences, D hidden, H query heads, K KV heads, Hd head dim,
+      E experts, A active experts per token (top-k), I expert intermediate, V vocab, L layers.
+    """
+
+    architecture: str
+    hidden_size: int  # D
+    intermediate_size: int  # I, one expert's FFN width
+    num_layers: int  # L
+    num_heads: int  # H
+    num_kv_heads: int  # K
+    head_dim: int  # Hd
+    num_experts: int  # E
+    top_k: int  # A
+    vocab_size: int  # V
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"  # the checkpoint's dtype
+    max_position_embeddings: int = 32768
+    sliding_window: int | None = None
+    bos_token_id: int | None = 1
+    eos_token_ids: tuple[int, ...] = field(default=(2,))
+
+    def __post_init__(self) -> None:
+        positive = (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "num_experts",
+            "top_k",
+            "vocab_size",
+            "max_position_embeddings",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ModelSpecError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelSpecError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.top_k > self.num_experts:
+            raise ModelSpecError(
+                f"num_experts_per_tok ({self.top_k}) cannot exceed num_local_experts ({self.num_experts})"
+            )
+        if self.head_dim % 2:
+            raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.dtype not in DTYPES:
+            raise ModelSpecError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.rope_theta <= 0:
+            raise ModelSpecError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.rms_norm_eps <= 0:
+            raise ModelSpecError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelSpecError(f"sliding_window must be positive or null, got {self.sliding_window}")
+        for token_id in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
+            if not 0 <= token_id < self.vocab_size:
+                raise ModelSpecError(
+                    f"special token id {token_id} is outside the vocabulary (0..{self.vocab_size - 1})"
+                )
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def expert_params(self) -> int:
+        """Parameters of one expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    def num_parameters(self) -> int:
+        d, v = self.hidden_size, self.vocab_size
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        per_layer = attn + 2 * d + self.num_experts * d + self.num_experts * self.expert_params()
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_layers * per_layer + d + head
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["eos_token_ids"] = list(self.eos_token_ids)
+        return out
+
+    # ---- parsing -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
+        """Builds a spec from the dict of an HF `config.json`; errors name the offending field."""
+        archs = config.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch is None:
+            model_type = config.get("model_type")
+            arch = {"mixtral": "MixtralForCausalLM"}.get(model_type or "")
+            if arch is None:
+                raise ModelSpecError(
+                    f"config.json names no 'architectures' and model_type {model_type!r} is not supported; "
+                    f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                )
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelSpecError(
+                f"architectures[0] = {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        return _parse_mixtral(config, arch)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelSpec:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ModelSpecError(f"{path} not found: a model directory needs an HF config.json")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ModelSpecError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_hf_config(config)
+
+
+def _require(config: dict[str, Any], key: str) -> Any:
+    if key not in config or config[key] is None:
+        raise ModelSpecError(f"config.json is missing required field {key!r}")
+    return config[key]
+
+
+def _rope_theta(config: dict[str, Any], default: float) -> float:
+    # transformers 5 writes rope_parameters; released checkpoints carry a top-level rope_theta.
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelSpecError(f"rope_parameters.rope_type = {rope_type!r} is not supported; supported: 'default'")
+    theta = params.get("rope_theta", config.get("rope_theta", default))
+    return float(theta)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _checkpoint_dtype(config: dict[str, Any]) -> str:
+    dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    if dtype not in DTYPES:
+        raise ModelSpecError(f"config.json dtype {dtype!r} is not supported; supported: {sorted(DTYPES)}")
+    return dtype
+
+
+def _parse_mixtral(config: dict[str, Any], arch: str) -> ModelSpec:
+    hidden = int(_require(config, "hidden_size"))
+    heads = int(_require(config, "num_attention_heads"))
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelSpecError(f"hidden_act = {act!r} is not supported for {arch}; supported: 'silu'")
+    head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
+    return ModelSpec(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=int(_require(config, "intermediate_size")),
+        num_layers=int(_require(config, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        num_experts=int(_require(config, "num_local_experts")),
+        top_k=int(_require(config, "num_experts_per_tok")),
+        vocab_size=int(_require(config, "vocab_size")),
+        norm_topk_prob=True,  # Mixtral always renormalises its top-k weights
+        rope_theta=_rope_theta(config, 1_000_000.0),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dtype=_checkpoint_dtype(config),
+        max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
+        sliding_window=config.get("sliding_window"),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos_ids(config.get("eos_token_id", 2)),
+    )

@@ -1,0 +1,147 @@
+"""GQA attention over a paged KV cache, for ragged batches of prefill and decode sequences.
+
+The cache of one layer is (NB, BS, K, Hd) for keys and the same for values: NB blocks of BS token
+slots. A sequence owns a list of blocks (its block table) in any order; token p of a sequence lives in
+block `table[p // BS]` at offset `p % BS`. Nothing is padded: the flattened batch holds each
+sequence's new tokens back to back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Describes a ragged batch: per sequence, how many new tokens and how long the context is."""
+
+    q_lens: tuple[int, ...]  # (B,) new tokens of each sequence in this batch
+    ctx_lens: tuple[int, ...]  # (B,) tokens in the cache once the new ones are appended
+    block_tables: tuple[tuple[int, ...], ...]  # (B, blocks of that sequence)
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if not len(self.q_lens) == len(self.ctx_lens) == len(self.block_tables):
+            raise ValueError("q_lens, ctx_lens and block_tables must have one entry per sequence")
+        for b, (q, c, table) in enumerate(zip(self.q_lens, self.ctx_lens, self.block_tables, strict=True)):
+            if q <= 0 or c < q:
+                raise ValueError(f"sequence {b}: need 0 < q_len <= ctx_len, got q_len={q}, ctx_len={c}")
+            if len(table) * self.block_size < c:
+                raise ValueError(f"sequence {b}: {len(table)} blocks of {self.block_size} cannot hold {c} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        return all(q == 1 for q in self.q_lens)
+
+    def positions(self) -> torch.Tensor:
+        """(T,) position of every new token in its own sequence."""
+        return torch.cat(
+            [torch.arange(c - q, c, dtype=torch.long) for q, c in zip(self.q_lens, self.ctx_lens, strict=True)]
+        )
+
+    def slot_mapping(self) -> torch.Tensor:
+        """(T,) flat cache slot (block * BS + offset) for every new token."""
+        pos = self.positions()
+        tables = self._token_tables()
+        return tables * self.block_size + pos % self.block_size
+
+    def _token_tables(self) -> torch.Tensor:
+        blocks = []
+        for q, c, table in zip(self.q_lens, self.ctx_lens, self.block_tables, strict=True):
+            t = torch.tensor(table, dtype=torch.long)
+            blocks.append(t[torch.arange(c - q, c) // self.block_size])
+        return torch.cat(blocks)
+
+    def context_slots(self, b: int) -> torch.Tensor:
+        """(ctx_len,) flat cache slots of sequence b's whole context, in position order."""
+        c = self.ctx_lens[b]
+        pos = torch.arange(c)
+        table = torch.tensor(self.block_tables[b], dtype=torch.long)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Appends new keys/values. k_cache/v_cache: (NB, BS, K, Hd); k/v: (T, K, Hd); slots: (T,)."""
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA over cached context. q: (T, H, Hd) -> out (T, H * Hd).
+
+    The new tokens' K/V must already be in the cache (`write_kv`).
+    """
+    if meta.is_decode:
+        return _decode_attention(q, k_cache, v_cache, meta, sliding_window)
+    return _ragged_attention(q, k_cache, v_cache, meta, sliding_window)
+
+
+def _ragged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+) -> torch.Tensor:
+    t, h, hd = q.shape
+    kv_heads = k_cache.shape[2]
+    k_flat = k_cache.view(-1, kv_heads, hd)  # (NB * BS, K, Hd)
+    v_flat = v_cache.view(-1, kv_heads, hd)
+    out = torch.empty(t, h, hd, dtype=q.dtype, device=q.device)
+    start = 0
+    for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
+        slots = meta.context_slots(b).to(q.device)
+        k = k_flat[slots].transpose(0, 1)  # (K, ctx, Hd)
+        v = v_flat[slots].transpose(0, 1)  # (K, ctx, Hd)
+        qb = q[start : start + q_len].transpose(0, 1)  # (H, q_len, Hd)
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # (q_len, 1)
+        k_pos = torch.arange(ctx, device=q.device)[None, :]  # (1, ctx)
+        mask = k_pos <= q_pos  # (q_len, ctx)
+        if window is not None:
+            mask &= q_pos - k_pos < window
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=h != kv_heads)  # (H, q_len, Hd)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out.reshape(t, h * hd)
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
+) -> torch.Tensor:
+    # One query per sequence: gather every context into a (B, Lmax) grid, mask the tail, one batched matmul.
+    b, h, hd = q.shape
+    kv_heads = k_cache.shape[2]
+    group = h // kv_heads
+    ctx = torch.tensor(meta.ctx_lens, dtype=torch.long)
+    lmax = int(ctx.max())
+    pos = torch.arange(lmax)  # (Lmax,)
+    width = max(len(t) for t in meta.block_tables)
+    tables = torch.zeros(b, width, dtype=torch.long)
+    for i, table in enumerate(meta.block_tables):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    valid = pos[None, :] < ctx[:, None]  # (B, Lmax)
+    if window is not None:
+        valid &= (ctx[:, None] - 1 - pos[None, :]) < window
+    block_idx = torch.clamp(pos // meta.block_size, max=width - 1)
+    slots = tables[:, block_idx] * meta.block_size + pos % meta.block_size  # (B, Lmax)
+    slots = torch.where(valid, slots, torch.zeros_like(slots)).to(q.device)
+    k = k_cache.view(-1, kv_heads, hd)[slots]  # (B, Lmax, K, Hd)
+    v = v_cache.view(-1, kv_heads, hd)[slots]  # (B, Lmax, K, Hd)
+    qg = q.view(b, kv_heads, group, hd)  # (B, K, G, Hd)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) / math.sqrt(hd)  # (B, K, G, Lmax)
+    scores = scores.masked_fill(~valid.to(q.device)[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, v)  # (B, K, G, Hd)
+    return out.reshape(b, h * hd)

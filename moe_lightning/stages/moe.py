@@ -1,0 +1,61 @@
+"""Router and expert FFN, with tokens grouped by expert: one GEMM pair per active expert."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from moe_lightning.weights import ExpertWeights
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (T, D), router: (E, D) -> weights (T, A) in x's dtype, expert ids (T, A)."""
+    logits = x @ router.T  # (T, E)
+    probs = torch.softmax(logits.float(), dim=-1)  # (T, E) in fp32, as the reference
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, A)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+def expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    # x: (n, D) -> (n, D); SwiGLU with fused gate/up
+    gate_up = x @ expert.w13.T  # (n, 2I)
+    gate, up = gate_up.chunk(2, dim=-1)  # (n, I) each
+    return (F.silu(gate) * up) @ expert.w2.T  # (n, D)
+
+
+def experts_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: Sequence[ExpertWeights],
+) -> torch.Tensor:
+    """Weighted sum of each token's top-k experts. x: (T, D), weights/ids: (T, A) -> (T, D).
+
+    `experts[e]` is only touched for experts that received tokens, so a caller can hand in a lazy
+    sequence that fetches streamed pages on demand.
+    """
+    top_k = ids.shape[1]
+    flat_ids = ids.reshape(-1)  # (T * A,)
+    order = torch.argsort(flat_ids, stable=True)  # (T * A,) assignments grouped by expert
+    counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
+    flat_weights = weights.reshape(-1)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        assignment = order[start : start + n]  # (n,)
+        start += n
+        token = assignment // top_k  # (n,)
+        y = expert_ffn(experts[e], x[token])  # (n, D)
+        out.index_add_(0, token, y * flat_weights[assignment, None])
+    return out
+
+
+def expert_token_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(E,) number of tokens routed to each expert; the input to hot-expert residency."""
+    return torch.bincount(ids.reshape(-1), minlength=num_experts)

@@ -1,0 +1,31 @@
+"""Post-attention stage: o_proj, residual, RMSNorm, router, experts, residual."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.moe import experts_forward, route
+from moe_lightning.stages.norm import rms_norm
+from moe_lightning.weights import ExpertWeights, LayerWeights
+
+
+def post_attention(
+    spec: ModelSpec,
+    layer: LayerWeights,
+    residual: torch.Tensor,
+    attn_out: torch.Tensor,
+    experts: Sequence[ExpertWeights] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual: (T, D), attn_out: (T, H * Hd) -> (new residual (T, D), expert ids (T, A)).
+
+    `experts` overrides `layer.experts` (streamed or remote experts); the ids are returned so the
+    caller can count routing for hot-expert residency.
+    """
+    h = residual + attn_out @ layer.wo.T  # (T, D)
+    x = rms_norm(h, layer.ffn_norm, spec.rms_norm_eps)  # (T, D)
+    weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob)  # (T, A) each
+    moe = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D)
+    return h + moe, ids

@@ -1,0 +1,30 @@
+"""Pre-attention stage: (embedding,) RMSNorm, fused QKV projection, RoPE."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.norm import rms_norm
+from moe_lightning.stages.rope import apply_rope, rope_cos_sin
+from moe_lightning.weights import LayerWeights
+
+
+def embed_tokens(embed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    # embed: (V, D), token_ids: (T,) -> (T, D)
+    return embed[token_ids]
+
+
+def pre_attention(
+    spec: ModelSpec, layer: LayerWeights, hidden: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden: (T, D) residual stream, positions: (T,) -> q (T, H, Hd), k (T, K, Hd), v (T, K, Hd)."""
+    t = hidden.shape[0]
+    x = rms_norm(hidden, layer.attn_norm, spec.rms_norm_eps)  # (T, D)
+    qkv = x @ layer.wqkv.T  # (T, (H + 2K) * Hd)
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = q.reshape(t, spec.num_heads, spec.head_dim)  # (T, H, Hd)
+    k = k.reshape(t, spec.num_kv_heads, spec.head_dim)  # (T, K, Hd)
+    v = v.reshape(t, spec.num_kv_heads, spec.head_dim)  # (T, K, Hd)
+    cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, hidden.dtype)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()

@@ -1,0 +1,58 @@
+"""Our in-memory weight layout, shared by every stage function.
+
+Layout choices (why, not what): q/k/v are fused into one matrix so pre-attention is one GEMM; an
+expert's gate and up projections are fused (w13) so an expert costs two GEMMs, and each expert is
+its own object so it can be a page that is resident, streamed, or computed elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ExpertWeights:
+    w13: torch.Tensor  # (2I, D): gate rows [0, I), up rows [I, 2I)
+    w2: torch.Tensor  # (D, I)
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield self.w13
+        yield self.w2
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # (D,)
+    wqkv: torch.Tensor  # ((H + 2K) * Hd, D)
+    wo: torch.Tensor  # (D, H * Hd)
+    ffn_norm: torch.Tensor  # (D,)
+    router: torch.Tensor  # (E, D)
+    experts: Sequence[ExpertWeights]  # E entries
+
+    def dense_tensors(self) -> Iterator[torch.Tensor]:
+        yield from (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.router)
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # (V, D)
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # (D,)
+    lm_head: torch.Tensor  # (V, D); the same storage as embed when embeddings are tied
+
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors.extend(layer.dense_tensors())
+            for expert in layer.experts:
+                tensors.extend(expert.tensors())
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total

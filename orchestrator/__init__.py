@@ -1,0 +1,1 @@
+"""The public Generate API, the batcher, the HRM planner and the CGOPipe driver."""

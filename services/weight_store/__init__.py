@@ -1,0 +1,1 @@
+"""Loads a checkpoint into a paged shared-memory arena and serves its page table."""
