@@ -8,10 +8,11 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 DEMO_PRESET ?= bench
 DEMO_MODEL ?= models/demo-$(DEMO_PRESET)
-DEMO_PROMPTS ?= examples/demo_prompts.txt
+DEMO_PROMPTS ?= examples/demo_prompts.jsonl
+DEMO_OUT ?= models/demo-out.parquet
 DEMO_TOKENS ?= 32
 
-.PHONY: install dev test lint demo demo-model clean
+.PHONY: install dev test lint demo demo-model clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,8 +43,13 @@ $(DEMO_MODEL)/config.json: | $(VENV)/.installed
 demo-model: $(DEMO_MODEL)/config.json
 
 demo: install demo-model
-	$(BIN)/moe-lightning generate --model $(DEMO_MODEL) --prompts-file $(DEMO_PROMPTS) \
-		--max-new-tokens $(DEMO_TOKENS) --ignore-eos
+	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) \
+		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info
+
+# Generated code is committed; tests/test_protos.py regenerates it and fails on any difference.
+PROTOS := $(shell find protos -name '*.proto')
+proto: dev
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)

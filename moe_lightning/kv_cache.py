@@ -49,16 +49,32 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         shuffle_seed: int | None = None,
+        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        """`storage`, when given, is the (k, v) memory to use, e.g. views into shared memory."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = self.storage_shape(spec, num_blocks, block_size)
+        if storage is None:
+            storage = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        elif tuple(storage[0].shape) != shape or tuple(storage[1].shape) != shape:
+            raise ValueError(f"KV storage must have shape {shape}")
+        self.k, self.v = storage
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+
+    @staticmethod
+    def storage_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def length(self, seq_id: int) -> int:
+        return self.lengths.get(seq_id, 0)
 
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
         length = self.lengths.get(seq_id, 0) + new_tokens

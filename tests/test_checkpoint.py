@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import save_hf_mixtral
 from safetensors.torch import load_file, save_file
 
 from moe_lightning.checkpoint import CheckpointError, CheckpointReader, load_model_weights
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.spec import ModelSpec
+
+from reference import save_hf_mixtral
 
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from reference import hf_greedy, load_hf, save_hf_mixtral
 
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.engine import InProcessEngine
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
+
+from reference import hf_greedy, load_hf, save_hf_mixtral
 
 STEPS = 17  # the prefill's token + 16 decode steps
 

@@ -1,0 +1,34 @@
+"""Flags and helpers shared by the generate and run commands."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampling stream (reproducible)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_stack_flags(p: argparse.ArgumentParser) -> None:
+    """How `up` and `run --model` start the services."""
+    p.add_argument("--device", default="cpu", help="cpu or cuda for gpu_expert")
+    p.add_argument("--device-memory", default=None, help="gpu_expert's weight budget, e.g. 16GiB")
+    p.add_argument("--kv-cache-memory", default="2GiB", help="host memory for cpu_attention's KV cache")
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="sequences per micro-batch (0 = whole batch)")
+    p.add_argument("--run-id", default=None, help="names the shared-memory segments (default: per process)")
+    p.add_argument("--cache-dir", default=None, help="where the weight store keeps its converted copy")
+    p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log")

@@ -1,0 +1,142 @@
+"""run: the offline batch job. Reads prompts from Parquet/JSONL, generates, writes Parquet."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from moe_lightning.commands.common import add_sampling_flags, add_stack_flags
+
+ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+
+
+def add_parser(sub: Any, name: str) -> None:
+    p = sub.add_parser(name, help="offline batch job: prompts file in, Parquet out")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--model", type=Path, help="start a stack on this checkpoint for the job, stop it after")
+    where.add_argument("--addr", help="HOST:PORT of a running stack")
+    p.add_argument("--input", required=True, type=Path, help="prompts.parquet or prompts.jsonl")
+    p.add_argument("--output", required=True, type=Path, help="results .parquet")
+    add_sampling_flags(p)
+    p.add_argument("--chunk-size", type=int, default=64, help="prompts per BatchGenerate call")
+    p.add_argument("--in-flight", type=int, default=4, help="BatchGenerate calls in flight")
+    p.add_argument("--no-progress", action="store_true")
+    add_stack_flags(p)
+
+
+def read_prompts(path: Path) -> Any:
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    if path.suffix == ".parquet":
+        table = pq.read_table(path)
+    elif path.suffix in (".jsonl", ".json", ".ndjson"):
+        table = pj.read_json(path)
+    else:
+        raise ValueError(f"{path}: input must be .parquet or .jsonl")
+    if "prompt" not in table.column_names and "prompt_ids" not in table.column_names:
+        raise ValueError(f"{path}: each row needs a 'prompt' (text) or 'prompt_ids' (list of ints) column")
+    return table
+
+
+def _row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any:
+    from moe_lightning.client import Prompt
+
+    def pick(name: str) -> Any:
+        value = row.get(name)
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return getattr(defaults, name)
+        return value
+
+    text, ids = row.get("prompt"), row.get("prompt_ids")
+    if text is None and ids is None:
+        raise ValueError(f"row {i} has neither prompt nor prompt_ids")
+    return Prompt(
+        text=text if ids is None else None,
+        token_ids=[int(t) for t in ids] if ids is not None else None,
+        max_new_tokens=int(pick("max_new_tokens")),
+        temperature=float(pick("temperature")),
+        top_k=int(pick("top_k")),
+        top_p=float(pick("top_p")),
+        seed=None if pick("seed") is None else int(pick("seed")),
+        stop=list(pick("stop") or []),
+        ignore_eos=bool(pick("ignore_eos")),
+        request_id=f"row-{i}",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    table = read_prompts(args.input)
+    rows = table.to_pylist()
+    prompts = [_row_prompt(r, args, i) for i, r in enumerate(rows)]
+    if args.addr:
+        return _submit(args, args.addr, table, prompts)
+    from moe_lightning.commands.up import stack_config
+    from moe_lightning.launcher import Stack
+
+    stack = Stack(stack_config(args, port=0))
+    sys.stderr.write("starting the stack...\n")
+    t0 = time.perf_counter()
+    try:
+        stack.start()
+        sys.stderr.write(f"stack SERVING after {time.perf_counter() - t0:.1f} s\n")
+        return _submit(args, stack.api_address, table, prompts)
+    finally:
+        stack.stop()
+
+
+def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any]) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from tqdm import tqdm
+
+    from moe_lightning.api.generation.v1 import generation_pb2
+    from moe_lightning.client import Completion, GenerationClient
+
+    results: list[Completion | None] = [None] * len(prompts)
+    chunks = [list(range(i, min(i + args.chunk_size, len(prompts)))) for i in range(0, len(prompts), args.chunk_size)]
+    t0 = time.perf_counter()
+    with GenerationClient(addr) as client, tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar:
+        pending: list[tuple[list[int], Future[Any]]] = []
+        for chunk in chunks + [None] * args.in_flight:  # type: ignore[operator]
+            if chunk is not None:
+                req = generation_pb2.BatchGenerateRequest(inputs=[prompts[i].to_pb() for i in chunk])
+                pending.append((chunk, client.stub.BatchGenerate.future(req)))
+            while pending and (len(pending) >= args.in_flight or chunk is None):
+                idx, fut = pending.pop(0)
+                for i, out in zip(idx, fut.result().outputs, strict=True):
+                    results[i] = Completion.from_pb(out)
+                bar.update(len(idx))
+    wall = time.perf_counter() - t0
+    done = [r for r in results if r is not None]
+    assert len(done) == len(prompts)
+    columns = {
+        "token_ids": pa.array([r.token_ids for r in done], type=pa.list_(pa.int32())),
+        "text": [r.text for r in done],
+        "finish_reason": [r.finish_reason for r in done],
+        "prompt_tokens": pa.array([r.prompt_tokens for r in done], type=pa.int32()),
+        "completion_tokens": pa.array([r.completion_tokens for r in done], type=pa.int32()),
+        "latency_seconds": [r.total_seconds for r in done],
+        "time_to_first_token_seconds": [r.time_to_first_token_seconds for r in done],
+    }
+    out = table
+    for name, col in columns.items():
+        if name in out.column_names:
+            out = out.drop_columns([name])
+        out = out.append_column(name, pa.array(col) if not isinstance(col, pa.Array) else col)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(out, args.output)
+    generated = sum(r.completion_tokens for r in done)
+    prompt_tokens = sum(r.prompt_tokens for r in done)
+    lat = sorted(r.total_seconds for r in done)
+    sys.stderr.write(
+        f"{len(done)} prompts, {prompt_tokens} prompt tokens, {generated} generated tokens in {wall:.2f} s: "
+        f"{generated / wall:.1f} generated tok/s; latency p50 {lat[len(lat) // 2]:.2f} s, "
+        f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.2f} s; wrote {args.output}\n"
+    )
+    return 0

@@ -1,0 +1,76 @@
+"""Command-line flags that can also be set by environment variable (MOE_LIGHTNING_<FLAG>)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from typing import Any
+
+ENV_PREFIX = "MOE_LIGHTNING_"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "t": 1e12,
+    "tb": 1e12,
+    "ki": 2**10,
+    "kib": 2**10,
+    "mi": 2**20,
+    "mib": 2**20,
+    "gi": 2**30,
+    "gib": 2**30,
+    "ti": 2**40,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int:
+    """'4GiB', '512MB', '1.5G', '1000' -> bytes."""
+    m = _SIZE.match(str(text))
+    if m is None or m[2].lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 4GiB, 512MB or 1000000, got {text!r}")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+class EnvDefaultsParser(argparse.ArgumentParser):
+    """An ArgumentParser whose options take their default from MOE_LIGHTNING_<FLAG> when set."""
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
+        action = super().add_argument(*args, **kwargs)
+        if action.option_strings and action.dest != "help":
+            env = ENV_PREFIX + action.dest.upper()
+            if env in os.environ:
+                raw = os.environ[env]
+                if isinstance(action, argparse._StoreTrueAction):
+                    action.default = raw.lower() in ("1", "true", "yes", "on")
+                elif isinstance(action, argparse._AppendAction):
+                    action.default = [action.type(v) if action.type else v for v in raw.split(",")]
+                else:
+                    action.default = action.type(raw) if action.type else raw
+                action.required = False
+            if action.help and action.help is not argparse.SUPPRESS:
+                action.help += f" [env {env}]"
+        return action
+
+
+def add_service_flags(parser: argparse.ArgumentParser, default_address: str) -> None:
+    """Flags every service process takes."""
+    parser.add_argument(
+        "--address", default=default_address, help="gRPC listen address: unix:///path.sock or host:port"
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus HTTP port (0 = any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus HTTP bind address")
+    parser.add_argument(
+        "--run-id",
+        default="default",
+        help="names this stack's shared-memory segments, so two stacks on one box do not collide",
+    )
+    parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
+    parser.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")

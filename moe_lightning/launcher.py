@@ -1,0 +1,210 @@
+"""`moe-lightning up`: the four services as separate OS processes on one box.
+
+Internal services listen on unix sockets in a per-run directory; only the orchestrator's API (and
+each service's metrics port on loopback) is reachable. Stopping sends SIGTERM to the orchestrator
+first (it drains), then to the workers, and finally sweeps any segment a killed process left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from moe_lightning.service.upstream import health_status, open_channel
+from moe_lightning.shm.segment import list_segments, sweep_stale
+
+SERVICES = {
+    "weight_store": ("services.weight_store", "moe_lightning.api.weight_store.v1.WeightStore"),
+    "cpu_attention": ("services.cpu_attention", "moe_lightning.api.cpu_attention.v1.CpuAttention"),
+    "gpu_expert": ("services.gpu_expert", "moe_lightning.api.gpu_expert.v1.GpuExpert"),
+    "orchestrator": ("orchestrator", "moe_lightning.api.generation.v1.Generation"),
+}
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class StackConfig:
+    model: Path
+    run_id: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 50051
+    device: str = "cpu"
+    device_memory: str | None = None
+    kv_cache_memory: str = "2GiB"
+    dtype: str = "float32"
+    max_batch_size: int = 64
+    micro_batch_size: int = 0
+    cache_dir: Path | None = None
+    threads: dict[str, int] = field(default_factory=dict)  # torch threads per service
+    log_dir: Path | None = None  # None: services log to this process's stderr
+    extra: dict[str, list[str]] = field(default_factory=dict)  # more flags per service
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.run_dir = Path(tempfile.gettempdir()) / f"moe-lightning-{config.run_id}"
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.addresses: dict[str, str] = {}
+        self.metrics_ports: dict[str, int] = {}
+        self._logs: list[IO[bytes]] = []
+
+    @property
+    def api_address(self) -> str:
+        return self.addresses["orchestrator"]
+
+    def _args(self, name: str) -> list[str]:
+        c = self.config
+        a = self.addresses
+        common = ["--address", a[name], "--metrics-port", str(self.metrics_ports[name]), "--run-id", c.run_id]
+        if c.threads.get(name):
+            common += ["--threads", str(c.threads[name])]
+        if name == "weight_store":
+            own = ["--model", str(c.model), "--dtype", c.dtype, "--no-progress"]
+            own += ["--cache-dir", str(c.cache_dir)] if c.cache_dir else []
+        elif name == "cpu_attention":
+            own = ["--weight-store", a["weight_store"], "--kv-cache-memory", c.kv_cache_memory]
+        elif name == "gpu_expert":
+            own = ["--weight-store", a["weight_store"], "--device", c.device]
+            own += ["--device-memory", c.device_memory] if c.device_memory else []
+        else:
+            own = [
+                "--weight-store",
+                a["weight_store"],
+                "--gpu-expert",
+                a["gpu_expert"],
+                "--cpu-attention",
+                a["cpu_attention"],
+                "--max-batch-size",
+                str(c.max_batch_size),
+                "--micro-batch-size",
+                str(c.micro_batch_size),
+            ]
+        return common + own + c.extra.get(name, [])
+
+    def start(self, timeout: float = 600.0) -> None:
+        self.prepare()
+        self.spawn(list(SERVICES))
+        self.wait_ready(timeout)
+
+    def prepare(self) -> None:
+        """Sweeps a dead run's leftovers and picks every address and port."""
+        c = self.config
+        for name in sweep_stale(c.run_id):
+            sys.stderr.write(f"swept stale segment {name}\n")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for name in SERVICES:
+            if name == "orchestrator":
+                self.addresses[name] = f"{c.host}:{c.port or free_port(c.host)}"
+            else:
+                sock = self.run_dir / f"{name}.sock"
+                sock.unlink(missing_ok=True)
+                self.addresses[name] = f"unix://{sock}"
+            self.metrics_ports[name] = free_port()
+
+    def spawn(self, names: list[str]) -> None:
+        """Starts these services' processes (in any order: each waits for what it needs)."""
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Two processes computing on shared cores: torch's spinning OpenMP workers would steal each
+        # other's cores for milliseconds at every hand-off.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        for name in names:
+            self._spawn(name, env)
+
+    def _spawn(self, name: str, env: dict[str, str]) -> None:
+        module = SERVICES[name][0]
+        out: IO[bytes] | None = None
+        if self.config.log_dir is not None:
+            self.config.log_dir.mkdir(parents=True, exist_ok=True)
+            out = (self.config.log_dir / f"{name}.log").open("ab")
+            self._logs.append(out)
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module, *self._args(name)],
+            env=env,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the services in order
+        )
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        channels = {name: open_channel(addr) for name, addr in self.addresses.items()}
+        try:
+            pending = set(SERVICES)
+            while pending:
+                for name in list(pending):
+                    code = self.procs[name].poll()
+                    if code is not None:
+                        raise StackError(f"{name} exited with code {code} during start-up{self._log_hint(name)}")
+                    if health_status(channels[name], SERVICES[name][1], timeout=0.5) == 1:
+                        pending.discard(name)
+                if time.monotonic() > deadline:
+                    raise StackError(f"not SERVING after {timeout:.0f} s: {', '.join(sorted(pending))}")
+                time.sleep(0.1)
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+    def _log_hint(self, name: str) -> str:
+        if self.config.log_dir is None:
+            return " (see its log above)"
+        path = self.config.log_dir / f"{name}.log"
+        tail = path.read_text(errors="replace").strip().splitlines()[-5:] if path.exists() else []
+        return f"; last log lines of {path}:\n" + "\n".join(tail)
+
+    def endpoints(self) -> dict[str, dict[str, str]]:
+        return {
+            name: {
+                "grpc": self.addresses[name],
+                "metrics": f"http://127.0.0.1:{self.metrics_ports[name]}/metrics",
+                "pid": str(self.procs[name].pid) if name in self.procs else "",
+            }
+            for name in SERVICES
+        }
+
+    def stop(self, timeout: float = 30.0) -> list[str]:
+        """SIGTERM in order (orchestrator first so it drains), SIGKILL after `timeout`; returns leaks swept."""
+        for name in reversed(list(SERVICES)):
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for f in self._logs:
+            f.close()
+        swept = sweep_stale(self.config.run_id)
+        for name in SERVICES:
+            if name != "orchestrator":
+                (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
+        return swept
+
+    def leaked_segments(self) -> list[str]:
+        return list_segments(self.config.run_id)
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

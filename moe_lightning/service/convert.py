@@ -1,0 +1,117 @@
+"""Protobuf <-> domain objects for the messages several services share (the service edge only)."""
+
+from __future__ import annotations
+
+import json
+
+from moe_lightning.api.common.v1 import common_pb2
+from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
+from moe_lightning.arena import ArenaLayout, Page
+from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
+from moe_lightning.sampling import SamplingParams
+from moe_lightning.spec import ModelSpec
+
+DTYPE_TO_PB = {
+    "float32": common_pb2.DTYPE_FLOAT32,
+    "float16": common_pb2.DTYPE_FLOAT16,
+    "bfloat16": common_pb2.DTYPE_BFLOAT16,
+}
+DTYPE_FROM_PB = {v: k for k, v in DTYPE_TO_PB.items()}
+
+
+def model_info_to_pb(spec: ModelSpec, model_path: str = "") -> common_pb2.ModelInfo:
+    return common_pb2.ModelInfo(
+        architecture=spec.architecture,
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        num_experts=spec.num_experts,
+        top_k=spec.top_k,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        dtype=spec.dtype,
+        num_parameters=spec.num_parameters(),
+        spec_json=json.dumps(spec.to_dict()),
+        model_path=model_path,
+    )
+
+
+def spec_from_pb(info: common_pb2.ModelInfo) -> ModelSpec:
+    fields = json.loads(info.spec_json)
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    return ModelSpec(**fields)
+
+
+def pages_to_pb(layout: ArenaLayout, region: str) -> list[common_pb2.TensorDescriptor]:
+    return [
+        common_pb2.TensorDescriptor(
+            name=p.name, region=region, offset=p.offset, nbytes=p.nbytes, dtype=DTYPE_TO_PB[p.dtype], shape=p.shape
+        )
+        for p in layout.pages.values()
+    ]
+
+
+def layout_from_pb(pages: list[common_pb2.TensorDescriptor], total_bytes: int) -> ArenaLayout:
+    out = {d.name: Page(d.name, d.offset, d.nbytes, DTYPE_FROM_PB[d.dtype], tuple(d.shape)) for d in pages}
+    return ArenaLayout(out, total_bytes)
+
+
+def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+
+
+def sampling_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(m.temperature, m.top_k, m.top_p, m.seed if m.HasField("seed") else None)
+
+
+def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
+    return gpu_expert_pb2.StepRequest(
+        step_id=plan.step_id,
+        micro_batches=[
+            gpu_expert_pb2.MicroBatch(
+                sequences=[
+                    gpu_expert_pb2.SequenceInput(
+                        seq_id=s.seq_id,
+                        token_ids=s.token_ids,
+                        start_position=s.start,
+                        sampling=None if s.sampling is None else sampling_to_pb(s.sampling),
+                    )
+                    for s in mb
+                ]
+            )
+            for mb in plan.micro_batches
+        ],
+        release_seq_ids=plan.release,
+    )
+
+
+def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
+    return StepPlan(
+        step_id=m.step_id,
+        micro_batches=[
+            [
+                SequenceWork(
+                    s.seq_id,
+                    list(s.token_ids),
+                    s.start_position,
+                    sampling_from_pb(s.sampling) if s.HasField("sampling") else None,
+                )
+                for s in mb.sequences
+            ]
+            for mb in m.micro_batches
+        ],
+        release=list(m.release_seq_ids),
+    )
+
+
+def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
+    return gpu_expert_pb2.StepResponse(
+        seq_ids=out.seq_ids, token_ids=out.token_ids, timings=common_pb2.StageTimings(duration_ns=out.timings_ns)
+    )
+
+
+def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
+    return StepOutput(list(m.seq_ids), list(m.token_ids), dict(m.timings.duration_ns))

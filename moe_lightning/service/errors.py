@@ -1,0 +1,124 @@
+"""Domain exceptions -> gRPC status codes, in one interceptor; INTERNAL only for bugs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import structlog
+
+from moe_lightning.checkpoint import CheckpointError
+from moe_lightning.kv_cache import KVCacheFullError
+from moe_lightning.request import InvalidRequestError
+from moe_lightning.shm import ChannelClosedError, ChannelTimeoutError, PeerDiedError
+from moe_lightning.spec import ModelSpecError
+
+
+class ServiceError(Exception):
+    code = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class NotReadyError(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFoundError(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class ResourceExhaustedError(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnavailableError(ServiceError):
+    """A dependency is down; the client may retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ShuttingDownError(UnavailableError):
+    pass
+
+
+_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (ServiceError, grpc.StatusCode.INTERNAL),  # refined by the subclass's own code below
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ModelSpecError, grpc.StatusCode.FAILED_PRECONDITION),
+    (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+    (KVCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PeerDiedError, grpc.StatusCode.UNAVAILABLE),
+    (ChannelClosedError, grpc.StatusCode.UNAVAILABLE),
+    (ChannelTimeoutError, grpc.StatusCode.UNAVAILABLE),
+]
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, ServiceError):
+        return exc.code
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        code = exc.code()
+        # a dependency's failure is ours to report as UNAVAILABLE unless it was the caller's fault
+        return (
+            code
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            else (grpc.StatusCode.UNAVAILABLE)
+        )
+    for kind, code in _CODES:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    code = status_for(exc)
+    message = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
+    log = structlog.get_logger()
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("rpc_failed", method=method, exc_info=exc)
+    else:
+        log.info("rpc_rejected", method=method, code=code.name, error=message)
+    context.abort(code, message or code.name)
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                try:
+                    return inner(request, context)
+                except Exception as exc:
+                    if _already_aborted(exc):
+                        raise
+                    _abort(context, exc, method)
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                try:
+                    yield from inner_stream(request, context)
+                except Exception as exc:
+                    if _already_aborted(exc):
+                        raise
+                    _abort(context, exc, method)
+
+            return handler._replace(unary_stream=stream)
+        return handler
+
+
+def _already_aborted(exc: BaseException) -> bool:
+    # context.abort() raises a bare Exception subclass that must pass through untouched
+    return type(exc).__name__ == "_AbortedRpc" or (type(exc) is Exception and not exc.args)

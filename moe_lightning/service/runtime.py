@@ -1,0 +1,121 @@
+"""Service bootstrap: gRPC server with health and reflection, Prometheus port, graceful SIGTERM.
+
+Health has two names: "" (live: the process answers) and the service's own name (ready: SERVING
+only once its weights are mapped and warm-up is done). SIGTERM flips both to NOT_SERVING, stops
+accepting, lets in-flight calls finish within the grace period, then runs the clean-up hooks.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from moe_lightning.service.errors import ErrorMappingInterceptor
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+class ServiceRuntime:
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        metrics_port: int | None,
+        metrics_host: str = "127.0.0.1",
+        max_workers: int = 16,
+        grace_seconds: float = 10.0,
+        server_credentials: grpc.ServerCredentials | None = None,
+        interceptors: tuple[grpc.ServerInterceptor, ...] = (),
+    ) -> None:
+        self.name = name
+        self.grace_seconds = grace_seconds
+        self.log = structlog.get_logger()
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{name}-rpc"),
+            interceptors=(*interceptors, ErrorMappingInterceptor()),
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if server_credentials is not None:
+            self.port = self.server.add_secure_port(address, server_credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        self.address = address
+        self.metrics_port: int | None = None
+        if metrics_port is not None:
+            http, _ = start_http_server(metrics_port, addr=metrics_host)
+            self.metrics_port = http.server_port
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._cleanups: list[Callable[[], None]] = []
+        self._before_drain: list[Callable[[], None]] = []
+        self.set_serving(False)
+
+    def add_service(self, add_fn: Callable[[Any, grpc.Server], None], servicer: Any, full_name: str) -> None:
+        add_fn(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def on_shutdown(self, fn: Callable[[], None]) -> None:
+        """Runs after the server stopped (clean-up of segments, threads)."""
+        self._cleanups.append(fn)
+
+    def on_drain(self, fn: Callable[[], None]) -> None:
+        """Runs when shutdown starts, before in-flight calls are waited for."""
+        self._before_drain.append(fn)
+
+    def set_serving(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set(self.name, status)
+        live = health_pb2.HealthCheckResponse.NOT_SERVING if self.stopping else health_pb2.HealthCheckResponse.SERVING
+        self.health.set("", live)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def start(self) -> None:
+        reflection.enable_server_reflection(self._service_names, self.server)
+        self.server.start()
+        signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
+        signal.signal(signal.SIGINT, lambda *_: threading.Thread(target=self.stop, daemon=True).start())
+        self.log.info("service_started", address=self.address, port=self.port, metrics_port=self.metrics_port)
+
+    def stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self.log.info("service_stopping", grace_seconds=self.grace_seconds)
+        self.health.enter_graceful_shutdown()
+        for fn in self._before_drain:
+            _safe(fn, self.log)
+        self.server.stop(self.grace_seconds).wait()
+        for fn in reversed(self._cleanups):
+            _safe(fn, self.log)
+        self.log.info("service_stopped")
+        self._stopped.set()
+
+    def wait(self) -> None:
+        """Blocks until stop() has finished."""
+        while not self._stopped.wait(0.5):
+            pass
+
+
+def _safe(fn: Callable[[], None], log: Any) -> None:
+    try:
+        fn()
+    except Exception:
+        log.exception("shutdown_hook_failed", hook=getattr(fn, "__name__", repr(fn)))

@@ -1,0 +1,260 @@
+"""A one-writer, one-reader channel of tensor messages in shared memory.
+
+Fixed slots in one segment (vLLM's shm_broadcast shape): the writer copies tensors into the next
+free slot, writes a small JSON header, then posts a named semaphore; the reader waits on it, gets
+zero-copy views, and releases the slot when done. Both ends find the channel by name (the
+services start as unrelated processes), and every wait has a timeout and watches the peer's
+heartbeat, so a `kill -9` on one side becomes an error on the other instead of a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import posix_ipc
+import torch
+
+from moe_lightning.shm.segment import Segment
+
+MAGIC = 0x4D4C54_43484E31  # "MLTCHN1"
+HEADER_BYTES = 4096
+SLOT_META_BYTES = 8192
+ALIGN = 64
+# header fields, u64 each; a re-attaching reader resets its own fields, so a restarted peer can join
+_FIELDS = (
+    "magic",
+    "slots",
+    "slot_bytes",
+    "writer_pid",
+    "reader_pid",
+    "writer_beat",
+    "reader_beat",
+    "writer_closed",
+    "reader_closed",
+)
+_OFF = {name: 8 * i for i, name in enumerate(_FIELDS)}
+HEARTBEAT_SECONDS = 0.1
+WAIT_SLICE_SECONDS = 0.05
+SPIN_SECONDS = 100e-6  # poll this long before sleeping on the semaphore: a hand-off is often imminent
+
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)
+}
+
+
+class ChannelClosedError(RuntimeError):
+    """The peer closed the channel."""
+
+
+class PeerDiedError(RuntimeError):
+    """The peer stopped beating: its process is gone or hung."""
+
+
+class ChannelTimeoutError(TimeoutError):
+    """Nothing arrived (or no slot freed) within the timeout."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Heartbeats:
+    """One daemon thread per process stamps the monotonic clock into every live channel end."""
+
+    def __init__(self) -> None:
+        self._ends: weakref.WeakSet[TensorChannel] = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def add(self, end: TensorChannel) -> None:
+        with self._lock:
+            self._ends.add(end)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shm-heartbeat", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                ends = list(self._ends)
+            for end in ends:
+                end._beat()
+            del ends
+            time.sleep(HEARTBEAT_SECONDS)
+
+
+_HEARTBEATS = _Heartbeats()
+
+
+class TensorChannel:
+    """Create with `create()` (the writer, which owns and unlinks) or `attach()` (the reader)."""
+
+    def __init__(self, segment: Segment, is_writer: bool, dead_after: float) -> None:
+        self.segment = segment
+        self.name = segment.name
+        self.is_writer = is_writer
+        self.dead_after = dead_after
+        self._mm = segment.buf
+        if self._get("magic") != MAGIC:
+            raise ValueError(f"{self.name} is not a tensor channel")
+        self.slots = self._get("slots")
+        self.slot_bytes = self._get("slot_bytes")
+        flags = posix_ipc.O_CREX if is_writer and segment.created else 0
+        try:
+            self._items = posix_ipc.Semaphore(self.name + ".items", flags, initial_value=0)
+            self._spaces = posix_ipc.Semaphore(self.name + ".spaces", flags, initial_value=self.slots)
+        except posix_ipc.ExistentialError:
+            raise FileNotFoundError(f"semaphores of channel {self.name} do not exist") from None
+        self._next_write = 0
+        self._next_read = 0
+        self._pending_release = False
+        self._closed = False
+        me, peer = ("writer", "reader") if is_writer else ("reader", "writer")
+        self._role_pid, self._role_beat, self._role_closed = f"{me}_pid", f"{me}_beat", f"{me}_closed"
+        self._peer_pid, self._peer_beat, self._peer_closed = f"{peer}_pid", f"{peer}_beat", f"{peer}_closed"
+        self._set(self._role_closed, 0)
+        self._set(self._role_pid, os.getpid())
+        self._beat()
+        _HEARTBEATS.add(self)
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def create(cls, name: str, slots: int, slot_bytes: int, dead_after: float = 1.5) -> TensorChannel:
+        if slots <= 0 or slot_bytes <= 0:
+            raise ValueError("slots and slot_bytes must be positive")
+        slot_bytes = _align(slot_bytes)
+        segment = Segment.create(name, HEADER_BYTES + slots * (SLOT_META_BYTES + slot_bytes))
+        struct.pack_into("<QQQ", segment.buf, 0, MAGIC, slots, slot_bytes)
+        return cls(segment, is_writer=True, dead_after=dead_after)
+
+    @classmethod
+    def attach(cls, name: str, dead_after: float = 1.5) -> TensorChannel:
+        return cls(Segment.attach(name), is_writer=False, dead_after=dead_after)
+
+    # ---- header access --------------------------------------------------------------------------
+    def _get(self, field: str) -> int:
+        return struct.unpack_from("<Q", self._mm, _OFF[field])[0]
+
+    def _set(self, field: str, value: int) -> None:
+        struct.pack_into("<Q", self._mm, _OFF[field], value)
+
+    def _beat(self) -> None:
+        if not self._closed:
+            try:
+                self._set(self._role_beat, time.monotonic_ns())
+            except (ValueError, TypeError):
+                pass  # mapping already closed
+
+    def peer_alive(self) -> bool:
+        if self._get(self._peer_pid) == 0:
+            return True  # not attached yet: nothing to judge
+        age = (time.monotonic_ns() - self._get(self._peer_beat)) / 1e9
+        return age < self.dead_after
+
+    def _wait(self, sem: posix_ipc.Semaphore, timeout: float, what: str) -> None:
+        spin_until = time.perf_counter() + SPIN_SECONDS
+        while True:
+            try:
+                sem.acquire(0)
+                return
+            except posix_ipc.BusyError:
+                if time.perf_counter() >= spin_until:
+                    break
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                sem.acquire(WAIT_SLICE_SECONDS)
+                return
+            except posix_ipc.BusyError:
+                pass
+            if self._get(self._peer_closed):
+                raise ChannelClosedError(f"channel {self.name} was closed by its peer")
+            if not self.peer_alive():
+                raise PeerDiedError(f"the peer of channel {self.name} stopped responding (process gone?)")
+            if time.monotonic() >= deadline:
+                raise ChannelTimeoutError(f"{what} on channel {self.name} timed out after {timeout:.1f} s")
+
+    # ---- data -----------------------------------------------------------------------------------
+    def _slot_offset(self, index: int) -> int:
+        return HEADER_BYTES + (index % self.slots) * (SLOT_META_BYTES + self.slot_bytes)
+
+    def send(self, meta: dict[str, Any], tensors: Sequence[torch.Tensor] = (), timeout: float = 30.0) -> None:
+        """Copies `tensors` into the next slot (from any device) and publishes it with `meta`."""
+        if not self.is_writer:
+            raise RuntimeError("send() on the reading end")
+        table, offset = [], 0
+        for t in tensors:
+            nbytes = t.numel() * t.element_size()
+            table.append([str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+            offset = _align(offset + nbytes)
+        if offset > self.slot_bytes:
+            raise ValueError(f"message of {offset} bytes exceeds the slot size {self.slot_bytes} of {self.name}")
+        blob = json.dumps({"meta": meta, "tensors": table}, separators=(",", ":")).encode()
+        if len(blob) + 8 > SLOT_META_BYTES:
+            raise ValueError(f"message header of {len(blob)} bytes exceeds {SLOT_META_BYTES - 8}")
+        self._wait(self._spaces, timeout, "waiting for a free slot")
+        base = self._slot_offset(self._next_write)
+        for t, (_, _, off) in zip(tensors, table, strict=True):
+            self.segment.tensor(base + SLOT_META_BYTES + off, t.dtype, t.shape).copy_(t)
+        struct.pack_into("<Q", self._mm, base, len(blob))
+        self._mm[base + 8 : base + 8 + len(blob)] = blob
+        self._next_write += 1
+        self._items.release()
+
+    def recv(self, timeout: float = 30.0) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """The next message: (meta, zero-copy tensor views). Views are valid until `release()`."""
+        if self.is_writer:
+            raise RuntimeError("recv() on the writing end")
+        if self._pending_release:
+            self.release()
+        self._wait(self._items, timeout, "waiting for a message")
+        base = self._slot_offset(self._next_read)
+        (n,) = struct.unpack_from("<Q", self._mm, base)
+        msg = json.loads(bytes(self._mm[base + 8 : base + 8 + n]))
+        tensors = [
+            self.segment.tensor(base + SLOT_META_BYTES + off, _DTYPES[dtype], shape)
+            for dtype, shape, off in msg["tensors"]
+        ]
+        self._pending_release = True
+        return msg["meta"], tensors
+
+    def release(self) -> None:
+        """Hands the last received slot back to the writer."""
+        if self._pending_release:
+            self._pending_release = False
+            self._next_read += 1
+            self._spaces.release()
+
+    # ---- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self._set(self._role_closed, 1)
+        except (ValueError, TypeError):
+            pass
+        self._closed = True
+        for sem in (self._items, self._spaces):
+            sem.close()
+        self.segment.close()
+        if self.is_writer and self.segment.created:
+            self.segment.unlink()
+            for suffix in (".items", ".spaces"):
+                try:
+                    posix_ipc.unlink_semaphore(self.name + suffix)
+                except posix_ipc.ExistentialError:
+                    pass
+
+    def __enter__(self) -> TensorChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

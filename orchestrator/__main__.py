@@ -1,0 +1,5 @@
+import sys
+
+from orchestrator.server import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""The public Generation API: protobuf in, domain objects to the scheduler, protobuf out."""
+
+from __future__ import annotations
+
+import math
+import queue
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import structlog
+
+from moe_lightning import __version__
+from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
+from moe_lightning.sampling import SamplingParams
+from moe_lightning.service.convert import model_info_to_pb
+from moe_lightning.service.errors import NotReadyError
+from orchestrator.scheduler import Scheduler, StreamSink, Ticket
+
+DEFAULT_MAX_NEW_TOKENS = 64
+MAX_BATCH_PROMPTS = 1024
+FINISH_TO_PB = {
+    FINISH_EOS: generation_pb2.FINISH_REASON_EOS,
+    FINISH_STOP: generation_pb2.FINISH_REASON_STOP,
+    FINISH_LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+}
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, device: str = "") -> None:
+        self.scheduler: Scheduler | None = None
+        self.device = device
+        self.model_path = ""
+
+    def _sched(self) -> Scheduler:
+        if self.scheduler is None:
+            raise NotReadyError("the server is still starting; retry when health is SERVING")
+        return self.scheduler
+
+    # ---- conversion --------------------------------------------------------------------------
+    def to_request(self, m: generation_pb2.GenerationInput) -> GenerationRequest:
+        sched = self._sched()
+        which = m.WhichOneof("prompt")
+        if which == "text":
+            if sched.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: send token_ids instead of text")
+            if not m.text:
+                raise InvalidRequestError("prompt is empty: give text or at least one token id")
+            prompt = sched.tokenizer.encode(m.text)
+        elif which == "token_ids":
+            prompt = list(m.token_ids.ids)
+        else:
+            raise InvalidRequestError("prompt is missing: set text or token_ids")
+        max_new = m.max_new_tokens if m.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
+        temperature = m.temperature if m.HasField("temperature") else 0.0
+        top_p = m.top_p if m.HasField("top_p") else 1.0
+        top_k = m.top_k if m.HasField("top_k") else 0
+        if not math.isfinite(temperature) or temperature < 0:
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+        if not (0.0 < top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 = disabled), got {top_k}")
+        sampling = SamplingParams(temperature, top_k, top_p, m.seed if m.HasField("seed") else None)
+        return GenerationRequest(
+            prompt_ids=prompt,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            stop=tuple(m.stop),
+            ignore_eos=m.ignore_eos,
+            request_id=m.request_id or uuid.uuid4().hex[:16],
+        )
+
+    @staticmethod
+    def to_output(t: Ticket) -> generation_pb2.GenerationOutput:
+        r = t.wait(0)
+        return generation_pb2.GenerationOutput(
+            request_id=t.request.request_id,
+            text=r.text or "",
+            token_ids=r.token_ids,
+            finish_reason=FINISH_TO_PB.get(r.finish_reason, generation_pb2.FINISH_REASON_UNSPECIFIED),
+            usage=generation_pb2.Usage(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens),
+            timings=generation_pb2.Timings(
+                queue_ns=int((t.admitted - t.arrival) * 1e9),
+                time_to_first_token_ns=int((t.first_token - t.arrival) * 1e9),
+                total_ns=int((t.finished - t.arrival) * 1e9),
+            ),
+        )
+
+    def _submit(
+        self, m: generation_pb2.GenerationInput, context: grpc.ServicerContext, sink: StreamSink | None = None
+    ) -> Ticket:
+        request = self.to_request(m)
+        structlog.contextvars.bind_contextvars(request_id=request.request_id)
+        sched = self._sched()
+        ticket = sched.submit(request, sink)
+        context.add_callback(lambda: None if ticket.done.is_set() else sched.cancel(ticket))
+        return ticket
+
+    # ---- RPCs ----------------------------------------------------------------------------------
+    def Generate(
+        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.GenerateResponse:
+        ticket = self._submit(request.input, context)
+        ticket.done.wait()
+        return generation_pb2.GenerateResponse(output=self.to_output(ticket))
+
+    def GenerateStream(
+        self, request: generation_pb2.GenerateStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[generation_pb2.GenerateStreamResponse]:
+        sink = StreamSink()
+        ticket = self._submit(request.input, context, sink)
+        while True:
+            try:
+                tokens = sink.queue.get(timeout=0.05)
+            except queue.Empty:
+                if ticket.done.is_set() and sink.queue.empty():
+                    break
+                continue
+            if ticket.done.is_set() and ticket.error is None and sink.queue.empty():
+                # the last tokens: send them together with the final output
+                yield generation_pb2.GenerateStreamResponse(token_ids=tokens, output=self.to_output(ticket))
+                return
+            yield generation_pb2.GenerateStreamResponse(token_ids=tokens)
+        yield generation_pb2.GenerateStreamResponse(output=self.to_output(ticket))
+
+    def BatchGenerate(
+        self, request: generation_pb2.BatchGenerateRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.BatchGenerateResponse:
+        n = len(request.inputs)
+        if not 0 < n <= MAX_BATCH_PROMPTS:
+            raise InvalidRequestError(f"BatchGenerate takes 1 to {MAX_BATCH_PROMPTS} inputs, got {n}")
+        requests = [self.to_request(m) for m in request.inputs]  # validate all before queueing any
+        sched = self._sched()
+        for r in requests:
+            r.validate(sched.spec)
+        tickets: list[Ticket] = []
+        try:
+            for r in requests:
+                tickets.append(sched.submit(r))
+        except Exception:
+            for t in tickets:
+                sched.cancel(t)
+            raise
+        context.add_callback(lambda: [sched.cancel(t) for t in tickets if not t.done.is_set()])
+        for t in tickets:
+            t.done.wait()
+        return generation_pb2.BatchGenerateResponse(outputs=[self.to_output(t) for t in tickets])
+
+    def GetModelInfo(
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.GetModelInfoResponse:
+        return generation_pb2.GetModelInfoResponse(model=model_info_to_pb(self._sched().spec, self.model_path))
+
+    def GetServerMetadata(
+        self, request: generation_pb2.GetServerMetadataRequest, context: grpc.ServicerContext
+    ) -> generation_pb2.GetServerMetadataResponse:
+        s = self._sched()
+        return generation_pb2.GetServerMetadataResponse(
+            version=__version__,
+            device=self.device,
+            max_batch_size=s.config.max_batch_size,
+            kv_cache_tokens=s.kv_blocks * s.block_size,
+            max_queue_size=s.config.max_queue,
+            max_batch_prompts=MAX_BATCH_PROMPTS,
+        )

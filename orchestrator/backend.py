@@ -1,0 +1,65 @@
+"""The orchestrator's view of the worker services: wiring their channels and running steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
+from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
+from moe_lightning.plan import StepOutput, StepPlan
+from moe_lightning.service.convert import step_output_from_pb, step_plan_to_pb
+from moe_lightning.service.upstream import fetch_manifest, wait_serving
+from moe_lightning.spec import ModelSpec
+
+GPU_EXPERT = "moe_lightning.api.gpu_expert.v1.GpuExpert"
+CPU_ATTENTION = "moe_lightning.api.cpu_attention.v1.CpuAttention"
+
+
+@dataclass(slots=True)
+class Capacity:
+    kv_blocks: int
+    block_size: int
+    device: str
+
+
+class Backend:
+    def __init__(self, weight_store: str, gpu_expert: str, cpu_attention: str, step_timeout: float = 300.0) -> None:
+        self.addresses = {"weight_store": weight_store, "gpu_expert": gpu_expert, "cpu_attention": cpu_attention}
+        self.step_timeout = step_timeout
+        self.log = structlog.get_logger()
+        self.spec: ModelSpec | None = None
+        self.model_path = ""
+        self._gpu: gpu_expert_pb2_grpc.GpuExpertStub | None = None
+        self._cpu: cpu_attention_pb2_grpc.CpuAttentionStub | None = None
+        self._channels: list[grpc.Channel] = []
+
+    def connect(self, timeout: float = 600.0, stop: object | None = None) -> Capacity:
+        """Waits for the three services, then tells each where the other's channel is."""
+        self.spec, manifest = fetch_manifest(self.addresses["weight_store"], timeout, stop)  # type: ignore[arg-type]
+        self.model_path = manifest.model.model_path
+        gpu_ch = wait_serving(self.addresses["gpu_expert"], GPU_EXPERT, timeout, stop)  # type: ignore[arg-type]
+        cpu_ch = wait_serving(self.addresses["cpu_attention"], CPU_ATTENTION, timeout, stop)  # type: ignore[arg-type]
+        self._channels = [gpu_ch, cpu_ch]
+        self._gpu = gpu_expert_pb2_grpc.GpuExpertStub(gpu_ch)
+        self._cpu = cpu_attention_pb2_grpc.CpuAttentionStub(cpu_ch)
+        gpu = self._gpu.Describe(gpu_expert_pb2.DescribeRequest(), timeout=30)
+        cpu = self._cpu.Describe(cpu_attention_pb2.DescribeRequest(), timeout=30)
+        self._cpu.Connect(cpu_attention_pb2.ConnectRequest(input_channel=gpu.output_channel), timeout=30)
+        self._gpu.Connect(gpu_expert_pb2.ConnectRequest(input_channel=cpu.output_channel), timeout=30)
+        self.log.info("backend_wired", qkv=gpu.output_channel, attn=cpu.output_channel, kv_blocks=cpu.num_blocks)
+        return Capacity(cpu.num_blocks, cpu.block_size, gpu.device)
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        assert self._gpu is not None, "connect() first"
+        return step_output_from_pb(self._gpu.Step(step_plan_to_pb(plan), timeout=self.step_timeout))
+
+    def release(self, seq_ids: list[int]) -> None:
+        assert self._cpu is not None, "connect() first"
+        self._cpu.Release(cpu_attention_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=30)
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()

@@ -1,0 +1,27 @@
+"""The orchestrator's Prometheus series (vLLM's set, plus per-stage and control-plane time)."""
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+REQUESTS = Counter("moe_lightning_requests_total", "Requests finished, by outcome", ["outcome"])
+PROMPT_TOKENS = Counter("moe_lightning_prompt_tokens_total", "Prompt tokens of admitted requests")
+GENERATION_TOKENS = Counter("moe_lightning_generation_tokens_total", "Tokens generated")
+TTFT = Histogram("moe_lightning_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY)
+TPOT = Histogram(
+    "moe_lightning_time_per_output_token_seconds", "Mean time per token after the first", buckets=_PER_TOKEN
+)
+E2E = Histogram("moe_lightning_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY)
+QUEUE_TIME = Histogram("moe_lightning_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY)
+RUNNING = Gauge("moe_lightning_requests_running", "Requests in the running batch")
+WAITING = Gauge("moe_lightning_requests_waiting", "Requests in the queue")
+KV_USAGE = Gauge("moe_lightning_kv_cache_usage_ratio", "Fraction of KV blocks reserved by admitted requests")
+STEP_SECONDS = Histogram(
+    "moe_lightning_step_seconds", "Wall time of one step seen by the orchestrator", ["kind"], buckets=_LATENCY
+)
+STAGE_SECONDS = Counter("moe_lightning_stage_seconds_total", "Time per stage reported by gpu_expert", ["stage"])
+CONTROL_OVERHEAD = Counter(
+    "moe_lightning_control_plane_seconds_total",
+    "Step wall time at the orchestrator minus the step time inside gpu_expert",
+)

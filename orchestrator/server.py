@@ -1,0 +1,85 @@
+"""orchestrator: the public Generation API, tokenization, the request queue and batcher, and the
+driver that runs each step across gpu_expert and cpu_attention."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from moe_lightning.api.generation.v1 import generation_pb2_grpc
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags
+from moe_lightning.service.logs import configure_logging
+from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.tokenizer import TextTokenizer
+from orchestrator.api import GenerationServicer
+from orchestrator.backend import Backend
+from orchestrator.scheduler import Scheduler, SchedulerConfig
+
+SERVICE = "moe_lightning.api.generation.v1.Generation"
+
+
+def build_parser() -> EnvDefaultsParser:
+    p = EnvDefaultsParser(prog="moe-lightning-orchestrator", description=__doc__)
+    add_service_flags(p, "127.0.0.1:50051")
+    p.add_argument("--weight-store", required=True, help="address of the weight store")
+    p.add_argument("--gpu-expert", required=True, help="address of gpu_expert")
+    p.add_argument("--cpu-attention", required=True, help="address of cpu_attention")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="directory with tokenizer.json (default: the model directory the weight store serves)",
+    )
+    p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
+    p.add_argument("--micro-batch-size", type=int, default=0, help="sequences per micro-batch (0 = whole batch)")
+    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=8192,
+        help="prompt tokens per prefill micro-batch; also the longest prompt accepted",
+    )
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = configure_logging("orchestrator", args.log_level, args.log_json or None)
+    runtime = ServiceRuntime(
+        SERVICE, args.address, args.metrics_port, args.metrics_host, grace_seconds=args.drain_seconds
+    )
+    backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
+    servicer = GenerationServicer()
+    runtime.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE)
+    runtime.start()
+    try:
+        capacity = backend.connect(stop=runtime)
+        assert backend.spec is not None
+        tokenizer = TextTokenizer.from_model_dir(args.tokenizer or backend.model_path)
+    except Exception as exc:
+        log.error("startup_failed", error=str(exc))
+        runtime.stop()
+        return 1
+    config = SchedulerConfig(args.max_batch_size, args.micro_batch_size, args.max_queue, args.max_prefill_tokens)
+    scheduler = Scheduler(backend.spec, backend, tokenizer, capacity.kv_blocks, capacity.block_size, config)
+    servicer.scheduler, servicer.device, servicer.model_path = scheduler, capacity.device, backend.model_path
+    runtime.on_drain(lambda: scheduler.stop(args.drain_seconds))
+    runtime.on_shutdown(backend.close)
+    scheduler.start()
+    runtime.set_serving(True)
+    log.info(
+        "serving",
+        address=args.address,
+        port=runtime.port,
+        kv_tokens=capacity.kv_blocks * capacity.block_size,
+        device=capacity.device,
+        tokenizer=tokenizer is not None,
+    )
+    runtime.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

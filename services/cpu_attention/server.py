@@ -1,0 +1,118 @@
+"""cpu_attention: owns the paged KV cache in host shared memory and runs attention for ragged
+micro-batches handed over by the expert service through shared memory."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
+from moe_lightning.handoff import handoff_slot_bytes
+from moe_lightning.service.errors import NotReadyError
+from moe_lightning.service.logs import configure_logging
+from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.service.upstream import fetch_manifest
+from moe_lightning.shm import sweep_stale
+from services.cpu_attention.worker import AttentionWorker
+
+SERVICE = "moe_lightning.api.cpu_attention.v1.CpuAttention"
+
+
+class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
+    def __init__(self) -> None:
+        self._worker: AttentionWorker | None = None
+
+    @property
+    def worker(self) -> AttentionWorker:
+        if self._worker is None:
+            raise NotReadyError("cpu_attention is still starting; retry when health is SERVING")
+        return self._worker
+
+    def Describe(
+        self, request: cpu_attention_pb2.DescribeRequest, context: grpc.ServicerContext
+    ) -> cpu_attention_pb2.DescribeResponse:
+        cache = self.worker.cache
+        return cpu_attention_pb2.DescribeResponse(
+            num_blocks=cache.allocator.num_blocks,
+            block_size=cache.block_size,
+            free_blocks=cache.num_free_blocks,
+            output_channel=self.worker.output.name,
+        )
+
+    def Connect(
+        self, request: cpu_attention_pb2.ConnectRequest, context: grpc.ServicerContext
+    ) -> cpu_attention_pb2.ConnectResponse:
+        self.worker.connect(request.input_channel)
+        return cpu_attention_pb2.ConnectResponse()
+
+    def Release(
+        self, request: cpu_attention_pb2.ReleaseRequest, context: grpc.ServicerContext
+    ) -> cpu_attention_pb2.ReleaseResponse:
+        return cpu_attention_pb2.ReleaseResponse(free_blocks=self.worker.release(list(request.seq_ids)))
+
+
+def build_parser() -> EnvDefaultsParser:
+    p = EnvDefaultsParser(prog="moe-lightning-cpu-attention", description=__doc__)
+    add_service_flags(p, "127.0.0.1:50063")
+    p.add_argument("--weight-store", required=True, help="address of the weight store (for the model spec)")
+    p.add_argument(
+        "--kv-cache-memory", type=parse_size, default=parse_size("2GiB"), help="host memory for the KV cache (fp32)"
+    )
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument(
+        "--max-tokens-per-handoff",
+        type=int,
+        default=8192,
+        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = configure_logging("cpu_attention", args.log_level, args.log_json or None)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    for name in sweep_stale(args.run_id, owner="cpu_attention", at_startup=True):
+        log.warning("swept_stale_segment", name=name)
+    runtime = ServiceRuntime(SERVICE, args.address, args.metrics_port, args.metrics_host)
+    servicer = CpuAttentionServicer()
+    runtime.add_service(cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server, servicer, SERVICE)
+    runtime.start()
+    try:
+        spec, _ = fetch_manifest(args.weight_store, stop=runtime)
+    except Exception as exc:  # the stack cannot start without a model: report and exit
+        log.error("startup_failed", error=str(exc))
+        runtime.stop()
+        return 1
+    per_block = 2 * spec.num_layers * args.block_size * spec.num_kv_heads * spec.head_dim * 4
+    num_blocks = args.kv_cache_memory // per_block
+    if num_blocks < 1:
+        log.error("startup_failed", error=f"--kv-cache-memory {args.kv_cache_memory} B holds no {per_block} B block")
+        runtime.stop()
+        return 1
+    worker = AttentionWorker(
+        spec, num_blocks, args.block_size, args.run_id, handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn")
+    )
+    servicer._worker = worker
+    runtime.on_shutdown(worker.stop)
+    worker.start()
+    runtime.set_serving(True)
+    log.info(
+        "serving",
+        kv_blocks=num_blocks,
+        block_size=args.block_size,
+        kv_tokens=num_blocks * args.block_size,
+        output_channel=worker.output.name,
+    )
+    runtime.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The attention loop: q/k/v in from the expert service, attention out, KV kept in shared memory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+from prometheus_client import Counter, Gauge
+
+from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
+from moe_lightning.shm import (
+    ChannelClosedError,
+    ChannelTimeoutError,
+    PeerDiedError,
+    Segment,
+    TensorChannel,
+    segment_name,
+)
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.attention import AttentionMetadata, paged_attention, write_kv
+
+KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
+KV_USAGE = Gauge("moe_lightning_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+BUSY = Counter("moe_lightning_stage_busy_seconds_total", "Seconds spent computing, per stage", ["stage"])
+HANDOFFS = Counter("moe_lightning_handoffs_total", "Shared-memory messages handled", ["direction"])
+SHM_WAIT = Counter("moe_lightning_shm_wait_seconds_total", "Seconds spent waiting on shared-memory channels")
+ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
+
+
+@dataclass(slots=True)
+class _MicroBatch:
+    meta: AttentionMetadata
+    slots: torch.Tensor
+
+
+class AttentionWorker:
+    def __init__(
+        self, spec: ModelSpec, num_blocks: int, block_size: int, run_id: str, slot_bytes: int, slots: int = 4
+    ) -> None:
+        self.spec = spec
+        self.log = structlog.get_logger()
+        shape = PagedKVCache.storage_shape(spec, num_blocks, block_size)
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * 4  # fp32 KV on the CPU
+        self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), 2 * nbytes)
+        storage = (
+            self.kv_segment.tensor(0, torch.float32, shape),
+            self.kv_segment.tensor(nbytes, torch.float32, shape),
+        )
+        self.cache = PagedKVCache(spec, num_blocks, block_size, storage=storage)
+        self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
+        self.input: TensorChannel | None = None
+        self._lock = threading.Lock()  # guards the cache between the loop and Release calls
+        self._connected = threading.Condition()
+        self._stop = threading.Event()
+        self._batches: dict[tuple[int, int], _MicroBatch] = {}
+        self._thread = threading.Thread(target=self._run, name="attention-loop", daemon=True)
+        self._update_gauges()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def connect(self, input_channel: str) -> None:
+        channel = TensorChannel.attach(input_channel)
+        with self._connected:
+            old, self.input = self.input, channel
+            self._connected.notify_all()
+        if old is not None:
+            old.close()
+        self.log.info("input_connected", channel=input_channel)
+
+    def release(self, seq_ids: list[int]) -> int:
+        with self._lock:
+            for s in seq_ids:
+                self.cache.free(s)
+            self._update_gauges()
+            return self.cache.num_free_blocks
+
+    def _update_gauges(self) -> None:
+        a = self.cache.allocator
+        KV_BLOCKS.labels("free").set(a.num_free)
+        KV_BLOCKS.labels("used").set(a.num_blocks - a.num_free)
+        KV_USAGE.set(self.cache.usage())
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._connected:
+                while self.input is None and not self._stop.is_set():
+                    self._connected.wait(0.5)
+                channel = self.input
+            if channel is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                meta, tensors = channel.recv(timeout=1.0)
+            except ChannelTimeoutError:
+                continue
+            except (PeerDiedError, ChannelClosedError) as exc:
+                self.log.warning("input_lost", error=str(exc))
+                with self._connected:
+                    if self.input is channel:
+                        self.input = None
+                channel.close()
+                continue
+            SHM_WAIT.inc(time.perf_counter() - t0)
+            HANDOFFS.labels("in").inc()
+            reply, out = self._handle(meta, tensors)
+            channel.release()
+            try:
+                self.output.send(reply, out, timeout=30.0)
+                HANDOFFS.labels("out").inc()
+            except (PeerDiedError, ChannelClosedError, ChannelTimeoutError) as exc:
+                self.log.warning("output_lost", error=str(exc))
+
+    def _handle(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
+        key = (meta["s"], meta["m"])
+        layer = meta["l"]
+        reply = {"s": meta["s"], "l": layer, "m": meta["m"]}
+        t0 = time.perf_counter()
+        try:
+            if layer == 0:
+                self._batches[key] = self._begin(meta)
+            mb = self._batches.get(key)
+            if mb is None:
+                raise LookupError(f"step {meta['s']} micro-batch {meta['m']} was never started at layer 0")
+            q, k, v = tensors
+            with self._lock:
+                write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.slots)
+                out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb.meta, self.spec.sliding_window)
+            if layer == self.spec.num_layers - 1:
+                del self._batches[key]
+        except KVCacheFullError as exc:
+            return self._error(reply, key, "RESOURCE_EXHAUSTED", str(exc))
+        except (LookupError, ValueError) as exc:
+            return self._error(reply, key, "FAILED_PRECONDITION", str(exc))
+        BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(time.perf_counter() - t0)
+        return reply, [out]
+
+    def _error(self, reply: dict, key: tuple[int, int], code: str, message: str) -> tuple[dict, list[torch.Tensor]]:
+        self._batches.pop(key, None)
+        ERRORS.labels(code).inc()
+        self.log.warning("attention_error", code=code, error=message)
+        return {**reply, "error": message, "code": code}, []
+
+    def _begin(self, meta: dict) -> _MicroBatch:
+        seqs, q_lens, starts = meta["seqs"], meta["q"], meta["p"]
+        with self._lock:
+            for s, p in zip(seqs, starts, strict=True):
+                if self.cache.length(s) != p:
+                    raise ValueError(
+                        f"sequence {s} has {self.cache.length(s)} cached tokens but the step starts at {p}"
+                    )
+            md = self.cache.append(seqs, q_lens)
+            self._update_gauges()
+        return _MicroBatch(md, md.slot_mapping())
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._connected:
+            self._connected.notify_all()
+        self._thread.join(timeout=5)
+        if self.input is not None:
+            self.input.close()
+        self.output.close()
+        self.kv_segment.close()
+        self.kv_segment.unlink()

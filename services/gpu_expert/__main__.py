@@ -1,0 +1,5 @@
+import sys
+
+from services.gpu_expert.server import main
+
+sys.exit(main())

@@ -1,0 +1,168 @@
+"""Runs a step's stages on the device: pre-attention, hand-off to attention, post-attention, head.
+
+The weights are views into the weight store's arena (zero-copy when the device is the CPU, one
+copy onto an accelerator). Sampler state (each sequence's random stream) lives here between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+from prometheus_client import Counter
+
+from moe_lightning.kv_cache import KVCacheFullError
+from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
+from moe_lightning.sampling import SamplingParams, sample
+from moe_lightning.service.errors import NotReadyError, ServiceError
+from moe_lightning.shm import ChannelTimeoutError, TensorChannel
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
+from moe_lightning.weights import ModelWeights
+
+BUSY = Counter("moe_lightning_stage_busy_seconds_total", "Seconds spent computing, per stage", ["stage"])
+SHM_WAIT = Counter("moe_lightning_shm_wait_seconds_total", "Seconds spent waiting on shared-memory channels")
+HANDOFFS = Counter("moe_lightning_handoffs_total", "Shared-memory messages handled", ["direction"])
+STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
+TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
+
+
+@dataclass(slots=True)
+class _MicroBatchState:
+    works: list[SequenceWork]
+    positions: torch.Tensor  # (T,)
+    hidden: torch.Tensor  # (T, D)
+    last_rows: torch.Tensor  # (B,)
+
+
+class ExpertRunner:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: ModelWeights,
+        device: torch.device,
+        output: TensorChannel,
+        handoff_timeout: float = 60.0,
+    ) -> None:
+        self.spec = spec
+        self.weights = weights
+        self.device = device
+        self.output = output
+        self.input: TensorChannel | None = None
+        self.handoff_timeout = handoff_timeout
+        self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
+        self.log = structlog.get_logger()
+
+    def connect(self, input_channel: str) -> None:
+        old, self.input = self.input, TensorChannel.attach(input_channel)
+        if old is not None:
+            old.close()
+        self.log.info("input_connected", channel=input_channel)
+
+    def _prepare(self, plan: StepPlan) -> list[_MicroBatchState]:
+        for seq in plan.release:
+            self.samplers.pop(seq, None)
+        states = []
+        for mb in plan.micro_batches:
+            if not mb:
+                raise ServiceError("a micro-batch is empty", grpc.StatusCode.INVALID_ARGUMENT)
+            for w in mb:
+                if w.sampling is not None:
+                    self.samplers[w.seq_id] = (w.sampling, w.sampling.make_generator(self.device))
+                elif w.seq_id not in self.samplers:
+                    raise ServiceError(
+                        f"sequence {w.seq_id} is unknown here: its first step must carry sampling parameters",
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                    )
+                if not w.token_ids:
+                    raise ServiceError(f"sequence {w.seq_id} has no new tokens", grpc.StatusCode.INVALID_ARGUMENT)
+            tokens = torch.tensor([t for w in mb for t in w.token_ids], dtype=torch.long, device=self.device)
+            positions = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in mb]).to(self.device)
+            last = torch.tensor([len(w.token_ids) for w in mb]).cumsum(0) - 1
+            states.append(
+                _MicroBatchState(mb, positions, embed_tokens(self.weights.embed, tokens), last.to(self.device))
+            )
+        return states
+
+    @torch.inference_mode()
+    def step(self, plan: StepPlan) -> StepOutput:
+        if self.input is None:
+            raise NotReadyError("gpu_expert is not connected to an attention service yet")
+        t_start = time.perf_counter_ns()
+        timings = {"pre_attention": 0, "post_attention": 0, "head": 0, "attention_wait": 0, "handoff_send": 0}
+        states = self._prepare(plan)
+        outstanding = 0
+        try:
+            for layer_idx, layer in enumerate(self.weights.layers):
+                for m, st in enumerate(states):
+                    t0 = time.perf_counter_ns()
+                    q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
+                    t1 = time.perf_counter_ns()
+                    meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m}
+                    if layer_idx == 0:
+                        meta.update(
+                            seqs=[w.seq_id for w in st.works],
+                            q=[len(w.token_ids) for w in st.works],
+                            p=[w.start for w in st.works],
+                        )
+                    self.output.send(meta, [q, k, v], timeout=self.handoff_timeout)
+                    outstanding += 1
+                    HANDOFFS.labels("out").inc()
+                    timings["pre_attention"] += t1 - t0
+                    timings["handoff_send"] += time.perf_counter_ns() - t1
+                for m, st in enumerate(states):
+                    t0 = time.perf_counter_ns()
+                    reply, tensors = self.input.recv(timeout=self.handoff_timeout)
+                    outstanding -= 1
+                    HANDOFFS.labels("in").inc()
+                    t1 = time.perf_counter_ns()
+                    self._check_reply(reply, plan.step_id, layer_idx, m)
+                    st.hidden, _ = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device))
+                    self.input.release()
+                    timings["attention_wait"] += t1 - t0
+                    timings["post_attention"] += time.perf_counter_ns() - t1
+        except BaseException:
+            self._drain(outstanding)
+            raise
+        t0 = time.perf_counter_ns()
+        hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
+        logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
+        works = [w for st in states for w in st.works]
+        chosen = [self.samplers[w.seq_id] for w in works]
+        tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
+        timings["head"] = time.perf_counter_ns() - t0
+        timings["step"] = time.perf_counter_ns() - t_start
+        BUSY.labels("pre_attention").inc(timings["pre_attention"] / 1e9)
+        BUSY.labels("post_attention").inc(timings["post_attention"] / 1e9)
+        BUSY.labels("head").inc(timings["head"] / 1e9)
+        SHM_WAIT.inc(timings["attention_wait"] / 1e9)
+        STEPS.labels("prefill" if plan.num_tokens > plan.num_sequences else "decode").inc()
+        TOKENS.inc(len(tokens))
+        return StepOutput([w.seq_id for w in works], tokens, timings)
+
+    def _check_reply(self, reply: dict, step: int, layer: int, m: int) -> None:
+        if "error" in reply:
+            if reply.get("code") == "RESOURCE_EXHAUSTED":
+                raise KVCacheFullError(reply["error"])
+            raise ServiceError(
+                f"attention failed: {reply['error']}",
+                getattr(grpc.StatusCode, reply.get("code", "INTERNAL"), grpc.StatusCode.INTERNAL),
+            )
+        if (reply["s"], reply["l"], reply["m"]) != (step, layer, m):
+            raise ServiceError(
+                f"hand-off out of order: expected {(step, layer, m)}, got {(reply['s'], reply['l'], reply['m'])}"
+            )
+
+    def _drain(self, outstanding: int) -> None:
+        """After a failure, consume the replies still owed so the next step starts clean."""
+        if self.input is None:
+            return
+        for _ in range(outstanding):
+            try:
+                self.input.recv(timeout=5.0)
+                self.input.release()
+            except (ChannelTimeoutError, RuntimeError):
+                return

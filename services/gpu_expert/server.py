@@ -1,0 +1,149 @@
+"""gpu_expert: owns the device; maps the weight arena; runs pre-attention, post-attention (router
+and experts) and the head for each step the orchestrator sends; returns the sampled tokens."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Sequence
+
+import grpc
+import torch
+from prometheus_client import Gauge
+
+from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
+from moe_lightning.arena import weights_from_arena
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
+from moe_lightning.handoff import handoff_slot_bytes
+from moe_lightning.service.convert import layout_from_pb, step_output_to_pb, step_plan_from_pb
+from moe_lightning.service.errors import NotReadyError
+from moe_lightning.service.logs import configure_logging
+from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.service.upstream import fetch_manifest
+from moe_lightning.shm import Segment, TensorChannel, segment_name, sweep_stale
+from services.gpu_expert.runner import ExpertRunner
+
+SERVICE = "moe_lightning.api.gpu_expert.v1.GpuExpert"
+DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
+DEVICE_BUDGET = Gauge("moe_lightning_device_memory_budget_bytes", "--device-memory")
+
+
+class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
+    def __init__(self) -> None:
+        self._runner: ExpertRunner | None = None
+        self.device = ""
+        self.weight_bytes = 0
+        self.budget = 0
+        self._step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
+
+    @property
+    def runner(self) -> ExpertRunner:
+        if self._runner is None:
+            raise NotReadyError("gpu_expert is still mapping weights; retry when health is SERVING")
+        return self._runner
+
+    def Describe(
+        self, request: gpu_expert_pb2.DescribeRequest, context: grpc.ServicerContext
+    ) -> gpu_expert_pb2.DescribeResponse:
+        return gpu_expert_pb2.DescribeResponse(
+            device=self.device,
+            weight_bytes=self.weight_bytes,
+            device_memory_bytes=self.budget,
+            output_channel=self.runner.output.name,
+        )
+
+    def Connect(
+        self, request: gpu_expert_pb2.ConnectRequest, context: grpc.ServicerContext
+    ) -> gpu_expert_pb2.ConnectResponse:
+        with self._step_lock:
+            self.runner.connect(request.input_channel)
+        return gpu_expert_pb2.ConnectResponse()
+
+    def Step(self, request: gpu_expert_pb2.StepRequest, context: grpc.ServicerContext) -> gpu_expert_pb2.StepResponse:
+        plan = step_plan_from_pb(request)
+        with self._step_lock:
+            return step_output_to_pb(self.runner.step(plan))
+
+
+def build_parser() -> EnvDefaultsParser:
+    p = EnvDefaultsParser(prog="moe-lightning-gpu-expert", description=__doc__)
+    add_service_flags(p, "127.0.0.1:50062")
+    p.add_argument("--weight-store", required=True, help="address of the weight store")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
+    p.add_argument(
+        "--device-memory",
+        type=parse_size,
+        default=None,
+        help="device memory budget for weights, e.g. 16GiB (default: all of the device)",
+    )
+    p.add_argument(
+        "--max-tokens-per-handoff",
+        type=int,
+        default=8192,
+        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    return p
+
+
+def _device_capacity(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = configure_logging("gpu_expert", args.log_level, args.log_json or None)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    for name in sweep_stale(args.run_id, owner="gpu_expert", at_startup=True):
+        log.warning("swept_stale_segment", name=name)
+    runtime = ServiceRuntime(SERVICE, args.address, args.metrics_port, args.metrics_host)
+    servicer = GpuExpertServicer()
+    runtime.add_service(gpu_expert_pb2_grpc.add_GpuExpertServicer_to_server, servicer, SERVICE)
+    runtime.start()
+    try:
+        device = torch.device(args.device)
+        spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
+        layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
+        budget = args.device_memory if args.device_memory is not None else _device_capacity(device)
+        if layout.total_bytes > budget:
+            raise ValueError(
+                f"the weights need {layout.total_bytes / 2**30:.2f} GiB but --device-memory is "
+                f"{budget / 2**30:.2f} GiB; raise --device-memory (expert streaming is not available yet)"
+            )
+        arena = Segment.attach(manifest.region)
+        weights = weights_from_arena(arena.bytes(), layout, spec, device)
+        output = TensorChannel.create(
+            segment_name(args.run_id, "gpu_expert", "qkv"),
+            4,
+            handoff_slot_bytes(spec, args.max_tokens_per_handoff, "qkv"),
+        )
+    except Exception as exc:
+        log.error("startup_failed", error=str(exc))
+        runtime.stop()
+        return 1
+    runner = ExpertRunner(spec, weights, device, output)
+    servicer.device, servicer.weight_bytes, servicer.budget = str(device), layout.total_bytes, budget
+    servicer._runner = runner
+    DEVICE_BYTES.set(layout.total_bytes)
+    DEVICE_BUDGET.set(budget)
+
+    def cleanup() -> None:
+        output.close()
+        if runner.input is not None:
+            runner.input.close()
+        arena.close()
+
+    runtime.on_shutdown(cleanup)
+    runtime.set_serving(True)
+    log.info("serving", device=str(device), weight_bytes=layout.total_bytes, output_channel=output.name)
+    runtime.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

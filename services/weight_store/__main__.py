@@ -1,0 +1,5 @@
+import sys
+
+from services.weight_store.server import main
+
+sys.exit(main())

@@ -1,0 +1,106 @@
+"""weight_store: loads a checkpoint into a paged shared-memory arena and serves its page table."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from prometheus_client import Gauge
+
+from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags
+from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
+from moe_lightning.service.errors import NotReadyError
+from moe_lightning.service.logs import configure_logging
+from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.shm import sweep_stale
+from moe_lightning.spec import DTYPES, ModelSpec
+from services.weight_store.store import LoadReport, WeightArena
+
+SERVICE = "moe_lightning.api.weight_store.v1.WeightStore"
+ARENA_BYTES = Gauge("moe_lightning_weight_arena_bytes", "Size of the weight arena in shared memory")
+LOAD_SECONDS = Gauge("moe_lightning_weight_load_seconds", "Time to fill the arena", ["source"])
+PAGES = Gauge("moe_lightning_weight_pages", "Pages (tensors) in the arena")
+
+
+class WeightStoreServicer(weight_store_pb2_grpc.WeightStoreServicer):
+    def __init__(self, arena: WeightArena, model_dir: Path) -> None:
+        self.arena = arena
+        self.model_dir = model_dir
+        self.report: LoadReport | None = None
+
+    def GetManifest(
+        self, request: weight_store_pb2.GetManifestRequest, context: grpc.ServicerContext
+    ) -> weight_store_pb2.GetManifestResponse:
+        if self.report is None:
+            raise NotReadyError("the weight arena is still loading; retry when health is SERVING")
+        a = self.arena
+        return weight_store_pb2.GetManifestResponse(
+            region=a.segment.name,
+            region_bytes=a.layout.total_bytes,
+            model=model_info_to_pb(a.spec, str(self.model_dir)),
+            pages=pages_to_pb(a.layout, a.segment.name),
+            checkpoint_key=self.report.key,
+            load_seconds=self.report.seconds,
+            from_cache=self.report.from_cache,
+        )
+
+
+def build_parser() -> EnvDefaultsParser:
+    p = EnvDefaultsParser(prog="moe-lightning-weight-store", description=__doc__)
+    add_service_flags(p, "127.0.0.1:50061")
+    p.add_argument("--model", required=True, type=Path, help="HF checkpoint directory")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the arena's weights")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "moe-lightning" / "arena",
+        help="where the converted copy is kept",
+    )
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the converted copy")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    log = configure_logging("weight_store", args.log_level, args.log_json or None)
+    for name in sweep_stale(args.run_id, owner="weight_store", at_startup=True):
+        log.warning("swept_stale_segment", name=name)
+    try:
+        spec = ModelSpec.from_pretrained(args.model)
+        arena = WeightArena(args.model, spec, args.dtype, None if args.no_cache else args.cache_dir, args.run_id)
+    except (ValueError, OSError) as exc:
+        log.error("startup_failed", error=str(exc))
+        return 1
+    runtime = ServiceRuntime(SERVICE, args.address, args.metrics_port, args.metrics_host)
+    servicer = WeightStoreServicer(arena, args.model)
+    runtime.add_service(weight_store_pb2_grpc.add_WeightStoreServicer_to_server, servicer, SERVICE)
+    runtime.on_shutdown(arena.close)
+    runtime.start()
+    try:
+        report = arena.load(progress=not args.no_progress)
+    except (ValueError, OSError) as exc:
+        log.error("load_failed", error=str(exc))
+        runtime.stop()
+        return 1
+    servicer.report = report
+    ARENA_BYTES.set(arena.layout.total_bytes)
+    PAGES.set(len(arena.layout.pages))
+    LOAD_SECONDS.labels("copy" if report.from_cache else "checkpoint").set(report.seconds)
+    runtime.set_serving(True)
+    log.info(
+        "serving",
+        region=arena.segment.name,
+        bytes=arena.layout.total_bytes,
+        from_cache=report.from_cache,
+        load_seconds=round(report.seconds, 3),
+    )
+    runtime.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

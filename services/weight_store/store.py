@@ -1,0 +1,109 @@
+"""Fills the weight arena in shared memory, from the on-disk converted copy when there is one."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+from tqdm import tqdm
+
+from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
+from moe_lightning.shm import Segment, segment_name
+from moe_lightning.spec import ModelSpec
+
+READ_CHUNK = 64 << 20
+
+
+@dataclass(slots=True)
+class LoadReport:
+    seconds: float
+    from_cache: bool
+    key: str
+
+
+class WeightArena:
+    def __init__(self, model_dir: Path, spec: ModelSpec, dtype: str, cache_dir: Path | None, run_id: str) -> None:
+        self.model_dir = model_dir
+        self.spec = spec
+        self.dtype = dtype
+        self.cache_dir = cache_dir
+        self.layout = ArenaLayout.for_spec(spec, dtype)
+        self.segment = Segment.create(segment_name(run_id, "weight_store", "arena"), self.layout.total_bytes)
+        self.log = structlog.get_logger()
+        self._writer: threading.Thread | None = None
+
+    def _cache_paths(self, key: str) -> tuple[Path, Path]:
+        assert self.cache_dir is not None
+        return self.cache_dir / f"{key}.arena", self.cache_dir / f"{key}.json"
+
+    def load(self, progress: bool = True) -> LoadReport:
+        t0 = time.perf_counter()
+        key = checkpoint_key(self.model_dir, self.dtype)
+        if self.cache_dir is not None:
+            data, manifest = self._cache_paths(key)
+            if data.is_file() and manifest.is_file() and self._cache_matches(manifest, data):
+                self._read_copy(data, progress)
+                report = LoadReport(time.perf_counter() - t0, True, key)
+                self.log.info("arena_mapped_from_copy", path=str(data), seconds=round(report.seconds, 3))
+                return report
+        fill_arena(self.segment.bytes(), self.layout, self.model_dir, self.spec, progress)
+        report = LoadReport(time.perf_counter() - t0, False, key)
+        self.log.info("arena_converted", model_dir=str(self.model_dir), seconds=round(report.seconds, 3))
+        if self.cache_dir is not None:
+            # Written after we are serving; a crash mid-write leaves only a .tmp file behind.
+            self._writer = threading.Thread(target=self._write_copy, args=(key,), name="arena-copy", daemon=True)
+            self._writer.start()
+        return report
+
+    def _cache_matches(self, manifest: Path, data: Path) -> bool:
+        try:
+            cached = layout_from_json(manifest.read_text())
+        except (ValueError, KeyError):
+            return False
+        return cached == self.layout and data.stat().st_size == self.layout.total_bytes
+
+    def _read_copy(self, path: Path, progress: bool) -> None:
+        buf = memoryview(self.segment.buf)
+        total = self.layout.total_bytes
+        with (
+            path.open("rb", buffering=0) as f,
+            tqdm(
+                total=total, unit="B", unit_scale=True, desc="mapping arena copy", disable=not progress, leave=False
+            ) as bar,
+        ):
+            done = 0
+            while done < total:
+                n = f.readinto(buf[done : min(total, done + READ_CHUNK)])
+                if not n:
+                    raise OSError(f"{path} ended after {done} of {total} bytes")
+                done += n
+                bar.update(n)
+        buf.release()
+
+    def _write_copy(self, key: str) -> None:
+        data, manifest = self._cache_paths(key)
+        try:
+            data.parent.mkdir(parents=True, exist_ok=True)
+            tmp = data.with_suffix(f".tmp{os.getpid()}")
+            with tmp.open("wb") as f:
+                buf = memoryview(self.segment.buf)
+                for start in range(0, self.layout.total_bytes, READ_CHUNK):
+                    f.write(buf[start : start + READ_CHUNK])
+                buf.release()
+            tmp.rename(data)
+            manifest.write_text(layout_to_json(self.layout))
+            self.log.info("arena_copy_written", path=str(data), bytes=self.layout.total_bytes)
+        except (OSError, ValueError) as exc:
+            self.log.warning("arena_copy_failed", error=str(exc))
+
+    def wait_for_copy(self, timeout: float | None = None) -> None:
+        if self._writer is not None:
+            self._writer.join(timeout)
+
+    def close(self) -> None:
+        self.segment.close()
+        self.segment.unlink()

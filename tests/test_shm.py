@@ -1,0 +1,120 @@
+"""The data plane between real processes: channels, dead-peer detection, segment sweeping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from moe_lightning.shm import PeerDiedError, Segment, TensorChannel, segment_name, sweep_stale
+from moe_lightning.shm.segment import list_segments
+
+ECHO_PEER = textwrap.dedent(
+    """
+    import sys, time
+    from moe_lightning.shm import TensorChannel
+    from moe_lightning.shm import segment_name
+    inp = TensorChannel.attach(sys.argv[1])
+    out = TensorChannel.create(segment_name(sys.argv[2], "peer", "rep"), 2, 1 << 16)
+    print(out.name, flush=True)
+    while True:
+        meta, ts = inp.recv(timeout=30)
+        if meta.get("stop"):
+            break
+        reply = [t * 2 for t in ts]
+        inp.release()
+        out.send({"echo": meta["i"]}, reply)
+    time.sleep(0.5)
+    out.close()
+    inp.close()
+    """
+)
+
+
+def _start_echo(run: str) -> tuple[TensorChannel, subprocess.Popen[str], str]:
+    a = TensorChannel.create(segment_name(run, "test", "req"), 2, 1 << 16)
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_PEER, a.name, run], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    return a, proc, proc.stdout.readline().strip()
+
+
+def test_round_trip_between_processes_keeps_dtype_shape_and_order() -> None:
+    run = f"t{os.getpid()}"
+    a, proc, b_name = _start_echo(run)
+    b = TensorChannel.attach(b_name)
+    try:
+        for i in range(20):
+            x = torch.randn(i + 1, 3, 4)
+            y = torch.arange(i + 2, dtype=torch.int64)
+            a.send({"i": i}, [x, y])
+            meta, (x2, y2) = b.recv(timeout=10)
+            assert meta == {"echo": i}
+            assert x2.dtype == torch.float32 and y2.dtype == torch.int64
+            torch.testing.assert_close(x2, x * 2)
+            torch.testing.assert_close(y2, y * 2)
+            b.release()
+        a.send({"stop": True})
+        assert proc.wait(10) == 0
+    finally:
+        a.close()
+        b.close()
+        proc.kill()
+    assert list_segments(run) == []
+
+
+def test_oversized_message_is_refused_before_blocking() -> None:
+    with (
+        TensorChannel.create(segment_name(f"t{os.getpid()}", "test", "small"), 1, 1024) as ch,
+        pytest.raises(ValueError, match="exceeds the slot size"),
+    ):
+        ch.send({}, [torch.zeros(1024)])
+
+
+def test_kill_9_of_the_peer_becomes_an_error_not_a_hang() -> None:
+    run = f"k{os.getpid()}"
+    a, proc, b_name = _start_echo(run)
+    b = TensorChannel.attach(b_name)
+    try:
+        a.send({"i": 0}, [torch.ones(2)])
+        b.recv(timeout=10)
+        b.release()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t0 = time.monotonic()
+        with pytest.raises(PeerDiedError):
+            b.recv(timeout=30)  # nothing will ever come; the heartbeat says why
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        a.close()
+        b.close()
+    # the dead peer's segment and semaphores are still there until swept
+    assert any(".peer." in n for n in list_segments(run))
+    swept = sweep_stale(run)
+    assert any(".peer." in n for n in swept)
+    assert list_segments(run) == []
+
+
+def test_sweep_leaves_live_owners_alone() -> None:
+    run = f"s{os.getpid()}"
+    live = Segment.create(segment_name(run, "live", "x"), 4096)
+    dead_name = segment_name(run, "dead", "x", pid=2**22 - 1)  # no such pid
+    Segment.create(dead_name, 4096).close()
+    try:
+        assert sweep_stale(run) == [dead_name.lstrip("/")]
+        assert list_segments(run) == [live.name.lstrip("/")]
+    finally:
+        live.close()
+        live.unlink()
+
+
+def test_segment_names_are_checked() -> None:
+    with pytest.raises(ValueError, match="run_id may only hold"):
+        segment_name("a.b", "owner", "x")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        Segment.attach("/mlt.none.none.1.none")

@@ -1,0 +1,216 @@
+"""End to end through real processes: the four services, shared memory, gRPC, against transformers."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from moe_lightning.client import Completion, GenerationClient, Prompt
+from moe_lightning.launcher import SERVICES, Stack, StackConfig
+from moe_lightning.service.upstream import health_status, open_channel
+
+from reference import load_hf, save_hf_mixtral
+
+CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+)
+PROMPTS = [
+    [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89],
+    [1, 300],
+    [1, 4, 4, 4, 4, 4],
+    [1, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89],
+    [1],
+    [1, 250, 251, 252],
+    [1, 12, 123, 34, 45, 56, 67, 78, 89, 90, 101, 112],
+    [1, 9, 8, 7, 6, 5, 4, 3],
+    [1, 200, 100, 50, 25, 12, 6, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+    [1, 42, 42],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_mixtral(tmp_path_factory.mktemp("hf_e2e"), seed=3, **CONFIG)
+
+
+def watch_health(address: str, until: int, timeout: float = 120.0) -> int | None:
+    channel = open_channel(address)
+    deadline = time.monotonic() + timeout
+    status = None
+    while time.monotonic() < deadline and status != until:
+        status = health_status(channel, SERVICES["orchestrator"][1], timeout=0.5)
+        time.sleep(0.05)
+    channel.close()
+    return status
+
+
+@pytest.fixture(scope="module")
+def stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("logs")
+    config = StackConfig(
+        model=hf_dir,
+        run_id=f"e2e{os.getpid()}",
+        port=0,
+        log_dir=logs,
+        kv_cache_memory="32MiB",
+        max_batch_size=6,
+        micro_batch_size=4,
+        cache_dir=tmp_path_factory.mktemp("arena"),
+        extra={"orchestrator": ["--max-prefill-tokens", "40"]},  # several prefill micro-batches
+    )
+    s = Stack(config)
+    s.prepare()
+    # The orchestrator first: it must say NOT_SERVING until everything behind it is up.
+    s.spawn(["orchestrator"])
+    s.health_seen = [watch_health(s.api_address, until=2)]  # type: ignore[attr-defined]
+    s.spawn(["weight_store", "cpu_attention", "gpu_expert"])
+    s.health_seen.append(watch_health(s.api_address, until=1))  # type: ignore[attr-defined]
+    s.wait_ready(60)
+    yield s
+    s.stop()
+    assert s.leaked_segments() == []
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> Iterator[GenerationClient]:
+    with GenerationClient(stack.api_address, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dir: Path) -> dict[int, list[int]]:
+    hf = load_hf(hf_dir)
+    out = {}
+    for i, p in enumerate(PROMPTS):
+        ids = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=14,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out[i] = ids[0, len(p) :].tolist()
+    return out
+
+
+def test_health_went_not_serving_then_serving(stack: Stack) -> None:
+    assert stack.health_seen == [2, 1]  # type: ignore[attr-defined]  # NOT_SERVING, then SERVING
+
+
+def test_batch_generate_equals_transformers_generate(client: GenerationClient, reference: dict) -> None:
+    done = client.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    assert len(done) == len(PROMPTS) >= 8
+    for i, c in enumerate(done):
+        assert c.token_ids == reference[i], f"prompt {i}"
+        assert c.prompt_tokens == len(PROMPTS[i])
+        assert c.finish_reason == ("eos" if c.token_ids[-1] == 2 else "length")
+
+
+def test_stream_yields_the_same_tokens_incrementally(client: GenerationClient, reference: dict) -> None:
+    for i in (0, 3, 8):
+        parts = list(client.stream(Prompt(token_ids=PROMPTS[i], max_new_tokens=14)))
+        final = parts[-1]
+        assert isinstance(final, Completion)
+        pieces = [p for p in parts if isinstance(p, list)]
+        assert len(pieces) == len(final.token_ids) > 1  # one message per step, not one at the end
+        assert [t for p in pieces for t in p] == final.token_ids == reference[i]
+
+
+def test_seeded_sampling_is_reproducible(client: GenerationClient) -> None:
+    def draw(seed: int) -> list[int]:
+        p = Prompt(token_ids=PROMPTS[2], max_new_tokens=12, temperature=1.3, top_p=0.95, seed=seed, ignore_eos=True)
+        return client.generate(p).token_ids
+
+    a, b, c = draw(11), draw(11), draw(12)
+    assert a == b and a != c
+
+
+def test_concurrent_unary_requests_are_batched_and_exact(client: GenerationClient, reference: dict) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        done = list(pool.map(lambda p: client.generate(Prompt(token_ids=p, max_new_tokens=14)), PROMPTS))
+    assert [c.token_ids for c in done] == [reference[i] for i in range(len(PROMPTS))]
+
+
+def test_model_info_and_metadata(client: GenerationClient, hf_dir: Path) -> None:
+    info = client.model_info().model
+    assert info.architecture == "MixtralForCausalLM" and info.num_layers == 3 and info.num_experts == 6
+    meta = client.server_metadata()
+    assert meta.max_batch_size == 6 and meta.kv_cache_tokens > 0 and meta.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "code", "message"),
+    [
+        (Prompt(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"),
+        (Prompt(token_ids=[1, 320]), grpc.StatusCode.INVALID_ARGUMENT, "allowed: 0..319"),
+        (Prompt(token_ids=[1], max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens must be >= 1"),
+        (Prompt(token_ids=[1], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
+        (Prompt(token_ids=[1], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be"),
+        (Prompt(text="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+        (Prompt(token_ids=list(range(1, 60))), grpc.StatusCode.INVALID_ARGUMENT, "at most 40"),
+    ],
+)
+def test_bad_input_gets_invalid_argument(
+    client: GenerationClient, prompt: Prompt, code: grpc.StatusCode, message: str
+) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        client.generate(prompt)
+    assert info.value.code() == code
+    assert message in info.value.details()
+
+
+def test_metrics_endpoints_have_the_series(stack: Stack, client: GenerationClient) -> None:
+    client.generate(Prompt(token_ids=[1, 2, 3], max_new_tokens=3))
+
+    def scrape(name: str) -> str:
+        with urllib.request.urlopen(stack.endpoints()[name]["metrics"], timeout=10) as r:
+            return r.read().decode()
+
+    orch = scrape("orchestrator")
+    for series in (
+        "moe_lightning_requests_total",
+        "moe_lightning_generation_tokens_total",
+        "moe_lightning_prompt_tokens_total",
+        "moe_lightning_time_to_first_token_seconds_bucket",
+        "moe_lightning_e2e_request_latency_seconds_bucket",
+        "moe_lightning_kv_cache_usage_ratio",
+        "moe_lightning_requests_running",
+        "moe_lightning_requests_waiting",
+        'moe_lightning_stage_seconds_total{stage="post_attention"}',
+    ):
+        assert series in orch, series
+    assert float(re.search(r'moe_lightning_requests_total\{outcome="length"\} (\S+)', orch)[1]) >= 1
+    attn = scrape("cpu_attention")
+    for series in (
+        "moe_lightning_kv_cache_usage_ratio",
+        'moe_lightning_stage_busy_seconds_total{stage="decode_attention"}',
+        "moe_lightning_shm_wait_seconds_total",
+        'moe_lightning_handoffs_total{direction="in"}',
+    ):
+        assert series in attn, series
+    gpu = scrape("gpu_expert")
+    for series in (
+        'moe_lightning_stage_busy_seconds_total{stage="post_attention"}',
+        "moe_lightning_sampled_tokens_total",
+        "moe_lightning_device_weight_bytes",
+    ):
+        assert series in gpu, series
+    assert "moe_lightning_weight_arena_bytes" in scrape("weight_store")
