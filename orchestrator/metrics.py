@@ -2,6 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -16,7 +18,6 @@ E2E = Histogram("moe_lightning_e2e_request_latency_seconds", "Arrival to finish"
 QUEUE_TIME = Histogram("moe_lightning_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY)
 RUNNING = Gauge("moe_lightning_requests_running", "Requests in the running batch")
 WAITING = Gauge("moe_lightning_requests_waiting", "Requests in the queue")
-KV_USAGE = Gauge("moe_lightning_kv_cache_usage_ratio", "Fraction of KV blocks reserved by admitted requests")
 STEP_SECONDS = Histogram(
     "moe_lightning_step_seconds", "Wall time of one step seen by the orchestrator", ["kind"], buckets=_LATENCY
 )

@@ -11,6 +11,8 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
+from moe_lightning.service.metrics import HANDOFFS, KV_USAGE, SHM_WAIT
+from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm import (
     ChannelClosedError,
     ChannelTimeoutError,
@@ -23,10 +25,6 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import AttentionMetadata, paged_attention, write_kv
 
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
-KV_USAGE = Gauge("moe_lightning_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
-BUSY = Counter("moe_lightning_stage_busy_seconds_total", "Seconds spent computing, per stage", ["stage"])
-HANDOFFS = Counter("moe_lightning_handoffs_total", "Shared-memory messages handled", ["direction"])
-SHM_WAIT = Counter("moe_lightning_shm_wait_seconds_total", "Seconds spent waiting on shared-memory channels")
 ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
 
 

@@ -18,14 +18,13 @@ from moe_lightning.kv_cache import KVCacheFullError
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.sampling import SamplingParams, sample
 from moe_lightning.service.errors import NotReadyError, ServiceError
+from moe_lightning.service.metrics import HANDOFFS, SHM_WAIT
+from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
 from moe_lightning.weights import ModelWeights
 
-BUSY = Counter("moe_lightning_stage_busy_seconds_total", "Seconds spent computing, per stage", ["stage"])
-SHM_WAIT = Counter("moe_lightning_shm_wait_seconds_total", "Seconds spent waiting on shared-memory channels")
-HANDOFFS = Counter("moe_lightning_handoffs_total", "Shared-memory messages handled", ["direction"])
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
 

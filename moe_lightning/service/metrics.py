@@ -1,0 +1,12 @@
+"""Prometheus series that several services export under the same name, defined once.
+
+Each service runs in its own process, so its /metrics shows only what it touches; defining the
+shared names here keeps them identical and lets one process import every service (tests).
+"""
+
+from prometheus_client import Counter, Gauge
+
+STAGE_BUSY = Counter("moe_lightning_stage_busy_seconds_total", "Seconds spent computing, per stage", ["stage"])
+SHM_WAIT = Counter("moe_lightning_shm_wait_seconds_total", "Seconds spent waiting on shared-memory channels")
+HANDOFFS = Counter("moe_lightning_handoffs_total", "Shared-memory messages handled", ["direction"])
+KV_USAGE = Gauge("moe_lightning_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (or reserved)")

@@ -1,0 +1,56 @@
+"""deploy/: the compose file is valid and says what one box needs (no Docker engine here to run it)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+HEALTH_NAMES = {
+    "weight_store": "moe_lightning.api.weight_store.v1.WeightStore",
+    "cpu_attention": "moe_lightning.api.cpu_attention.v1.CpuAttention",
+    "gpu_expert": "moe_lightning.api.gpu_expert.v1.GpuExpert",
+    "orchestrator": "moe_lightning.api.generation.v1.Generation",
+}
+
+
+def test_compose_file() -> None:
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == set(HEALTH_NAMES)
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, svc in services.items():
+        assert svc["command"][0] in scripts, f"{name}: {svc['command'][0]} is not a console script"
+        test = svc["healthcheck"]["test"]
+        assert test[:2] == ["CMD", "grpc-health-check"] and test[-1] == HEALTH_NAMES[name], name
+        if name != "weight_store":
+            assert svc["ipc"] == "service:weight_store", name  # one IPC namespace: /dev/shm is shared
+        published = svc.get("ports", [])
+        assert bool(published) == (name == "orchestrator"), f"{name} must not publish ports"
+    assert services["weight_store"]["ipc"] == "shareable" and services["weight_store"]["shm_size"]
+    deps = services["orchestrator"]["depends_on"]
+    assert {d: v["condition"] for d, v in deps.items()} == {
+        "gpu_expert": "service_healthy",
+        "cpu_attention": "service_healthy",
+    }
+    for name in ("gpu_expert", "cpu_attention"):
+        assert services[name]["depends_on"]["weight_store"]["condition"] == "service_healthy"
+    # every flag the compose file passes exists on that service's parser
+    from orchestrator.server import build_parser as orch
+    from services.cpu_attention.server import build_parser as attn
+    from services.gpu_expert.server import build_parser as gpu
+    from services.weight_store.server import build_parser as ws
+
+    parsers = {"orchestrator": orch(), "cpu_attention": attn(), "gpu_expert": gpu(), "weight_store": ws()}
+    for name, svc in services.items():
+        known = {o for a in parsers[name]._actions for o in a.option_strings}
+        flags = [f for f in svc["command"][1:] if f.startswith("--")]
+        assert set(flags) <= known, f"{name}: unknown flags {set(flags) - known}"
+
+
+def test_dockerfile_installs_the_health_probe() -> None:
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    assert "grpc-health-check" in text and "pip install ." in text
+    assert (ROOT / "deploy" / "grpc_health_check.py").is_file()

@@ -1,0 +1,139 @@
+"""The weight store process: the arena equals the checkpoint; a restart maps the converted copy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
+from moe_lightning.arena import weights_from_arena
+from moe_lightning.checkpoint import load_model_weights
+from moe_lightning.service.convert import layout_from_pb, spec_from_pb
+from moe_lightning.service.upstream import health_status, open_channel
+from moe_lightning.shm import Segment
+from moe_lightning.shm.segment import list_segments
+
+SERVICE = "moe_lightning.api.weight_store.v1.WeightStore"
+
+
+def start(model: Path, cache: Path, run: str, sock: Path, log: Path) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.weight_store",
+            "--model",
+            str(model),
+            "--cache-dir",
+            str(cache),
+            "--run-id",
+            run,
+            "--address",
+            f"unix://{sock}",
+            "--no-progress",
+        ],
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+    )
+    channel = open_channel(f"unix://{sock}")
+    seen: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (not seen or seen[-1] != 1):
+        status = health_status(channel, SERVICE, timeout=0.5)
+        if status is not None and (not seen or seen[-1] != status):
+            seen.append(status)
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.02)
+    channel.close()
+    return proc, seen
+
+
+def manifest(sock: Path) -> weight_store_pb2.GetManifestResponse:
+    channel = open_channel(f"unix://{sock}")
+    try:
+        return weight_store_pb2_grpc.WeightStoreStub(channel).GetManifest(weight_store_pb2.GetManifestRequest())
+    finally:
+        channel.close()
+
+
+def test_arena_matches_checkpoint_and_restart_maps_the_copy(tiny_model: Path, tmp_path: Path) -> None:
+    run = f"ws{os.getpid()}"
+    sock = tmp_path / "ws.sock"
+    cache = tmp_path / "cache"
+    proc, seen = start(tiny_model, cache, run, sock, tmp_path / "ws.log")
+    try:
+        assert seen[-1] == 1
+        first = manifest(sock)
+        assert not first.from_cache and first.load_seconds > 0
+        spec = spec_from_pb(first.model)
+        layout = layout_from_pb(list(first.pages), first.region_bytes)
+        assert all(p.offset % 4096 == 0 for p in layout.pages.values())  # page-aligned for DMA
+        assert len([n for n in layout.pages if ".experts." in n]) == 2 * spec.num_layers * spec.num_experts
+        arena = Segment.attach(first.region)
+        mapped = weights_from_arena(arena.bytes(), layout, spec)
+        ref = load_model_weights(tiny_model, spec, progress=False)
+        torch.testing.assert_close(mapped.layers[1].experts[2].w13, ref.layers[1].experts[2].w13, rtol=0, atol=0)
+        torch.testing.assert_close(mapped.layers[0].wqkv, ref.layers[0].wqkv, rtol=0, atol=0)
+        torch.testing.assert_close(mapped.lm_head, ref.lm_head, rtol=0, atol=0)
+        del mapped
+        arena.close()
+        deadline = time.monotonic() + 30  # the copy is written in the background after SERVING
+        while not list(cache.glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(cache.glob("*.arena"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert list_segments(run) == []
+
+    proc, seen = start(tiny_model, cache, run, sock, tmp_path / "ws.log")
+    try:
+        second = manifest(sock)
+        assert second.from_cache and second.checkpoint_key == first.checkpoint_key
+        assert [p.name for p in second.pages] == [p.name for p in first.pages]
+        arena = Segment.attach(second.region)
+        again = weights_from_arena(arena.bytes(), layout_from_pb(list(second.pages), second.region_bytes), spec)
+        torch.testing.assert_close(again.layers[1].experts[2].w13, ref.layers[1].experts[2].w13, rtol=0, atol=0)
+        del again
+        arena.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert list_segments(run) == []
+
+
+def test_bad_checkpoint_fails_at_start_and_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_model, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    run = f"wsbad{os.getpid()}"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.weight_store",
+            "--model",
+            str(bad),
+            "--run-id",
+            run,
+            "--no-cache",
+            "--address",
+            f"unix://{tmp_path / 'b.sock'}",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert "truncated safetensors file" in r.stderr
+    assert list_segments(run) == []
