@@ -21,6 +21,7 @@ from moe_lightning.stages import (
     embed_tokens,
     head_logits,
     paged_attention,
+    plan_attention,
     post_attention,
     pre_attention,
     write_kv,
@@ -74,12 +75,12 @@ def forward_step(
 ) -> torch.Tensor:
     """Runs all layers for a ragged batch; tokens: (T,) -> logits of each sequence's last token (B, V)."""
     positions = meta.positions().to(tokens.device)  # (T,)
-    slots = meta.slot_mapping().to(tokens.device)  # (T,)
+    plan = plan_attention(meta, spec.sliding_window, tokens.device)
     hidden = embed_tokens(weights.embed, tokens)  # (T, D)
     for i, layer in enumerate(weights.layers):
         q, k, v = pre_attention(spec, layer, hidden, positions)
-        write_kv(cache.k[i], cache.v[i], k, v, slots)
-        attn = paged_attention(q, cache.k[i], cache.v[i], meta, spec.sliding_window)  # (T, H * Hd)
+        write_kv(cache.k[i], cache.v[i], k, v, plan.write_slots)
+        attn = paged_attention(q, cache.k[i], cache.v[i], plan)  # (T, H * Hd)
         hidden, _ = post_attention(spec, layer, hidden, attn)
     last = torch.tensor(meta.q_lens).cumsum(0) - 1  # (B,) row of each sequence's last token
     return head_logits(spec, weights.final_norm, weights.lm_head, hidden[last.to(hidden.device)])

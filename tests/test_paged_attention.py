@@ -9,7 +9,7 @@ import torch
 
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import AttentionMetadata, paged_attention, write_kv
+from moe_lightning.stages.attention import AttentionMetadata, paged_attention, plan_attention, write_kv
 
 SPEC = ModelSpec(
     architecture="MixtralForCausalLM",
@@ -59,8 +59,9 @@ def run_two_phase(block_size: int, shuffle: int | None, window: int | None) -> l
         k = torch.cat([k_all[b][sl[b]] for b in seqs])
         v = torch.cat([v_all[b][sl[b]] for b in seqs])
         q = torch.cat([q_all[b][sl[b]] for b in seqs])
-        write_kv(cache.k[0], cache.v[0], k, v, meta.slot_mapping())
-        out = paged_attention(q, cache.k[0], cache.v[0], meta, window)
+        plan = plan_attention(meta, window)
+        write_kv(cache.k[0], cache.v[0], k, v, plan.write_slots)
+        out = paged_attention(q, cache.k[0], cache.v[0], plan)
         expected = torch.cat(
             [dense_reference(q_all[b][sl[b]], k_all[b][: sl[b].stop], v_all[b][: sl[b].stop], window) for b in seqs]
         )
@@ -78,33 +79,45 @@ def test_same_result_for_any_block_size_and_order(window: int | None) -> None:
 
 
 def test_decode_path_equals_ragged_path() -> None:
-    """The vectorised decode kernel and the per-sequence kernel agree on the same batch."""
-    from moe_lightning.stages.attention import _decode_attention, _ragged_attention
+    """The batched decode kernel and the per-sequence kernel agree on the same batch."""
+    from dataclasses import replace
 
     gen = torch.Generator().manual_seed(1)
     cache = PagedKVCache(SPEC, num_blocks=32, block_size=4, shuffle_seed=5)
     meta = cache.append([0, 1, 2], [9, 3, 17])
     t = meta.num_tokens
-    write_kv(
-        cache.k[0],
-        cache.v[0],
-        torch.randn(t, 2, 16, generator=gen),
-        torch.randn(t, 2, 16, generator=gen),
-        meta.slot_mapping(),
-    )
+    k, v = torch.randn(t, 2, 16, generator=gen), torch.randn(t, 2, 16, generator=gen)
+    write_kv(cache.k[0], cache.v[0], k, v, meta.slot_mapping())
     decode_meta = cache.append([0, 1, 2], [1, 1, 1])
-    write_kv(
-        cache.k[0],
-        cache.v[0],
-        torch.randn(3, 2, 16, generator=gen),
-        torch.randn(3, 2, 16, generator=gen),
-        decode_meta.slot_mapping(),
-    )
+    k, v = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    write_kv(cache.k[0], cache.v[0], k, v, decode_meta.slot_mapping())
     q = torch.randn(3, 8, 16, generator=gen)
     for window in (None, 5):
-        a = _decode_attention(q, cache.k[0], cache.v[0], decode_meta, window)
-        b = _ragged_attention(q, cache.k[0], cache.v[0], decode_meta, window)
+        decode = plan_attention(decode_meta, window)
+        assert decode.grid is not None
+        ragged = plan_attention(replace(decode_meta, q_lens=(1, 1, 1)), window)
+        ragged = replace(
+            ragged,
+            grid=None,
+            grid_mask=None,
+            seq_slots=_ragged(decode_meta, window)[0],
+            seq_masks=_ragged(decode_meta, window)[1],
+        )
+        a = paged_attention(q, cache.k[0], cache.v[0], decode)
+        b = paged_attention(q, cache.k[0], cache.v[0], ragged)
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def _ragged(meta: AttentionMetadata, window: int | None) -> tuple[tuple, tuple]:
+    slots, masks = [], []
+    for b, ctx in enumerate(meta.ctx_lens):
+        kp = torch.arange(ctx)
+        m = kp <= ctx - 1
+        if window is not None:
+            m &= ctx - 1 - kp < window
+        slots.append(meta.context_slots(b))
+        masks.append(m[None, :])
+    return tuple(slots), tuple(masks)
 
 
 def test_cache_frees_blocks_and_refuses_when_full() -> None:

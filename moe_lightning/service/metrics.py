@@ -10,3 +10,13 @@ STAGE_BUSY = Counter("moe_lightning_stage_busy_seconds_total", "Seconds spent co
 SHM_WAIT = Counter("moe_lightning_shm_wait_seconds_total", "Seconds spent waiting on shared-memory channels")
 HANDOFFS = Counter("moe_lightning_handoffs_total", "Shared-memory messages handled", ["direction"])
 KV_USAGE = Gauge("moe_lightning_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (or reserved)")
+HANDOFF_LATENCY = Counter(
+    "moe_lightning_handoff_latency_seconds_total",
+    "Sum of send-to-receive times of shared-memory messages received (divide by moe_lightning_handoffs_total)",
+    ["direction"],
+)
+HANDOFF_WORK = Counter(
+    "moe_lightning_handoff_work_seconds_total",
+    "Time spent inside send()/recv() of shared-memory messages, waiting excluded (copies, header, post)",
+    ["direction"],
+)

@@ -117,6 +117,8 @@ class TensorChannel:
         self._next_read = 0
         self._pending_release = False
         self._closed = False
+        self.last_latency_ns = 0  # send-to-receive time of the last message received (same clock)
+        self.last_work_ns = 0  # CPU time of the last send() or recv() itself, waiting excluded
         me, peer = ("writer", "reader") if is_writer else ("reader", "writer")
         self._role_pid, self._role_beat, self._role_closed = f"{me}_pid", f"{me}_beat", f"{me}_closed"
         self._peer_pid, self._peer_beat, self._peer_closed = f"{peer}_pid", f"{peer}_beat", f"{peer}_closed"
@@ -197,17 +199,23 @@ class TensorChannel:
             offset = _align(offset + nbytes)
         if offset > self.slot_bytes:
             raise ValueError(f"message of {offset} bytes exceeds the slot size {self.slot_bytes} of {self.name}")
-        blob = json.dumps({"meta": meta, "tensors": table}, separators=(",", ":")).encode()
-        if len(blob) + 8 > SLOT_META_BYTES:
-            raise ValueError(f"message header of {len(blob)} bytes exceeds {SLOT_META_BYTES - 8}")
+        blob_head = {"meta": meta, "tensors": table}
         self._wait(self._spaces, timeout, "waiting for a free slot")
+        t0 = time.perf_counter_ns()
         base = self._slot_offset(self._next_write)
         for t, (_, _, off) in zip(tensors, table, strict=True):
             self.segment.tensor(base + SLOT_META_BYTES + off, t.dtype, t.shape).copy_(t)
+        # stamped after the copy: the reader's latency is then the hand-off itself (wake-up included)
+        blob_head["sent_ns"] = time.perf_counter_ns()
+        blob = json.dumps(blob_head, separators=(",", ":")).encode()
+        if len(blob) + 8 > SLOT_META_BYTES:
+            self._spaces.release()
+            raise ValueError(f"message header of {len(blob)} bytes exceeds {SLOT_META_BYTES - 8}")
         struct.pack_into("<Q", self._mm, base, len(blob))
         self._mm[base + 8 : base + 8 + len(blob)] = blob
         self._next_write += 1
         self._items.release()
+        self.last_work_ns = time.perf_counter_ns() - t0
 
     def recv(self, timeout: float = 30.0) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """The next message: (meta, zero-copy tensor views). Views are valid until `release()`."""
@@ -216,6 +224,7 @@ class TensorChannel:
         if self._pending_release:
             self.release()
         self._wait(self._items, timeout, "waiting for a message")
+        t0 = time.perf_counter_ns()
         base = self._slot_offset(self._next_read)
         (n,) = struct.unpack_from("<Q", self._mm, base)
         msg = json.loads(bytes(self._mm[base + 8 : base + 8 + n]))
@@ -224,6 +233,9 @@ class TensorChannel:
             for dtype, shape, off in msg["tensors"]
         ]
         self._pending_release = True
+        now = time.perf_counter_ns()
+        self.last_latency_ns = now - msg["sent_ns"]
+        self.last_work_ns = now - t0
         return msg["meta"], tensors
 
     def release(self) -> None:

@@ -5,7 +5,7 @@ process can run any stage: pre-attention and post-attention on the expert device
 the KV cache, the head wherever the logits are needed.
 """
 
-from moe_lightning.stages.attention import AttentionMetadata, paged_attention, write_kv
+from moe_lightning.stages.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.stages.head import head_logits
 from moe_lightning.stages.moe import experts_forward, route
 from moe_lightning.stages.post_attention import post_attention
@@ -13,10 +13,12 @@ from moe_lightning.stages.pre_attention import embed_tokens, pre_attention
 
 __all__ = [
     "AttentionMetadata",
+    "AttentionPlan",
     "embed_tokens",
     "experts_forward",
     "head_logits",
     "paged_attention",
+    "plan_attention",
     "post_attention",
     "pre_attention",
     "route",

@@ -8,7 +8,6 @@ sequence's new tokens back to back.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -76,72 +75,71 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class AttentionPlan:
+    """Index tensors for one batch, built once and reused by every layer (they do not change)."""
+
+    meta: AttentionMetadata
+    write_slots: torch.Tensor  # (T,) where each new token's K/V goes
+    grid: torch.Tensor | None  # decode: (B, Lmax) flat slot of every context position
+    grid_mask: torch.Tensor | None  # decode: (B, 1, 1, Lmax) which grid entries attend
+    seq_slots: tuple[torch.Tensor, ...] = ()  # prefill: (ctx_b,) per sequence
+    seq_masks: tuple[torch.Tensor, ...] = ()  # prefill: (q_len_b, ctx_b) per sequence
+
+
+def plan_attention(
+    meta: AttentionMetadata, sliding_window: int | None = None, device: torch.device | str = "cpu"
+) -> AttentionPlan:
+    write_slots = meta.slot_mapping().to(device)
+    if meta.is_decode:
+        ctx = torch.tensor(meta.ctx_lens, dtype=torch.long)
+        pos = torch.arange(int(ctx.max()))  # (Lmax,)
+        width = max(len(t) for t in meta.block_tables)
+        tables = torch.zeros(len(ctx), width, dtype=torch.long)
+        for i, table in enumerate(meta.block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        valid = pos[None, :] < ctx[:, None]  # (B, Lmax)
+        if sliding_window is not None:
+            valid &= (ctx[:, None] - 1 - pos[None, :]) < sliding_window
+        block_idx = torch.clamp(pos // meta.block_size, max=width - 1)
+        grid = tables[:, block_idx] * meta.block_size + pos % meta.block_size  # (B, Lmax)
+        grid = torch.where(valid, grid, torch.zeros_like(grid))
+        return AttentionPlan(meta, write_slots, grid.to(device), valid[:, None, None, :].to(device))
+    slots, masks = [], []
+    for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
+        q_pos = torch.arange(ctx - q_len, ctx)[:, None]  # (q_len, 1)
+        k_pos = torch.arange(ctx)[None, :]  # (1, ctx)
+        mask = k_pos <= q_pos  # (q_len, ctx)
+        if sliding_window is not None:
+            mask &= q_pos - k_pos < sliding_window
+        slots.append(meta.context_slots(b).to(device))
+        masks.append(mask.to(device))
+    return AttentionPlan(meta, write_slots, None, None, tuple(slots), tuple(masks))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Causal GQA over cached context. q: (T, H, Hd) -> out (T, H * Hd).
 
-    The new tokens' K/V must already be in the cache (`write_kv`).
+    The new tokens' K/V must already be in the cache (`write_kv` with `plan.write_slots`).
     """
-    if meta.is_decode:
-        return _decode_attention(q, k_cache, v_cache, meta, sliding_window)
-    return _ragged_attention(q, k_cache, v_cache, meta, sliding_window)
-
-
-def _ragged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
-) -> torch.Tensor:
     t, h, hd = q.shape
     kv_heads = k_cache.shape[2]
     k_flat = k_cache.view(-1, kv_heads, hd)  # (NB * BS, K, Hd)
     v_flat = v_cache.view(-1, kv_heads, hd)
+    gqa = h != kv_heads
+    if plan.grid is not None:
+        # One query per sequence: gather every context into a (B, Lmax) grid, mask the tail.
+        k = k_flat[plan.grid].transpose(1, 2)  # (B, K, Lmax, Hd)
+        v = v_flat[plan.grid].transpose(1, 2)  # (B, K, Lmax, Hd)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.grid_mask, enable_gqa=gqa)
+        return o.reshape(t, h * hd)  # (B, H, 1, Hd) -> (T, H * Hd)
     out = torch.empty(t, h, hd, dtype=q.dtype, device=q.device)
     start = 0
-    for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
-        slots = meta.context_slots(b).to(q.device)
+    for slots, mask, q_len in zip(plan.seq_slots, plan.seq_masks, plan.meta.q_lens, strict=True):
         k = k_flat[slots].transpose(0, 1)  # (K, ctx, Hd)
         v = v_flat[slots].transpose(0, 1)  # (K, ctx, Hd)
         qb = q[start : start + q_len].transpose(0, 1)  # (H, q_len, Hd)
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)[:, None]  # (q_len, 1)
-        k_pos = torch.arange(ctx, device=q.device)[None, :]  # (1, ctx)
-        mask = k_pos <= q_pos  # (q_len, ctx)
-        if window is not None:
-            mask &= q_pos - k_pos < window
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=h != kv_heads)  # (H, q_len, Hd)
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=gqa)  # (H, q_len, Hd)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out.reshape(t, h * hd)
-
-
-def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, window: int | None
-) -> torch.Tensor:
-    # One query per sequence: gather every context into a (B, Lmax) grid, mask the tail, one batched matmul.
-    b, h, hd = q.shape
-    kv_heads = k_cache.shape[2]
-    group = h // kv_heads
-    ctx = torch.tensor(meta.ctx_lens, dtype=torch.long)
-    lmax = int(ctx.max())
-    pos = torch.arange(lmax)  # (Lmax,)
-    width = max(len(t) for t in meta.block_tables)
-    tables = torch.zeros(b, width, dtype=torch.long)
-    for i, table in enumerate(meta.block_tables):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-    valid = pos[None, :] < ctx[:, None]  # (B, Lmax)
-    if window is not None:
-        valid &= (ctx[:, None] - 1 - pos[None, :]) < window
-    block_idx = torch.clamp(pos // meta.block_size, max=width - 1)
-    slots = tables[:, block_idx] * meta.block_size + pos % meta.block_size  # (B, Lmax)
-    slots = torch.where(valid, slots, torch.zeros_like(slots)).to(q.device)
-    k = k_cache.view(-1, kv_heads, hd)[slots]  # (B, Lmax, K, Hd)
-    v = v_cache.view(-1, kv_heads, hd)[slots]  # (B, Lmax, K, Hd)
-    qg = q.view(b, kv_heads, group, hd)  # (B, K, G, Hd)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k) / math.sqrt(hd)  # (B, K, G, Lmax)
-    scores = scores.masked_fill(~valid.to(q.device)[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, v)  # (B, K, G, Hd)
-    return out.reshape(b, h * hd)

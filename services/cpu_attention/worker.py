@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 
 import structlog
 import torch
 from prometheus_client import Counter, Gauge
 
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
-from moe_lightning.service.metrics import HANDOFFS, KV_USAGE, SHM_WAIT
+from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, KV_USAGE, SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm import (
     ChannelClosedError,
@@ -22,16 +21,10 @@ from moe_lightning.shm import (
     segment_name,
 )
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import AttentionMetadata, paged_attention, write_kv
+from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
 ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
-
-
-@dataclass(slots=True)
-class _MicroBatch:
-    meta: AttentionMetadata
-    slots: torch.Tensor
 
 
 class AttentionWorker:
@@ -56,7 +49,7 @@ class AttentionWorker:
         self._lock = threading.Lock()  # guards the cache between the loop and Release calls
         self._connected = threading.Condition()
         self._stop = threading.Event()
-        self._batches: dict[tuple[int, int], _MicroBatch] = {}
+        self._batches: dict[tuple[int, int], AttentionPlan] = {}
         self._thread = threading.Thread(target=self._run, name="attention-loop", daemon=True)
         self._update_gauges()
 
@@ -107,11 +100,14 @@ class AttentionWorker:
                 continue
             SHM_WAIT.inc(time.perf_counter() - t0)
             HANDOFFS.labels("in").inc()
+            HANDOFF_LATENCY.labels("in").inc(channel.last_latency_ns / 1e9)
+            HANDOFF_WORK.labels("in").inc(channel.last_work_ns / 1e9)
             reply, out = self._handle(meta, tensors)
             channel.release()
             try:
                 self.output.send(reply, out, timeout=30.0)
                 HANDOFFS.labels("out").inc()
+                HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
             except (PeerDiedError, ChannelClosedError, ChannelTimeoutError) as exc:
                 self.log.warning("output_lost", error=str(exc))
 
@@ -128,8 +124,8 @@ class AttentionWorker:
                 raise LookupError(f"step {meta['s']} micro-batch {meta['m']} was never started at layer 0")
             q, k, v = tensors
             with self._lock:
-                write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.slots)
-                out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb.meta, self.spec.sliding_window)
+                write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.write_slots)
+                out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb)
             if layer == self.spec.num_layers - 1:
                 del self._batches[key]
         except KVCacheFullError as exc:
@@ -145,7 +141,7 @@ class AttentionWorker:
         self.log.warning("attention_error", code=code, error=message)
         return {**reply, "error": message, "code": code}, []
 
-    def _begin(self, meta: dict) -> _MicroBatch:
+    def _begin(self, meta: dict) -> AttentionPlan:
         seqs, q_lens, starts = meta["seqs"], meta["q"], meta["p"]
         with self._lock:
             for s, p in zip(seqs, starts, strict=True):
@@ -155,7 +151,7 @@ class AttentionWorker:
                     )
             md = self.cache.append(seqs, q_lens)
             self._update_gauges()
-        return _MicroBatch(md, md.slot_mapping())
+        return plan_attention(md, self.spec.sliding_window)
 
     def stop(self) -> None:
         self._stop.set()

@@ -18,7 +18,7 @@ from moe_lightning.kv_cache import KVCacheFullError
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.sampling import SamplingParams, sample
 from moe_lightning.service.errors import NotReadyError, ServiceError
-from moe_lightning.service.metrics import HANDOFFS, SHM_WAIT
+from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
@@ -110,6 +110,7 @@ class ExpertRunner:
                     self.output.send(meta, [q, k, v], timeout=self.handoff_timeout)
                     outstanding += 1
                     HANDOFFS.labels("out").inc()
+                    HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
                     timings["pre_attention"] += t1 - t0
                     timings["handoff_send"] += time.perf_counter_ns() - t1
                 for m, st in enumerate(states):
@@ -117,6 +118,8 @@ class ExpertRunner:
                     reply, tensors = self.input.recv(timeout=self.handoff_timeout)
                     outstanding -= 1
                     HANDOFFS.labels("in").inc()
+                    HANDOFF_LATENCY.labels("in").inc(self.input.last_latency_ns / 1e9)
+                    HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
                     t1 = time.perf_counter_ns()
                     self._check_reply(reply, plan.step_id, layer_idx, m)
                     st.hidden, _ = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device))

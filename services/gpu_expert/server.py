@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
@@ -60,9 +61,12 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         return gpu_expert_pb2.ConnectResponse()
 
     def Step(self, request: gpu_expert_pb2.StepRequest, context: grpc.ServicerContext) -> gpu_expert_pb2.StepResponse:
+        t0 = time.perf_counter_ns()
         plan = step_plan_from_pb(request)
         with self._step_lock:
-            return step_output_to_pb(self.runner.step(plan))
+            out = self.runner.step(plan)
+        out.timings_ns["handler"] = time.perf_counter_ns() - t0  # the step plus its protobuf conversion
+        return step_output_to_pb(out)
 
 
 def build_parser() -> EnvDefaultsParser:
