@@ -44,7 +44,7 @@ demo-model: $(DEMO_MODEL)/config.json
 
 demo: install demo-model
 	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) \
-		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache
+		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache --show 3
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

@@ -92,9 +92,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, m: generation_pb2.GenerationInput, context: grpc.ServicerContext, sink: StreamSink | None = None
     ) -> Ticket:
         request = self.to_request(m)
-        structlog.contextvars.bind_contextvars(request_id=request.request_id)
         sched = self._sched()
-        ticket = sched.submit(request, sink)
+        with structlog.contextvars.bound_contextvars(request_id=request.request_id):
+            ticket = sched.submit(request, sink)
         context.add_callback(lambda: None if ticket.done.is_set() else sched.cancel(ticket))
         return ticket
 

@@ -214,3 +214,17 @@ def test_metrics_endpoints_have_the_series(stack: Stack, client: GenerationClien
     ):
         assert series in gpu, series
     assert "moe_lightning_weight_arena_bytes" in scrape("weight_store")
+
+
+def test_every_service_serves_health_and_reflection(stack: Stack) -> None:
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    for name, (_, service) in SERVICES.items():
+        channel = open_channel(stack.addresses[name])
+        try:
+            assert health_status(channel, "") == 1  # live
+            assert health_status(channel, service) == 1  # ready
+            listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+            assert {service, "grpc.health.v1.Health"} <= listed, name
+        finally:
+            channel.close()

@@ -27,6 +27,12 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda for gpu_expert")
     p.add_argument("--device-memory", default=None, help="gpu_expert's weight budget, e.g. 16GiB")
     p.add_argument("--kv-cache-memory", default="2GiB", help="host memory for cpu_attention's KV cache")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the weights in the arena (and on the device)",
+    )
     p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
     p.add_argument("--micro-batch-size", type=int, default=0, help="sequences per micro-batch (0 = whole batch)")
     p.add_argument("--run-id", default=None, help="names the shared-memory segments (default: per process)")

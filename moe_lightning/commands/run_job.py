@@ -26,6 +26,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--chunk-size", type=int, default=64, help="prompts per BatchGenerate call")
     p.add_argument("--in-flight", type=int, default=4, help="BatchGenerate calls in flight")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--show", type=int, default=0, help="print the first N prompts and their completions")
     add_stack_flags(p)
 
 
@@ -131,6 +132,9 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
         out = out.append_column(name, pa.array(col) if not isinstance(col, pa.Array) else col)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(out, args.output)
+    for row, r in list(zip(table.to_pylist(), done, strict=True))[: args.show]:
+        prompt = row.get("prompt") if row.get("prompt") is not None else row.get("prompt_ids")
+        sys.stdout.write(f"> {prompt!s:.70}\n  {r.text!r:.200}\n")
     generated = sum(r.completion_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
     lat = sorted(r.total_seconds for r in done)

