@@ -9,8 +9,7 @@ from pathlib import Path
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags
-from moe_lightning.service.logs import configure_logging
-from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.service.runtime import bootstrap
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.api import GenerationServicer
 from orchestrator.backend import Backend
@@ -46,14 +45,16 @@ def build_parser() -> EnvDefaultsParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = configure_logging("orchestrator", args.log_level, args.log_json or None)
-    runtime = ServiceRuntime(
-        SERVICE, args.address, args.metrics_port, args.metrics_host, grace_seconds=args.drain_seconds
-    )
     backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
     servicer = GenerationServicer()
-    runtime.add_service(generation_pb2_grpc.add_GenerationServicer_to_server, servicer, SERVICE)
-    runtime.start()
+    log, runtime = bootstrap(
+        args,
+        "orchestrator",
+        SERVICE,
+        generation_pb2_grpc.add_GenerationServicer_to_server,
+        servicer,
+        grace_seconds=args.drain_seconds,
+    )
     try:
         capacity = backend.connect(stop=runtime)
         assert backend.spec is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import tempfile
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -80,8 +81,11 @@ def run(args: argparse.Namespace) -> int:
     from moe_lightning.commands.up import stack_config
     from moe_lightning.launcher import Stack
 
-    stack = Stack(stack_config(args, port=0))
-    sys.stderr.write("starting the stack...\n")
+    config = stack_config(args, port=0)
+    if config.log_dir is None:  # keep the job's output readable; the services' logs go to files
+        config.log_dir = Path(tempfile.gettempdir()) / f"moe-lightning-{config.run_id}" / "logs"
+    stack = Stack(config)
+    sys.stderr.write(f"starting the stack (service logs in {config.log_dir})...\n")
     t0 = time.perf_counter()
     try:
         stack.start()

@@ -119,3 +119,30 @@ def _safe(fn: Callable[[], None], log: Any) -> None:
         fn()
     except Exception:
         log.exception("shutdown_hook_failed", hook=getattr(fn, "__name__", repr(fn)))
+
+
+def bootstrap(
+    args: Any,
+    owner: str,
+    service: str,
+    add_fn: Callable[[Any, grpc.Server], None],
+    servicer: Any,
+    grace_seconds: float = 10.0,
+) -> tuple[Any, ServiceRuntime]:
+    """What every service main does first: logging, torch threads, sweeping a dead predecessor's
+    segments, and a started (live, not yet ready) gRPC server with `servicer` registered."""
+    from moe_lightning.service.logs import configure_logging
+    from moe_lightning.shm import sweep_stale
+
+    log = configure_logging(owner, args.log_level, args.log_json or None)
+    threads = getattr(args, "threads", 0)
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+    for name in sweep_stale(args.run_id, owner=owner, at_startup=True):
+        log.warning("swept_stale_segment", name=name)
+    runtime = ServiceRuntime(service, args.address, args.metrics_port, args.metrics_host, grace_seconds=grace_seconds)
+    runtime.add_service(add_fn, servicer, service)
+    runtime.start()
+    return log, runtime

@@ -7,16 +7,13 @@ import sys
 from collections.abc import Sequence
 
 import grpc
-import torch
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.service.errors import NotReadyError
-from moe_lightning.service.logs import configure_logging
-from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
-from moe_lightning.shm import sweep_stale
 from services.cpu_attention.worker import AttentionWorker
 
 SERVICE = "moe_lightning.api.cpu_attention.v1.CpuAttention"
@@ -75,15 +72,10 @@ def build_parser() -> EnvDefaultsParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = configure_logging("cpu_attention", args.log_level, args.log_json or None)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    for name in sweep_stale(args.run_id, owner="cpu_attention", at_startup=True):
-        log.warning("swept_stale_segment", name=name)
-    runtime = ServiceRuntime(SERVICE, args.address, args.metrics_port, args.metrics_host)
     servicer = CpuAttentionServicer()
-    runtime.add_service(cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server, servicer, SERVICE)
-    runtime.start()
+    log, runtime = bootstrap(
+        args, "cpu_attention", SERVICE, cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server, servicer
+    )
     try:
         spec, _ = fetch_manifest(args.weight_store, stop=runtime)
     except Exception as exc:  # the stack cannot start without a model: report and exit

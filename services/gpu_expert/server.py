@@ -18,10 +18,9 @@ from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.service.convert import layout_from_pb, step_output_to_pb, step_plan_from_pb
 from moe_lightning.service.errors import NotReadyError
-from moe_lightning.service.logs import configure_logging
-from moe_lightning.service.runtime import ServiceRuntime
+from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
-from moe_lightning.shm import Segment, TensorChannel, segment_name, sweep_stale
+from moe_lightning.shm import Segment, TensorChannel, segment_name
 from services.gpu_expert.runner import ExpertRunner
 
 SERVICE = "moe_lightning.api.gpu_expert.v1.GpuExpert"
@@ -100,15 +99,8 @@ def _device_capacity(device: torch.device) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = configure_logging("gpu_expert", args.log_level, args.log_json or None)
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    for name in sweep_stale(args.run_id, owner="gpu_expert", at_startup=True):
-        log.warning("swept_stale_segment", name=name)
-    runtime = ServiceRuntime(SERVICE, args.address, args.metrics_port, args.metrics_host)
     servicer = GpuExpertServicer()
-    runtime.add_service(gpu_expert_pb2_grpc.add_GpuExpertServicer_to_server, servicer, SERVICE)
-    runtime.start()
+    log, runtime = bootstrap(args, "gpu_expert", SERVICE, gpu_expert_pb2_grpc.add_GpuExpertServicer_to_server, servicer)
     try:
         device = torch.device(args.device)
         spec, manifest = fetch_manifest(args.weight_store, stop=runtime)

@@ -13,9 +13,7 @@ from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
-from moe_lightning.service.logs import configure_logging
-from moe_lightning.service.runtime import ServiceRuntime
-from moe_lightning.shm import sweep_stale
+from moe_lightning.service.runtime import bootstrap
 from moe_lightning.spec import DTYPES, ModelSpec
 from services.weight_store.store import LoadReport, WeightArena
 
@@ -26,17 +24,17 @@ PAGES = Gauge("moe_lightning_weight_pages", "Pages (tensors) in the arena")
 
 
 class WeightStoreServicer(weight_store_pb2_grpc.WeightStoreServicer):
-    def __init__(self, arena: WeightArena, model_dir: Path) -> None:
-        self.arena = arena
+    def __init__(self, model_dir: Path) -> None:
         self.model_dir = model_dir
+        self.arena: WeightArena | None = None
         self.report: LoadReport | None = None
 
     def GetManifest(
         self, request: weight_store_pb2.GetManifestRequest, context: grpc.ServicerContext
     ) -> weight_store_pb2.GetManifestResponse:
-        if self.report is None:
-            raise NotReadyError("the weight arena is still loading; retry when health is SERVING")
         a = self.arena
+        if self.report is None or a is None:
+            raise NotReadyError("the weight arena is still loading; retry when health is SERVING")
         return weight_store_pb2.GetManifestResponse(
             region=a.segment.name,
             region_bytes=a.layout.total_bytes,
@@ -66,26 +64,20 @@ def build_parser() -> EnvDefaultsParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    log = configure_logging("weight_store", args.log_level, args.log_json or None)
-    for name in sweep_stale(args.run_id, owner="weight_store", at_startup=True):
-        log.warning("swept_stale_segment", name=name)
+    servicer = WeightStoreServicer(args.model)
+    log, runtime = bootstrap(
+        args, "weight_store", SERVICE, weight_store_pb2_grpc.add_WeightStoreServicer_to_server, servicer
+    )
     try:
         spec = ModelSpec.from_pretrained(args.model)
         arena = WeightArena(args.model, spec, args.dtype, None if args.no_cache else args.cache_dir, args.run_id)
-    except (ValueError, OSError) as exc:
-        log.error("startup_failed", error=str(exc))
-        return 1
-    runtime = ServiceRuntime(SERVICE, args.address, args.metrics_port, args.metrics_host)
-    servicer = WeightStoreServicer(arena, args.model)
-    runtime.add_service(weight_store_pb2_grpc.add_WeightStoreServicer_to_server, servicer, SERVICE)
-    runtime.on_shutdown(arena.close)
-    runtime.start()
-    try:
+        runtime.on_shutdown(arena.close)
         report = arena.load(progress=not args.no_progress)
     except (ValueError, OSError) as exc:
-        log.error("load_failed", error=str(exc))
+        log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
+    servicer.arena = arena
     servicer.report = report
     ARENA_BYTES.set(arena.layout.total_bytes)
     PAGES.set(len(arena.layout.pages))
