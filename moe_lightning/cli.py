@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from moe_lightning.commands import demo_model, generate, run_job, up
+from moe_lightning.commands import demo_model, generate, plan, run_job, up
 from moe_lightning.flags import EnvDefaultsParser
 
 COMMANDS = {
@@ -16,6 +16,7 @@ COMMANDS = {
     "generate": generate,
     "up": up,
     "run": run_job,
+    "plan": plan,
 }
 
 

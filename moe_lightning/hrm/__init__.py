@@ -1,0 +1,1 @@
+"""The Hierarchical Roofline Model: hardware profiles, the per-layer cost model, the policy search."""

@@ -1,0 +1,207 @@
+"""The per-layer decode cost model of the Hierarchical Roofline Model.
+
+Each resource has a roofline: time = max(flops / peak, bytes / bandwidth); data that crosses the
+host-device link pays bytes / link bandwidth. With CGOPipe overlapping the three resources, a layer
+takes as long as its slowest resource plus the pipeline fill (one micro-batch's share of the other
+compute resource); throughput is N / (L * that). When the "device" is the host
+itself (a CPU-only run) nothing overlaps: the device and host times add and there is no link.
+
+Symbols (design.md): h1 hidden, h2 expert intermediate, E experts, k top-k, nh/nkv heads, d head dim,
+s prompt length, n generation length, b bytes per weight, N batch, mu micro-batch, n_ub = N / mu.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.spec import ModelSpec
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ATTENTION_PLACES = ("cpu", "gpu")
+EXPERT_PLACES = ("gpu", "cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompt_len: float  # s: average prompt tokens
+    gen_len: int  # n: tokens generated per request
+
+    def __post_init__(self) -> None:
+        if self.prompt_len <= 0 or self.gen_len <= 0:
+            raise ValueError("prompt length and generation length must be positive")
+
+    @property
+    def avg_context(self) -> float:
+        """Average attended context over the decode: s + n/2."""
+        return self.prompt_len + self.gen_len / 2
+
+    @property
+    def max_context(self) -> float:
+        return self.prompt_len + self.gen_len
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    batch: int  # N sequences decoded per step
+    micro_batch: int  # mu sequences per micro-batch
+    attention: str = "cpu"  # where attention runs
+    experts: str = "gpu"  # where expert FFNs run
+    resident_experts: int = 0  # (layer, expert) pages kept on the device, of L * E (r_w = this / (L * E))
+    kv_gpu_fraction: float = 0.0  # r_c: share of the KV cache on the device (attention on GPU)
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
+            raise ValueError(f"batch ({self.batch}) must be a positive multiple of micro_batch ({self.micro_batch})")
+        if self.attention not in ATTENTION_PLACES or self.experts not in EXPERT_PLACES:
+            raise ValueError(f"attention in {ATTENTION_PLACES}, experts in {EXPERT_PLACES}")
+        if not 0.0 <= self.kv_gpu_fraction <= 1.0 or self.resident_experts < 0:
+            raise ValueError("kv_gpu_fraction in [0, 1], resident_experts >= 0")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.batch // self.micro_batch
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    gpu: float = 0.86  # usable share of device memory (the reference's value)
+    cpu: float = 0.80  # usable share of host memory
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    policy: Policy
+    stage_seconds: dict[str, float]  # per layer: what each resource spends, by stage
+    resource_seconds: dict[str, float]  # per layer: gpu, cpu, link (each resource's total)
+    layer_seconds: float
+    tokens_per_second: float
+    gpu_bytes: float
+    cpu_bytes: float
+    gpu_capacity: float
+    cpu_capacity: float
+    binding: str  # the resource with the largest time
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu_bytes <= self.gpu_capacity and self.cpu_bytes <= self.cpu_capacity
+
+
+def _roof(flops: float, nbytes: float, peak: float, bandwidth: float) -> float:
+    return max(flops / peak, nbytes / bandwidth)
+
+
+def distinct_experts(tokens: float, spec: ModelSpec) -> float:
+    """Expected experts touched by `tokens` tokens routing uniformly to top-k of E."""
+    e, k = spec.num_experts, spec.top_k
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def weight_bytes(spec: ModelSpec, b: int) -> dict[str, float]:
+    h1, h2, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    attn = h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
+    return {
+        "expert": 3 * h1 * h2 * b,  # one expert
+        "layer_experts": 3 * h1 * h2 * e * b,  # W_l
+        "layer_dense": (attn + e * h1 + 2 * h1) * b,
+        "embed_head": spec.vocab_size * h1 * b * (1 if spec.tie_word_embeddings else 2) + h1 * b,
+    }
+
+
+def estimate(
+    spec: ModelSpec,
+    work: Workload,
+    hw: HardwareProfile,
+    policy: Policy,
+    dtype: str | None = None,
+    headroom: Headroom = Headroom(),
+) -> Estimate:
+    b = DTYPE_BYTES[dtype or spec.dtype]
+    w = weight_bytes(spec, b)
+    n, mu = policy.batch, policy.micro_batch
+    n_ub = policy.num_micro_batches
+    h1, h2, k = spec.hidden_size, spec.intermediate_size, spec.top_k
+    layers = spec.num_layers
+    ctx = work.avg_context
+    kv_per_token_layer = 2 * spec.kv_size * b
+    total_experts = layers * spec.num_experts
+    resident = min(policy.resident_experts, total_experts) if policy.experts == "gpu" else 0
+    streamed = (total_experts - resident) / layers  # per layer, on average
+    buffered = math.ceil(streamed)  # the double buffer holds the most any layer streams
+
+    # --- device: dense projections, router, (experts), (attention), head amortised per layer -----
+    dense_flops = 2 * n * (h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1 + h1 * spec.num_experts)
+    dense_bytes = n_ub * w["layer_dense"]  # every micro-batch re-reads the dense weights
+    stages: dict[str, float] = {}
+    stages["gpu_dense"] = _roof(dense_flops, dense_bytes, hw.gpu_flops, hw.gpu_bandwidth)
+    expert_flops = 2 * n * k * 3 * h1 * h2
+    if policy.experts == "gpu":
+        touched = n_ub * distinct_experts(mu, spec) * w["expert"]
+        stages["gpu_experts"] = _roof(expert_flops, touched, hw.gpu_flops, hw.gpu_bandwidth)
+    else:
+        touched = distinct_experts(n, spec) * w["expert"]  # the host reads each needed expert once a step
+        stages["cpu_experts"] = _roof(expert_flops, touched, hw.cpu_flops, hw.cpu_bandwidth)
+    attn_flops = 4 * n * ctx * spec.q_size
+    kv_bytes = n * ctx * kv_per_token_layer
+    if policy.attention == "cpu":
+        stages["cpu_attention"] = _roof(attn_flops, kv_bytes, hw.cpu_flops, hw.cpu_bandwidth)
+    else:
+        stages["gpu_attention"] = _roof(attn_flops, kv_bytes, hw.gpu_flops, hw.gpu_bandwidth)
+    head_flops = 2 * n * h1 * spec.vocab_size
+    stages["gpu_head"] = _roof(head_flops, spec.vocab_size * h1 * b, hw.gpu_flops, hw.gpu_bandwidth) / layers
+
+    # --- link: streamed experts, activations to/from CPU stages, KV when attention is on GPU ------
+    link = 0.0
+    if not hw.shared_host_device:
+        if policy.experts == "gpu":
+            stages["link_weights"] = streamed * w["expert"] / hw.h2d_bandwidth
+        else:
+            stages["link_experts_io"] = 2 * n * h1 * b / hw.h2d_bandwidth
+        if policy.attention == "cpu":
+            stages["link_qkv"] = n * (spec.q_size + 2 * spec.kv_size) * b / hw.d2h_bandwidth
+            stages["link_attn_out"] = n * spec.q_size * b / hw.h2d_bandwidth
+        else:
+            stages["link_kv"] = (1 - policy.kv_gpu_fraction) * kv_bytes / hw.h2d_bandwidth
+        link = sum(v for s, v in stages.items() if s.startswith("link_"))
+
+    gpu = sum(v for s, v in stages.items() if s.startswith("gpu_"))
+    cpu = sum(v for s, v in stages.items() if s.startswith("cpu_"))
+    resources = {"gpu": gpu, "cpu": cpu, "link": link}
+    # Shared host/device: one set of cores and one memory, nothing overlaps. Otherwise CGOPipe hides
+    # the smaller of CPU and GPU work behind the other only across micro-batches: one micro-batch's
+    # share of it stays exposed (pipeline fill), all of it when n_ub = 1.
+    fill = (gpu + cpu - max(gpu, cpu)) / n_ub
+    layer = gpu + cpu if hw.shared_host_device else max(gpu, cpu, link) + fill
+    binding = max(resources, key=lambda r: resources[r])
+
+    # --- memory -----------------------------------------------------------------------------
+    all_experts = layers * w["layer_experts"]
+    dense_all = layers * w["layer_dense"] + w["embed_head"]
+    kv_total = n * work.max_context * kv_per_token_layer * layers
+    activations = mu * (4 * h1 + spec.q_size + 2 * spec.kv_size + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
+    gpu_bytes = dense_all + activations
+    if policy.experts == "gpu":
+        gpu_bytes += resident * w["expert"]
+        if buffered and not hw.shared_host_device:
+            gpu_bytes += 2 * buffered * w["expert"]  # double buffer for one layer's streamed experts
+    if policy.attention == "gpu":
+        gpu_bytes += policy.kv_gpu_fraction * kv_total + mu * work.max_context * kv_per_token_layer
+    cpu_bytes = all_experts + dense_all + (1 - policy.kv_gpu_fraction) * kv_total
+    cpu_bytes += n * (spec.q_size * 2 + 2 * spec.kv_size) * b * 2  # staging for hand-offs
+    if hw.shared_host_device:  # one memory: count it once, against the host
+        cpu_bytes += activations + (policy.kv_gpu_fraction * kv_total if policy.attention == "gpu" else 0)
+        gpu_bytes = cpu_bytes
+    return Estimate(
+        policy=policy,
+        stage_seconds=stages,
+        resource_seconds=resources,
+        layer_seconds=layer,
+        tokens_per_second=n / (layer * layers) if layer > 0 else float("inf"),
+        gpu_bytes=gpu_bytes,
+        cpu_bytes=cpu_bytes,
+        gpu_capacity=headroom.gpu * (hw.cpu_memory if hw.shared_host_device else hw.gpu_memory),
+        cpu_capacity=headroom.cpu * hw.cpu_memory,
+        binding=binding,
+    )

@@ -1,0 +1,73 @@
+"""A plan in words (what bounds it, how far from each roof) and as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_lightning.hrm.costmodel import Estimate, Workload
+from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.spec import ModelSpec
+
+ROOF_NAMES = {"gpu": "device compute/HBM roof", "cpu": "host compute/DRAM roof", "link": "host-device link roof"}
+
+
+def plan_to_dict(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate) -> dict[str, Any]:
+    p = est.policy
+    return {
+        "model": name,
+        "parameters": spec.num_parameters(),
+        "hardware": hw.name,
+        "prompt_len": work.prompt_len,
+        "gen_len": work.gen_len,
+        "policy": {
+            "batch_size": p.batch,
+            "micro_batch_size": p.micro_batch,
+            "num_micro_batches": p.num_micro_batches,
+            "attention": p.attention,
+            "experts": p.experts,
+            "resident_experts": p.resident_experts,
+            "resident_fraction": p.resident_experts / (spec.num_experts * spec.num_layers),
+            "kv_gpu_fraction": p.kv_gpu_fraction,
+        },
+        "predicted_decode_tokens_per_second": est.tokens_per_second,
+        "layer_seconds": est.layer_seconds,
+        "stage_seconds_per_layer": est.stage_seconds,
+        "resource_seconds_per_layer": est.resource_seconds,
+        "binding_resource": est.binding,
+        "memory_bytes": {
+            "gpu": est.gpu_bytes,
+            "gpu_capacity": est.gpu_capacity,
+            "cpu": est.cpu_bytes,
+            "cpu_capacity": est.cpu_capacity,
+        },
+    }
+
+
+def explain(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate) -> str:
+    p = est.policy
+    ms = {k: 1e3 * v for k, v in est.resource_seconds.items()}
+    lines = [
+        f"{name} ({spec.num_parameters() / 1e9:.1f} B parameters, {spec.dtype}) on {hw.name}: "
+        f"prompt {work.prompt_len:g} tokens, {work.gen_len} generated",
+        f"policy     batch {p.batch} = {p.num_micro_batches} micro-batches x {p.micro_batch}; attention on "
+        f"{p.attention}, experts on {p.experts}; {p.resident_experts} of {spec.num_experts * spec.num_layers} "
+        f"expert pages resident on the device"
+        + (f"; {p.kv_gpu_fraction:.0%} of the KV cache on the device" if p.attention == "gpu" else ""),
+        f"predicted  {est.tokens_per_second:,.1f} decode tokens/s ({1e3 * est.layer_seconds:.2f} ms per layer, "
+        f"{1e3 * est.layer_seconds * spec.num_layers:.0f} ms per step)",
+        "per layer  "
+        + " | ".join(
+            f"{r} {ms[r]:.2f} ms ("
+            + ", ".join(
+                f"{s.split('_', 1)[1]} {1e3 * v:.2f}" for s, v in est.stage_seconds.items() if s.startswith(r + "_")
+            )
+            + ")"
+            for r in ("gpu", "cpu", "link")
+            if ms[r] > 0
+        ),
+        f"bound by   {est.binding}: the {ROOF_NAMES[est.binding]}; "
+        + ", ".join(f"{r} busy {ms[r] / ms[est.binding]:.0%} of it" for r in ms if r != est.binding and ms[r] > 0),
+        f"memory     device {est.gpu_bytes / 1e9:.1f} of {est.gpu_capacity / 1e9:.1f} GB usable, host "
+        f"{est.cpu_bytes / 1e9:.1f} of {est.cpu_capacity / 1e9:.1f} GB usable",
+    ]
+    return "\n".join(lines)

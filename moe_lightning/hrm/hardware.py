@@ -1,0 +1,110 @@
+"""Hardware profiles: the roofs the cost model needs, from presets or a JSON file.
+
+Presets: t4 and l4 carry the MoE-Lightning reference code's constants (T4: 15 GB usable,
+300 GB/s, 65 TFLOP/s fp16; L4: 24 GB, 300 GB/s, 104 TFLOP/s; PCIe 16 GB/s; the paper's hosts:
+CPU DRAM ~100 GB/s, ~1.6 TFLOP/s, 192 GB). The others use datasheet numbers (dense fp16/bf16 tensor
+FLOP/s, HBM bandwidth, capacity) with a PCIe Gen4 (a100) or Gen5 (h100, h200) x16 link at ~80 % of
+its raw rate, and a 2-socket server host.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareProfile:
+    name: str
+    gpu_flops: float  # peak matmul FLOP/s in the serving dtype (per GPU)
+    gpu_bandwidth: float  # device memory bytes/s (per GPU)
+    gpu_memory: float  # device memory bytes (per GPU)
+    cpu_flops: float  # host FLOP/s for attention / CPU experts
+    cpu_bandwidth: float  # host DRAM bytes/s
+    cpu_memory: float  # host memory bytes
+    h2d_bandwidth: float  # host -> device bytes/s (pinned, per GPU)
+    d2h_bandwidth: float  # device -> host bytes/s (per GPU)
+    shared_host_device: bool = False  # the "device" is the host itself (CPU-only run): no overlap, no link
+    source: str = "preset"
+
+    def __post_init__(self) -> None:
+        for field in (
+            "gpu_flops",
+            "gpu_bandwidth",
+            "gpu_memory",
+            "cpu_flops",
+            "cpu_bandwidth",
+            "cpu_memory",
+            "h2d_bandwidth",
+            "d2h_bandwidth",
+        ):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"hardware profile {self.name!r}: {field} must be positive")
+
+    def scaled(self, **factors: float) -> HardwareProfile:
+        """A copy with some roofs multiplied (for calibration corrections and what-if tests)."""
+        return replace(self, **{k: getattr(self, k) * v for k, v in factors.items()})
+
+    def with_gpus(self, n: int) -> HardwareProfile:
+        """n GPUs in tensor parallel: per-GPU roofs and capacities add up (each GPU has its own link)."""
+        if n < 1:
+            raise ValueError(f"--gpus must be >= 1, got {n}")
+        if n == 1:
+            return self
+        p = self.scaled(gpu_flops=n, gpu_bandwidth=n, gpu_memory=n, h2d_bandwidth=n, d2h_bandwidth=n)
+        return replace(p, name=f"{n}x{self.name}")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> HardwareProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**{**data, "source": str(path)})
+        except (OSError, json.JSONDecodeError, TypeError) as exc:
+            raise ValueError(f"{path}: not a hardware profile ({exc})") from exc
+
+
+def _host(memory_gb: float, bandwidth_gbs: float, tflops: float) -> dict[str, float]:
+    return {"cpu_memory": memory_gb * GB, "cpu_bandwidth": bandwidth_gbs * GB, "cpu_flops": tflops * TFLOPS}
+
+
+PRESETS: dict[str, HardwareProfile] = {
+    # The reference code's constants (design.md): usable memory, HBM, fp16 peak, PCIe 16 GB/s.
+    "t4": HardwareProfile(
+        "t4", 65 * TFLOPS, 300 * GB, 15 * GB, **_host(192, 100, 1.6), h2d_bandwidth=16 * GB, d2h_bandwidth=16 * GB
+    ),
+    "l4": HardwareProfile(
+        "l4", 104 * TFLOPS, 300 * GB, 24 * GB, **_host(192, 100, 1.6), h2d_bandwidth=16 * GB, d2h_bandwidth=16 * GB
+    ),
+    # Datasheets: A100 40GB SXM 312 TFLOP/s bf16, 1555 GB/s; H100 SXM 989, 3350 GB/s, 80 GB;
+    # H200 989, 4800 GB/s, 141 GB. Links at ~80 % of PCIe Gen4 (32 GB/s) / Gen5 (64 GB/s) x16.
+    "a100-40g": HardwareProfile(
+        "a100-40g",
+        312 * TFLOPS,
+        1555 * GB,
+        40 * GB,
+        **_host(512, 200, 3.0),
+        h2d_bandwidth=25 * GB,
+        d2h_bandwidth=25 * GB,
+    ),
+    "h100": HardwareProfile(
+        "h100", 989 * TFLOPS, 3350 * GB, 80 * GB, **_host(1024, 300, 5.0), h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB
+    ),
+    "h200": HardwareProfile(
+        "h200", 989 * TFLOPS, 4800 * GB, 141 * GB, **_host(1024, 300, 5.0), h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB
+    ),
+}
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    if Path(name_or_path).is_file():
+        return HardwareProfile.from_file(name_or_path)
+    raise ValueError(f"unknown hardware {name_or_path!r}: use one of {', '.join(PRESETS)} or a profile JSON file")

@@ -1,0 +1,153 @@
+"""The policy search: the highest predicted decode throughput that fits both memories.
+
+Search space (design.md): attention on CPU or GPU, experts on GPU or CPU, micro-batch mu in
+{1, 2, 3, 4, 32, 64, ...}, number of micro-batches n_ub (N = mu * n_ub), experts resident on the
+device (whole experts per layer, 0..E), share of the KV cache on the device (attention on GPU).
+Device memory grows (nearly) linearly with the resident experts and throughput never falls with
+more of them, so the largest count that fits is solved in closed form instead of searched;
+everything else is enumerated on a grid.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from moe_lightning.hrm.costmodel import Estimate, Headroom, Policy, Workload, estimate
+from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.spec import ModelSpec
+
+KV_GPU_FRACTIONS = (0.0, 0.5, 1.0)
+
+
+def micro_batch_sizes(limit: int) -> list[int]:
+    return [m for m in (1, 2, 3, 4, *range(32, limit + 1, 32)) if m <= limit]
+
+
+def micro_batch_counts(limit: int) -> list[int]:
+    """1..32 densely, then geometric steps of ~12 %: the throughput curve is smooth there."""
+    out = list(range(1, min(limit, 32) + 1))
+    x = 32.0
+    while True:
+        x *= 1.12
+        if int(x) > limit:
+            break
+        if int(x) != out[-1]:
+            out.append(int(x))
+    if limit > 32 and out[-1] != limit:
+        out.append(limit)
+    return out
+
+
+def _better(a: Estimate, b: Estimate | None) -> bool:
+    if b is None:
+        return True
+    if not math.isclose(a.tokens_per_second, b.tokens_per_second, rel_tol=1e-9):
+        return a.tokens_per_second > b.tokens_per_second
+    return a.policy.batch < b.policy.batch  # same speed: the smaller batch (less memory, latency)
+
+
+def best_resident(
+    spec: ModelSpec, work: Workload, hw: HardwareProfile, base: Policy, dtype: str | None, headroom: Headroom
+) -> Estimate | None:
+    """The policy with the most resident experts that fits (memory is linear in that count)."""
+    from dataclasses import replace
+
+    if base.experts == "cpu":
+        est = estimate(spec, work, hw, base, dtype, headroom)
+        return est if est.fits else None
+    e = spec.num_experts * spec.num_layers
+    low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom)
+    if low.cpu_bytes > low.cpu_capacity:
+        return None
+    high = estimate(spec, work, hw, replace(base, resident_experts=e), dtype, headroom)
+    if high.gpu_bytes <= high.gpu_capacity:
+        return high
+    slope = (high.gpu_bytes - low.gpu_bytes) / e
+    if low.gpu_bytes > low.gpu_capacity:
+        if slope >= 0:
+            return None
+        j = math.ceil((low.gpu_bytes - low.gpu_capacity) / -slope)
+    else:
+        j = e if slope <= 0 else int((low.gpu_capacity - low.gpu_bytes) / slope)
+    j = max(0, min(e, j))
+    # the double buffer shrinks in whole experts, so memory is only nearly linear: step down to a fit
+    while j >= 0:
+        est = estimate(spec, work, hw, replace(base, resident_experts=j), dtype, headroom)
+        if est.fits:
+            return est
+        j -= 1
+    return None
+
+
+def max_batch(
+    spec: ModelSpec, work: Workload, hw: HardwareProfile, dtype: str | None, headroom: Headroom, cap: int
+) -> int:
+    """The largest N whose KV cache and weights fit in host memory (attention on CPU), at most cap."""
+    probe = estimate(spec, work, hw, Policy(1, 1), dtype, headroom)
+    per_seq = estimate(spec, work, hw, Policy(2, 1), dtype, headroom).cpu_bytes - probe.cpu_bytes
+    room = probe.cpu_capacity - probe.cpu_bytes
+    if room < 0:
+        return 0
+    return int(min(cap, 1 + room // max(per_seq, 1.0)))
+
+
+def optimize(
+    spec: ModelSpec,
+    work: Workload,
+    hw: HardwareProfile,
+    dtype: str | None = None,
+    headroom: Headroom = Headroom(),  # noqa: B008 (frozen)
+    batch_cap: int = 8192,
+    attention: Iterable[str] = ("cpu", "gpu"),
+    experts: Iterable[str] = ("gpu", "cpu"),
+    mus: Iterable[int] | None = None,
+    n_ubs: Iterable[int] | None = None,
+) -> Estimate:
+    """The best fitting policy; raises ValueError when nothing fits (the message says why).
+
+    `mus` / `n_ubs` replace the default grids (tests compare against brute force on small ones).
+    """
+    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap)
+    if n_max < 1:
+        raise ValueError(
+            f"the weights alone ({spec.num_parameters() / 1e9:.1f} B parameters) do not fit in "
+            f"{headroom.cpu:.0%} of host memory ({hw.cpu_memory / 1e9:.0f} GB)"
+        )
+    best: Estimate | None = None
+    attention, experts = tuple(attention), tuple(experts)
+    for mu in micro_batch_sizes(n_max) if mus is None else [m for m in mus if m <= n_max]:
+        for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
+            for att in attention:
+                for exp in experts:
+                    for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
+                        base = Policy(mu * n_ub, mu, att, exp, 0, r_c)
+                        est = best_resident(spec, work, hw, base, dtype, headroom)
+                        if est is not None and _better(est, best):
+                            best = est
+    if best is None:
+        raise ValueError("no policy fits: the dense weights and one micro-batch exceed device memory")
+    return best
+
+
+def brute_force(
+    spec: ModelSpec,
+    work: Workload,
+    hw: HardwareProfile,
+    mus: Iterable[int],
+    n_ubs: Iterable[int],
+    dtype: str | None = None,
+    headroom: Headroom = Headroom(),  # noqa: B008
+) -> Estimate | None:
+    """Every policy on the given grid, every resident count: the reference the tests compare with."""
+    best = None
+    for mu in mus:
+        for n_ub in n_ubs:
+            for att in ("cpu", "gpu"):
+                for exp in ("gpu", "cpu"):
+                    for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
+                        for j in range(spec.num_layers * spec.num_experts + 1) if exp == "gpu" else (0,):
+                            est = estimate(spec, work, hw, Policy(mu * n_ub, mu, att, exp, j, r_c), dtype, headroom)
+                            if est.fits and _better(est, best):
+                                best = est
+    return best

@@ -1,0 +1,125 @@
+"""The hierarchical roofline model: properties of the cost model and the policy search."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+
+from moe_lightning.demo_model import mixtral_config
+from moe_lightning.hrm.archs import ARCHS
+from moe_lightning.hrm.costmodel import Policy, Workload, estimate
+from moe_lightning.hrm.hardware import GB, PRESETS, HardwareProfile, load_profile
+from moe_lightning.hrm.optimizer import brute_force, optimize
+from moe_lightning.spec import ModelSpec
+
+SMALL = ModelSpec.from_hf_config(mixtral_config("tiny"))  # 2 layers x 4 experts: brute force is cheap
+# A machine scaled to SMALL so that both memories and all three roofs matter.
+TOY = HardwareProfile(
+    "toy",
+    gpu_flops=2e9,
+    gpu_bandwidth=4e9,
+    gpu_memory=3.0e6,
+    cpu_flops=4e8,
+    cpu_bandwidth=1e9,
+    cpu_memory=40e6,
+    h2d_bandwidth=2e8,
+    d2h_bandwidth=2e8,
+)
+WORK = Workload(24, 16)
+
+
+def test_optimizer_equals_brute_force_on_small_grids() -> None:
+    mus, n_ubs = [1, 2, 3, 4, 8], [1, 2, 3, 5, 8]
+    for hw in (TOY, TOY.scaled(gpu_memory=0.5), TOY.scaled(h2d_bandwidth=20), TOY.scaled(cpu_bandwidth=0.1)):
+        best = optimize(SMALL, WORK, hw, "float32", mus=mus, n_ubs=n_ubs)
+        ref = brute_force(SMALL, WORK, hw, mus, n_ubs, "float32")
+        assert ref is not None
+        assert best.tokens_per_second == pytest.approx(ref.tokens_per_second, rel=1e-12), hw
+        # ties in throughput may differ only in how many experts are resident (memory that is free anyway)
+        assert replace(best.policy, resident_experts=0) == replace(ref.policy, resident_experts=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("hw", ["t4", "h100"])
+def test_more_device_memory_or_link_bandwidth_never_lowers_throughput(arch: str, hw: str) -> None:
+    spec, base = ARCHS[arch], PRESETS[hw].scaled(cpu_memory=416e9 / PRESETS[hw].cpu_memory)
+    work = Workload(77, 64)
+    previous = optimize(spec, work, base).tokens_per_second
+    for factor in (2.0, 8.0):
+        more_mem = optimize(spec, work, base.scaled(gpu_memory=factor)).tokens_per_second
+        more_link = optimize(spec, work, base.scaled(h2d_bandwidth=factor, d2h_bandwidth=factor)).tokens_per_second
+        assert more_mem >= previous * (1 - 1e-9) and more_link >= previous * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("gen", [32, 256])
+def test_returned_policy_fits_both_memories_and_names_the_binding_resource(arch: str, gen: int) -> None:
+    hw = PRESETS["t4"].with_gpus(4).scaled(cpu_memory=416e9 / 192e9)
+    est = optimize(ARCHS[arch], Workload(77, gen), hw)
+    assert est.fits
+    assert est.gpu_bytes <= est.gpu_capacity and est.cpu_bytes <= est.cpu_capacity
+    assert est.binding == max(est.resource_seconds, key=est.resource_seconds.get)
+    assert est.layer_seconds >= max(est.resource_seconds.values())
+
+
+def test_cost_model_terms() -> None:
+    """The link streams exactly the non-resident experts; attention bytes are the KV read."""
+    spec, hw = ARCHS["mixtral-8x7b"], PRESETS["t4"]
+    work = Workload(77, 32)
+    expert = 3 * 4096 * 14336 * 2
+    est = estimate(spec, work, hw, Policy(64, 16, resident_experts=32))  # one expert per layer resident
+    assert est.stage_seconds["link_weights"] == pytest.approx(7 * expert / hw.h2d_bandwidth)
+    kv = 64 * work.avg_context * 2 * 8 * 128 * 2
+    assert est.stage_seconds["cpu_attention"] == pytest.approx(kv / hw.cpu_bandwidth)
+    on_gpu = estimate(spec, work, hw, Policy(64, 16, attention="gpu", kv_gpu_fraction=0.0))
+    assert on_gpu.stage_seconds["link_kv"] == pytest.approx(kv / hw.h2d_bandwidth)
+    assert on_gpu.stage_seconds["link_kv"] > est.stage_seconds["cpu_attention"]  # why attention lives on the CPU
+    shared = replace(hw, shared_host_device=True)
+    one = estimate(spec, work, shared, Policy(64, 16))
+    assert one.resource_seconds["link"] == 0 and one.layer_seconds == pytest.approx(
+        one.resource_seconds["gpu"] + one.resource_seconds["cpu"]
+    )
+
+
+def test_nothing_fits_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="do not fit in 80% of host memory"):
+        optimize(ARCHS["mixtral-8x22b"], Workload(77, 32), PRESETS["t4"])
+
+
+def test_mixtral_8x22b_plans_in_under_a_second() -> None:
+    hw = PRESETS["t4"].with_gpus(4).scaled(cpu_memory=416e9 / 192e9)
+    t0 = time.perf_counter()
+    optimize(ARCHS["mixtral-8x22b"], Workload(77, 32), hw)
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_profiles_load_from_presets_and_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "box.json"
+    path.write_text(PRESETS["l4"].to_json())
+    assert load_profile(str(path)).gpu_memory == 24 * GB
+    with pytest.raises(ValueError, match="unknown hardware 'tpu'"):
+        load_profile("tpu")
+    assert PRESETS["t4"].with_gpus(4).gpu_memory == 4 * PRESETS["t4"].gpu_memory
+
+
+def test_plan_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    def plan(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "moe_lightning.cli", "plan", *args], capture_output=True, text=True, timeout=60
+        )
+
+    r = plan("--arch", "mixtral-8x7b", "--hardware", "t4", "--prompt-len", "77", "--gen-len", "32", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["policy"]["attention"] == "cpu" and out["policy"]["experts"] == "gpu"
+    assert out["binding_resource"] in ("gpu", "cpu", "link") and out["predicted_decode_tokens_per_second"] > 0
+    text = plan("--arch", "dbrx", "--hardware", "t4", "--gpus", "4", "--host-memory", "416GB")
+    assert text.returncode == 0, text.stderr
+    assert "bound by" in text.stdout and "policy" in text.stdout
+    bad = plan("--arch", "gpt5", "--hardware", "t4")
+    assert bad.returncode == 2 and "unknown --arch" in bad.stderr
