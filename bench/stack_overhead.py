@@ -16,37 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-import torch
+from stackrun import random_prompts, run_batch
 
 from moe_lightning.checkpoint import load_model_weights
-from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.engine import InProcessEngine
-from moe_lightning.launcher import Stack, StackConfig
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
-        if m:
-            out[m[1]] = float(m[2])
-    return out
-
-
-def prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    return [[1, *torch.randint(3, vocab, (prompt_len - 1,), generator=g).tolist()] for _ in range(batch)]
 
 
 def in_process(model: Path, batch: list[list[int]], gen: int) -> dict[str, float]:
@@ -62,33 +41,8 @@ def in_process(model: Path, batch: list[list[int]], gen: int) -> dict[str, float
 
 
 def stack(model: Path, batch: list[list[int]], gen: int, run_id: str, threads: int) -> dict[str, float]:
-    cfg = StackConfig(
-        model=model,
-        run_id=run_id,
-        port=0,
-        max_batch_size=len(batch),
-        kv_cache_memory="4GiB",
-        log_dir=Path(f"/tmp/moe-lightning-bench-{run_id}"),
-        cache_dir=model.parent / "arena-cache",
-        threads={"gpu_expert": threads, "cpu_attention": threads} if threads else {},
-    )
-    s = Stack(cfg)
-    s.start()
-    try:
-        ep = s.endpoints()
-        with GenerationClient(s.api_address, timeout=3600) as c:
-            c.batch_generate([Prompt(token_ids=batch[0][:8], max_new_tokens=2, ignore_eos=True)])  # warm-up
-            before = {n: scrape(ep[n]["metrics"]) for n in ("orchestrator", "gpu_expert", "cpu_attention")}
-            t0 = time.perf_counter()
-            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=gen, ignore_eos=True) for p in batch])
-            wall = time.perf_counter() - t0
-            after = {n: scrape(ep[n]["metrics"]) for n in ("orchestrator", "gpu_expert", "cpu_attention")}
-    finally:
-        s.stop()
-
-    def delta(svc: str, key: str) -> float:
-        return after[svc].get(key, 0.0) - before[svc].get(key, 0.0)
-
+    run = run_batch(model, batch, gen, run_id, threads)
+    done, wall, delta = run.done, run.wall_seconds, run.delta
     steps = delta("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}')
     step_s = delta("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
     generated = sum(d.completion_tokens for d in done)
@@ -137,7 +91,7 @@ def main() -> int:
         sys.stderr.write(f"building the bench demo model in {args.model}...\n")
         write_demo_model(args.model, "bench")
     spec = ModelSpec.from_pretrained(args.model)
-    batch = prompts(args.batch, args.prompt_len, spec.vocab_size)
+    batch = random_prompts(args.batch, args.prompt_len, spec.vocab_size)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     local = in_process(args.model, batch, args.gen)
     remote = stack(args.model, batch, args.gen, f"bench{os.getpid()}", args.threads)

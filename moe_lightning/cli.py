@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from moe_lightning.commands import demo_model, generate, plan, run_job, up
+from moe_lightning.commands import demo_model, generate, plan, profile, run_job, up
 from moe_lightning.flags import EnvDefaultsParser
 
 COMMANDS = {
@@ -17,6 +17,7 @@ COMMANDS = {
     "up": up,
     "run": run_job,
     "plan": plan,
+    "profile": profile,
 }
 
 

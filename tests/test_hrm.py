@@ -123,3 +123,19 @@ def test_plan_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "bound by" in text.stdout and "policy" in text.stdout
     bad = plan("--arch", "gpt5", "--hardware", "t4")
     assert bad.returncode == 2 and "unknown --arch" in bad.stderr
+
+
+def test_calibration_measures_positive_roofs_and_caches(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from moe_lightning.hrm.calibrate import cached_profile
+
+    first = cached_profile(SMALL, "cpu", cache_dir=tmp_path)
+    assert first.shared_host_device and first.source == "calibrated"
+    for roof in ("gpu_flops", "gpu_bandwidth", "cpu_flops", "cpu_bandwidth", "h2d_bandwidth", "cpu_memory"):
+        assert getattr(first, roof) > 0, roof
+    assert 1e8 < first.gpu_flops < 1e15  # a real matmul rate, not a default
+    cached = list(tmp_path.glob("*.json"))
+    assert len(cached) == 1
+    again = cached_profile(SMALL, "cpu", cache_dir=tmp_path)
+    assert again.gpu_flops == first.gpu_flops and again.source == str(cached[0])  # read back, not re-measured
+    plan = optimize(SMALL, WORK, again, "float32", batch_cap=64)
+    assert plan.policy.attention == "cpu" and plan.resource_seconds["link"] == 0

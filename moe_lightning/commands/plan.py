@@ -16,7 +16,12 @@ def add_parser(sub: Any, name: str) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", type=Path, help="HF checkpoint directory (its config.json)")
     what.add_argument("--arch", help="mixtral-8x7b, mixtral-8x22b or dbrx")
-    p.add_argument("--hardware", default="t4", help="t4, l4, a100-40g, h100, h200, or a profile JSON file")
+    p.add_argument(
+        "--hardware",
+        default="t4",
+        help="t4, l4, a100-40g, h100, h200, a profile JSON file, or calibrate (this machine, cached)",
+    )
+    p.add_argument("--device", default="cpu", help="with --hardware calibrate: the device to measure")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in tensor parallel")
     p.add_argument("--host-memory", type=parse_size, default=None, help="override the profile's host memory")
     p.add_argument("--prompt-len", type=float, default=77, help="average prompt tokens (MT-Bench: 77)")
@@ -41,11 +46,17 @@ def run(args: argparse.Namespace) -> int:
         spec, name = ARCHS[args.arch], args.arch
     else:
         spec, name = ModelSpec.from_pretrained(args.model), str(args.model)
-    hw = load_profile(args.hardware).with_gpus(args.gpus)
+    if args.hardware == "calibrate":
+        from moe_lightning.hrm.calibrate import cached_profile
+
+        hw = cached_profile(spec, args.device).with_gpus(args.gpus)
+    else:
+        hw = load_profile(args.hardware).with_gpus(args.gpus)
     if args.host_memory is not None:
         hw = hw.scaled(cpu_memory=args.host_memory / hw.cpu_memory)
     work = Workload(args.prompt_len, args.gen_len)
-    est = optimize(spec, work, hw, args.dtype)
+    dtype = args.dtype or ("float32" if hw.shared_host_device else None)  # CPU compute runs fp32
+    est = optimize(spec, work, hw, dtype)
     if args.json:
         sys.stdout.write(json.dumps(plan_to_dict(name, spec, work, hw, est)) + "\n")
     else:

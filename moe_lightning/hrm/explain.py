@@ -65,8 +65,9 @@ def explain(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est
             for r in ("gpu", "cpu", "link")
             if ms[r] > 0
         ),
-        f"bound by   {est.binding}: the {ROOF_NAMES[est.binding]}; "
-        + ", ".join(f"{r} busy {ms[r] / ms[est.binding]:.0%} of it" for r in ms if r != est.binding and ms[r] > 0),
+        f"bound by   {est.binding}: the {ROOF_NAMES[est.binding]}"
+        + "".join(f"; {r} busy {ms[r] / ms[est.binding]:.0%} of it" for r in ms if r != est.binding and ms[r] > 0)
+        + ("; host and device are the same cores here, so their times add" if hw.shared_host_device else ""),
         f"memory     device {est.gpu_bytes / 1e9:.1f} of {est.gpu_capacity / 1e9:.1f} GB usable, host "
         f"{est.cpu_bytes / 1e9:.1f} of {est.cpu_capacity / 1e9:.1f} GB usable",
     ]

@@ -116,6 +116,8 @@ def optimize(
         )
     best: Estimate | None = None
     attention, experts = tuple(attention), tuple(experts)
+    if hw.shared_host_device:  # one set of cores: "device" and "host" placements are the same thing
+        attention, experts = ("cpu",), ("gpu",)
     for mu in micro_batch_sizes(n_max) if mus is None else [m for m in mus if m <= n_max]:
         for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
             for att in attention:
