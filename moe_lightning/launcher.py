@@ -49,8 +49,8 @@ class StackConfig:
     device_memory: str | None = None
     kv_cache_memory: str = "2GiB"
     dtype: str = "float32"
-    max_batch_size: int = 64
-    micro_batch_size: int = 0
+    max_batch_size: int | None = None  # None: the orchestrator's HRM policy decides
+    micro_batch_size: int | None = None
     cache_dir: Path | None = None
     threads: dict[str, int] = field(default_factory=dict)  # torch threads per service
     log_dir: Path | None = None  # None: services log to this process's stderr
@@ -92,11 +92,9 @@ class Stack:
                 a["gpu_expert"],
                 "--cpu-attention",
                 a["cpu_attention"],
-                "--max-batch-size",
-                str(c.max_batch_size),
-                "--micro-batch-size",
-                str(c.micro_batch_size),
             ]
+            own += ["--max-batch-size", str(c.max_batch_size)] if c.max_batch_size is not None else []
+            own += ["--micro-batch-size", str(c.micro_batch_size)] if c.micro_batch_size is not None else []
         return common + own + c.extra.get(name, [])
 
     def start(self, timeout: float = 600.0) -> None:

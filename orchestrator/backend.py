@@ -9,8 +9,14 @@ import structlog
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
+from moe_lightning.hrm.calibrate import Measurements
 from moe_lightning.plan import StepOutput, StepPlan
-from moe_lightning.service.convert import step_output_from_pb, step_plan_to_pb
+from moe_lightning.service.convert import (
+    DTYPE_FROM_PB,
+    measurements_from_pb,
+    step_output_from_pb,
+    step_plan_to_pb,
+)
 from moe_lightning.service.upstream import fetch_manifest, wait_serving
 from moe_lightning.spec import ModelSpec
 
@@ -23,6 +29,9 @@ class Capacity:
     kv_blocks: int
     block_size: int
     device: str
+    weight_dtype: str  # of the arena (what the device computes in)
+    expert_measurements: Measurements
+    attention_measurements: Measurements
 
 
 class Backend:
@@ -50,7 +59,15 @@ class Backend:
         self._cpu.Connect(cpu_attention_pb2.ConnectRequest(input_channel=gpu.output_channel), timeout=30)
         self._gpu.Connect(gpu_expert_pb2.ConnectRequest(input_channel=cpu.output_channel), timeout=30)
         self.log.info("backend_wired", qkv=gpu.output_channel, attn=cpu.output_channel, kv_blocks=cpu.num_blocks)
-        return Capacity(cpu.num_blocks, cpu.block_size, gpu.device)
+        dtype = DTYPE_FROM_PB[manifest.pages[0].dtype] if manifest.pages else self.spec.dtype
+        return Capacity(
+            cpu.num_blocks,
+            cpu.block_size,
+            gpu.device,
+            dtype,
+            measurements_from_pb(gpu.measurements),
+            measurements_from_pb(cpu.measurements),
+        )
 
     def step(self, plan: StepPlan) -> StepOutput:
         assert self._gpu is not None, "connect() first"

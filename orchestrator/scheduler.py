@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from moe_lightning.hrm.costmodel import Policy
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
 from moe_lightning.service.errors import ResourceExhaustedError, ServiceError, ShuttingDownError, status_for
@@ -27,6 +28,7 @@ from moe_lightning.stopping import StopChecker
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator import metrics
 from orchestrator.backend import Backend
+from orchestrator.planner import Planner
 
 TokenCallback = Callable[[list[int]], None]
 
@@ -62,7 +64,7 @@ class Ticket:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_batch_size: int = 64
+    max_batch_size: int = 64  # the planner's policy sets these unless the operator fixed them
     micro_batch_size: int = 0  # 0: one micro-batch per step
     max_queue: int = 1024
     max_prefill_tokens: int = 8192  # per micro-batch; also the longest prompt accepted
@@ -77,6 +79,7 @@ class Scheduler:
         kv_blocks: int,
         block_size: int,
         config: SchedulerConfig,
+        planner: Planner | None = None,
     ) -> None:
         self.spec = spec
         self.backend = backend
@@ -84,6 +87,7 @@ class Scheduler:
         self.kv_blocks = kv_blocks
         self.block_size = block_size
         self.config = config
+        self.planner = planner
         self.log = structlog.get_logger()
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
@@ -162,10 +166,19 @@ class Scheduler:
                     return
                 self._drop_cancelled()
                 new = self._admit()
-            if new:
-                self._run_step(new, prefill=True)
-            elif self._running:
-                self._run_step(list(self._running), prefill=False)
+            batch = new or list(self._running)
+            if not batch:
+                continue
+            try:
+                self._run_step(batch, prefill=bool(new))
+            except Exception as exc:  # a bug must fail this step's requests, never stop the loop
+                self.log.exception("scheduler_step_crashed")
+                with self._cv:
+                    for t in batch:
+                        if t in self._running:
+                            self._running.remove(t)
+                        if not t.done.is_set():
+                            self._finish(t, ServiceError(f"internal error in the scheduler: {exc}"), "failed")
 
     def _drop_cancelled(self) -> None:
         for t in [t for t in self._waiting if t.cancelled]:
@@ -186,6 +199,8 @@ class Scheduler:
             self._free_blocks -= t.blocks
             t.admitted = time.monotonic()
             metrics.QUEUE_TIME.observe(t.admitted - t.arrival)
+            if self.planner is not None:
+                self._apply_policy(self.planner.observe_request(len(t.request.prompt_ids), t.request.max_new_tokens))
             metrics.PROMPT_TOKENS.inc(len(t.request.prompt_ids))
             new.append(t)
             budget -= len(t.request.prompt_ids)
@@ -239,7 +254,24 @@ class Scheduler:
         for stage, ns in out.timings_ns.items():
             metrics.STAGE_SECONDS.labels(stage).inc(ns / 1e9)
         metrics.CONTROL_OVERHEAD.inc(max(0.0, wall - out.timings_ns.get("step", 0) / 1e9))
+        if self.planner is not None and not prefill:
+            try:  # the planner is advice: its failure must not cost the requests their tokens
+                mu = max(len(mb) for mb in plan.micro_batches)
+                policy = self.planner.observe_step(len(tickets), mu, out.timings_ns)
+                with self._cv:
+                    self._apply_policy(policy)
+            except Exception:
+                self.log.exception("planner_failed")
         self._apply(tickets, out)
+
+    def _apply_policy(self, policy: Policy | None) -> None:
+        """Takes a (re-)planned batch and micro-batch size; the running batch shrinks by attrition."""
+        if policy is None:
+            return
+        if self.planner is not None and self.planner.fixed_batch is None:
+            self.config.max_batch_size = policy.batch
+        if self.planner is not None and self.planner.fixed_micro_batch is None:
+            self.config.micro_batch_size = policy.micro_batch
 
     def _apply(self, tickets: list[Ticket], out: StepOutput) -> None:
         by_seq = dict(zip(out.seq_ids, out.token_ids, strict=True))

@@ -9,10 +9,13 @@ from pathlib import Path
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags
+from moe_lightning.hrm.calibrate import profile_from
+from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.api import GenerationServicer
 from orchestrator.backend import Backend
+from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 
 SERVICE = "moe_lightning.api.generation.v1.Generation"
@@ -30,8 +33,23 @@ def build_parser() -> EnvDefaultsParser:
         default=None,
         help="directory with tokenizer.json (default: the model directory the weight store serves)",
     )
-    p.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together")
-    p.add_argument("--micro-batch-size", type=int, default=0, help="sequences per micro-batch (0 = whole batch)")
+    p.add_argument(
+        "--max-batch-size", type=int, default=None, help="requests decoded together (default: the HRM's policy)"
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (default: the HRM's policy; 0 = whole batch)",
+    )
+    p.add_argument(
+        "--expected-prompt-len",
+        type=float,
+        default=77.0,
+        help="average prompt tokens to plan for until requests are seen",
+    )
+    p.add_argument("--expected-gen-len", type=int, default=64, help="generated tokens to plan for until seen")
+    p.add_argument("--no-replan", action="store_true", help="keep the start-up plan; never correct or re-plan")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument(
         "--max-prefill-tokens",
@@ -63,8 +81,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
-    config = SchedulerConfig(args.max_batch_size, args.micro_batch_size, args.max_queue, args.max_prefill_tokens)
-    scheduler = Scheduler(backend.spec, backend, tokenizer, capacity.kv_blocks, capacity.block_size, config)
+    planner = Planner(
+        backend.spec,
+        profile_from(capacity.expert_measurements, capacity.attention_measurements),
+        Workload(args.expected_prompt_len, args.expected_gen_len),
+        capacity.weight_dtype,
+        capacity.kv_blocks * capacity.block_size,
+        PlannerConfig(patience=10**9) if args.no_replan else None,
+    )
+    planner.fixed_batch, planner.fixed_micro_batch = args.max_batch_size, args.micro_batch_size
+    policy = planner.policy
+    config = SchedulerConfig(
+        args.max_batch_size if args.max_batch_size is not None else policy.batch,
+        args.micro_batch_size if args.micro_batch_size is not None else policy.micro_batch,
+        args.max_queue,
+        args.max_prefill_tokens,
+    )
+    log.info(
+        "planned",
+        batch_size=policy.batch,
+        micro_batch_size=policy.micro_batch,
+        predicted_decode_tokens_per_second=round(planner.estimate.tokens_per_second, 2),
+        binding=planner.estimate.binding,
+        in_force_batch=config.max_batch_size,
+        in_force_micro_batch=config.micro_batch_size,
+    )
+    scheduler = Scheduler(
+        backend.spec,
+        backend,
+        tokenizer,
+        capacity.kv_blocks,
+        capacity.block_size,
+        config,
+        None if args.no_replan else planner,
+    )
     servicer.scheduler, servicer.device, servicer.model_path = scheduler, capacity.device, backend.model_path
     runtime.on_drain(lambda: scheduler.stop(args.drain_seconds))
     runtime.on_shutdown(backend.close)

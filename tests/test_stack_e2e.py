@@ -195,6 +195,10 @@ def test_metrics_endpoints_have_the_series(stack: Stack, client: GenerationClien
         "moe_lightning_requests_running",
         "moe_lightning_requests_waiting",
         'moe_lightning_stage_seconds_total{stage="post_attention"}',
+        "moe_lightning_policy_info{",
+        'moe_lightning_stage_predicted_seconds{stage="device"}',
+        'moe_lightning_stage_measured_seconds{stage="attention"}',
+        "moe_lightning_predicted_decode_tokens_per_second",
     ):
         assert series in orch, series
     assert float(re.search(r'moe_lightning_requests_total\{outcome="length"\} (\S+)', orch)[1]) >= 1
@@ -228,3 +232,18 @@ def test_every_service_serves_health_and_reflection(stack: Stack) -> None:
             assert {service, "grpc.health.v1.Health"} <= listed, name
         finally:
             channel.close()
+
+
+def test_workers_report_their_calibrated_roofs(stack: Stack) -> None:
+    from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
+    from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
+
+    gpu_ch, cpu_ch = open_channel(stack.addresses["gpu_expert"]), open_channel(stack.addresses["cpu_attention"])
+    try:
+        g = gpu_expert_pb2_grpc.GpuExpertStub(gpu_ch).Describe(gpu_expert_pb2.DescribeRequest()).measurements
+        c = cpu_attention_pb2_grpc.CpuAttentionStub(cpu_ch).Describe(cpu_attention_pb2.DescribeRequest()).measurements
+    finally:
+        gpu_ch.close()
+        cpu_ch.close()
+    assert g.matmul_flops > 1e8 and g.weight_stream_bandwidth > 1e7 and g.shared_host_device
+    assert c.attention_bandwidth > 1e7 and c.memory_bytes > 1e9

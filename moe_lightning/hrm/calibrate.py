@@ -9,10 +9,12 @@ per machine and device; `moe-lightning profile` re-measures.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -66,23 +68,28 @@ def expert_stream_bandwidth(
     experts: int = 8,
     tokens: int = 8,
     repeats: int = 3,
+    weights: Sequence[ExpertWeights] | None = None,
 ) -> float:
     """Weight bytes per second of expert FFNs at a small, weight-bound batch (distinct experts, so
-    nothing stays in cache between them)."""
-    ws = [
-        ExpertWeights(
-            torch.randn(2 * inter, hidden, device=device, dtype=dtype) * 0.02,
-            torch.randn(hidden, inter, device=device, dtype=dtype) * 0.02,
-        )
-        for _ in range(experts)
-    ]
-    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    nothing stays in cache between them). `weights`: measure on these (a service's real experts)."""
+    ws = (
+        list(weights)
+        if weights is not None
+        else [
+            ExpertWeights(
+                torch.randn(2 * inter, hidden, device=device, dtype=dtype) * 0.02,
+                torch.randn(hidden, inter, device=device, dtype=dtype) * 0.02,
+            )
+            for _ in range(experts)
+        ]
+    )
+    x = torch.randn(tokens, ws[0].w13.shape[1], device=device, dtype=ws[0].w13.dtype)
 
     def run() -> None:
         for w in ws:
             expert_ffn(w, x)
 
-    nbytes = experts * 3 * hidden * inter * torch.empty((), dtype=dtype).element_size()
+    nbytes = sum(w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size() for w in ws)
     return nbytes / _best_seconds(run, device, repeats)
 
 
@@ -161,3 +168,82 @@ def cached_profile(
     cache_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
     return profile
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    """What one service measured at warm-up; the planner combines the two sides into a profile."""
+
+    matmul_flops: float = 0.0
+    weight_stream_bandwidth: float = 0.0
+    attention_bandwidth: float = 0.0
+    memory_bytes: float = 0.0
+    h2d_bandwidth: float = 0.0
+    d2h_bandwidth: float = 0.0
+    shared_host_device: bool = False
+    source: str = ""
+
+
+def measure_expert_side(experts: Sequence[ExpertWeights], device: str, memory_bytes: float) -> Measurements:
+    """gpu_expert's warm-up: GEMM rate, the rate its real experts stream weights, the host link."""
+    dev = torch.device(device)
+    dtype = experts[0].w13.dtype
+    stream = expert_stream_bandwidth(dev, dtype, 0, 0, weights=experts)
+    if dev.type == "cuda":
+        h2d, d2h = link_bandwidth(dev)
+        flops = matmul_flops(dev, dtype, n=4096)
+    else:
+        h2d = d2h = copy_bandwidth(dev) / 2
+        flops = matmul_flops(dev, dtype)
+    return Measurements(
+        matmul_flops=flops,
+        weight_stream_bandwidth=stream,
+        memory_bytes=memory_bytes,
+        h2d_bandwidth=h2d,
+        d2h_bandwidth=d2h,
+        shared_host_device=dev.type == "cpu",
+        source=f"gpu_expert@{platform.node()}",
+    )
+
+
+def measure_attention_side(spec: ModelSpec, contexts: Sequence[int] = (128, 512, 2048)) -> Measurements:
+    """cpu_attention's warm-up: the KV read rate of paged decode attention at a few context lengths."""
+    rates = [attention_bandwidth(spec, context=c) for c in contexts]
+    return Measurements(
+        matmul_flops=matmul_flops(torch.device("cpu"), torch.float32),
+        attention_bandwidth=sum(rates) / len(rates),
+        memory_bytes=host_memory_bytes(),
+        source=f"cpu_attention@{platform.node()}",
+    )
+
+
+def cached_measurements(
+    key: str, measure_fn: Callable[[], Measurements], refresh: bool = False, cache_dir: Path = CACHE_DIR
+) -> Measurements:
+    """A service's warm-up measurements, re-used across restarts on this machine."""
+    path = cache_dir / f"{platform.node() or 'host'}-{key}.json"
+    if path.is_file() and not refresh:
+        try:
+            return Measurements(**json.loads(path.read_text()))
+        except (ValueError, TypeError):
+            pass  # an older or damaged cache: measure again
+    m = measure_fn()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(m)))
+    return m
+
+
+def profile_from(expert: Measurements, attention: Measurements, name: str = "calibrated-stack") -> HardwareProfile:
+    return HardwareProfile(
+        name=name,
+        gpu_flops=expert.matmul_flops,
+        gpu_bandwidth=expert.weight_stream_bandwidth,
+        gpu_memory=expert.memory_bytes,
+        cpu_flops=attention.matmul_flops,
+        cpu_bandwidth=attention.attention_bandwidth,
+        cpu_memory=attention.memory_bytes,
+        h2d_bandwidth=expert.h2d_bandwidth,
+        d2h_bandwidth=expert.d2h_bandwidth,
+        shared_host_device=expert.shared_host_device,
+        source="calibrated by the services",
+    )

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.arena import ArenaLayout, Page
+from moe_lightning.hrm.calibrate import Measurements
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.spec import ModelSpec
@@ -115,3 +117,20 @@ def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
 
 def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
     return StepOutput(list(m.seq_ids), list(m.token_ids), dict(m.timings.duration_ns))
+
+
+def measurements_to_pb(m: Measurements) -> common_pb2.HardwareMeasurements:
+    return common_pb2.HardwareMeasurements(**asdict(m))
+
+
+def measurements_from_pb(m: common_pb2.HardwareMeasurements) -> Measurements:
+    return Measurements(
+        m.matmul_flops,
+        m.weight_stream_bandwidth,
+        m.attention_bandwidth,
+        m.memory_bytes,
+        m.h2d_bandwidth,
+        m.d2h_bandwidth,
+        m.shared_host_device,
+        m.source,
+    )

@@ -12,9 +12,16 @@ def configure_logging(service: str, level: str = "info", json_logs: bool | None 
     if json_logs is None:
         json_logs = not sys.stderr.isatty()
     renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+
+    def add_service(_: object, __: str, event: dict) -> dict:
+        # contextvars do not reach threads started later (scheduler, workers): stamp it on every line
+        event.setdefault("service", service)
+        return event
+
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            add_service,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.StackInfoRenderer(),
@@ -26,5 +33,4 @@ def configure_logging(service: str, level: str = "info", json_logs: bool | None 
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
-    structlog.contextvars.bind_contextvars(service=service)
     return structlog.get_logger()

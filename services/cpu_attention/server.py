@@ -11,6 +11,8 @@ import grpc
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
+from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_attention_side
+from moe_lightning.service.convert import measurements_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
@@ -22,6 +24,7 @@ SERVICE = "moe_lightning.api.cpu_attention.v1.CpuAttention"
 class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
     def __init__(self) -> None:
         self._worker: AttentionWorker | None = None
+        self.measurements: Measurements | None = None
 
     @property
     def worker(self) -> AttentionWorker:
@@ -38,6 +41,7 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
             block_size=cache.block_size,
             free_blocks=cache.num_free_blocks,
             output_channel=self.worker.output.name,
+            measurements=measurements_to_pb(self.measurements) if self.measurements else None,
         )
 
     def Connect(
@@ -67,6 +71,11 @@ def build_parser() -> EnvDefaultsParser:
         help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="re-measure attention's roofs at warm-up instead of reusing this machine's cache",
+    )
     return p
 
 
@@ -91,6 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker = AttentionWorker(
         spec, num_blocks, args.block_size, args.run_id, handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn")
     )
+    key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}"
+    servicer.measurements = cached_measurements(key, lambda: measure_attention_side(spec), refresh=args.recalibrate)
     servicer._worker = worker
     runtime.on_shutdown(worker.stop)
     worker.start()

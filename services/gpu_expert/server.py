@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 
 import grpc
 import torch
@@ -16,7 +17,8 @@ from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.arena import weights_from_arena
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
-from moe_lightning.service.convert import layout_from_pb, step_output_to_pb, step_plan_from_pb
+from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
+from moe_lightning.service.convert import layout_from_pb, measurements_to_pb, step_output_to_pb, step_plan_from_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
@@ -34,6 +36,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self.device = ""
         self.weight_bytes = 0
         self.budget = 0
+        self.measurements: Measurements | None = None
         self._step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
 
     @property
@@ -50,6 +53,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
             weight_bytes=self.weight_bytes,
             device_memory_bytes=self.budget,
             output_channel=self.runner.output.name,
+            measurements=measurements_to_pb(self.measurements) if self.measurements else None,
         )
 
     def Connect(
@@ -86,6 +90,11 @@ def build_parser() -> EnvDefaultsParser:
         help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="re-measure the device's roofs at warm-up instead of reusing this machine's cache",
+    )
     return p
 
 
@@ -122,6 +131,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
+    experts = weights.layers[0].experts
+    key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
+    measurements = cached_measurements(
+        key, lambda: measure_expert_side(experts, str(device), budget), refresh=args.recalibrate
+    )
+    log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
+    servicer.measurements = measurements
     runner = ExpertRunner(spec, weights, device, output)
     servicer.device, servicer.weight_bytes, servicer.budget = str(device), layout.total_bytes, budget
     servicer._runner = runner

@@ -96,3 +96,23 @@ class StageTimings(_message.Message):
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     duration_ns: _containers.ScalarMap[str, int]
     def __init__(self, duration_ns: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class HardwareMeasurements(_message.Message):
+    __slots__ = ("matmul_flops", "weight_stream_bandwidth", "attention_bandwidth", "memory_bytes", "h2d_bandwidth", "d2h_bandwidth", "shared_host_device", "source")
+    MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_STREAM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    H2D_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    D2H_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
+    SHARED_HOST_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    matmul_flops: float
+    weight_stream_bandwidth: float
+    attention_bandwidth: float
+    memory_bytes: float
+    h2d_bandwidth: float
+    d2h_bandwidth: float
+    shared_host_device: bool
+    source: str
+    def __init__(self, matmul_flops: _Optional[float] = ..., weight_stream_bandwidth: _Optional[float] = ..., attention_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., h2d_bandwidth: _Optional[float] = ..., d2h_bandwidth: _Optional[float] = ..., shared_host_device: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,160 @@
+"""The HRM in the running stack: plan at start, compare predictions with what the services measure,
+correct the profile and re-plan between batches when they drift apart.
+
+Measured per layer of a decode step (from gpu_expert's step timings): the device's compute
+(pre- plus post-attention) and what it waits for attention (cpu_attention's compute plus the two
+hand-offs). Predicted: the cost model at the batch and micro-batch that actually ran. When one
+side is off by more than `threshold` for `patience` consecutive decode steps, that resource's roofs
+are scaled by predicted/measured (so the hand-off cost folds into the attention roof, as it should
+for planning) and the optimizer runs again. The workload (prompt and generation lengths) is learned
+from admitted requests the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, replace
+
+import structlog
+from prometheus_client import Counter, Gauge, Info
+
+from moe_lightning.hrm.costmodel import Estimate, Policy, Workload, estimate
+from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.optimizer import optimize
+from moe_lightning.spec import ModelSpec
+
+PREDICTED = Gauge("moe_lightning_stage_predicted_seconds", "HRM-predicted time per layer of a decode step", ["stage"])
+MEASURED = Gauge("moe_lightning_stage_measured_seconds", "Measured time per layer of a decode step (EWMA)", ["stage"])
+PREDICTED_TPS = Gauge("moe_lightning_predicted_decode_tokens_per_second", "HRM throughput of the current policy")
+REPLANS = Counter("moe_lightning_replans_total", "Re-plans, by reason", ["reason"])
+POLICY = Info("moe_lightning_policy", "The policy in force")
+EWMA = 0.2
+
+
+@dataclass(slots=True)
+class PlannerConfig:
+    threshold: float = 0.25  # relative error that counts as drift
+    patience: int = 20  # consecutive drifted decode steps before correcting
+    batch_cap: int = 4096
+    workload_drift: float = 0.5  # relative change of the learned workload that triggers a re-plan
+
+
+class Planner:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        profile: HardwareProfile,
+        workload: Workload,
+        dtype: str,
+        kv_tokens: int,
+        config: PlannerConfig | None = None,
+    ) -> None:
+        self.spec = spec
+        self.profile = profile
+        self.workload = workload
+        self.planned_workload = workload
+        self.dtype = dtype
+        self.kv_tokens = kv_tokens
+        self.config = config or PlannerConfig()
+        self.fixed_batch: int | None = None  # set by the operator's flags: the policy does not override
+        self.fixed_micro_batch: int | None = None
+        self.log = structlog.get_logger()
+        self._lock = threading.Lock()
+        self._measured: dict[str, float] = {}
+        self._drift_steps = {"device": 0, "attention": 0}
+        self.estimate = self._optimize()
+        self._publish("initial plan")
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _optimize(self) -> Estimate:
+        # the stack runs attention on the CPU and experts on the device today (CGOPipe adds the rest)
+        cap = max(1, min(self.config.batch_cap, int(self.kv_tokens // self.workload.max_context)))
+        return optimize(
+            self.spec, self.workload, self.profile, self.dtype, batch_cap=cap, attention=("cpu",), experts=("gpu",)
+        )
+
+    @property
+    def policy(self) -> Policy:
+        return self.estimate.policy
+
+    def _publish(self, reason: str) -> None:
+        p = self.estimate.policy
+        POLICY.info(
+            {
+                "batch_size": str(p.batch),
+                "micro_batch_size": str(p.micro_batch),
+                "attention": p.attention,
+                "experts": p.experts,
+                "resident_experts": str(p.resident_experts),
+                "reason": reason,
+            }
+        )
+        PREDICTED_TPS.set(self.estimate.tokens_per_second)
+
+    def _replan(self, reason: str, detail: dict[str, float]) -> Policy | None:
+        old = self.estimate
+        self.estimate = self._optimize()
+        self.planned_workload = self.workload
+        REPLANS.labels(reason).inc()
+        self._publish(reason)
+        self.log.info(
+            "replanned",
+            reason=reason,
+            **detail,
+            old_policy=f"N={old.policy.batch} mu={old.policy.micro_batch}",
+            new_policy=f"N={self.policy.batch} mu={self.policy.micro_batch}",
+            old_tokens_per_second=round(old.tokens_per_second, 2),
+            new_tokens_per_second=round(self.estimate.tokens_per_second, 2),
+        )
+        return self.policy if self.policy != old.policy else None
+
+    # ---- observations --------------------------------------------------------------------------
+    def observe_request(self, prompt_len: int, max_new_tokens: int) -> Policy | None:
+        with self._lock:
+            w = self.workload
+            self.workload = Workload(
+                w.prompt_len + EWMA * (prompt_len - w.prompt_len),
+                max(1, round(w.gen_len + EWMA * (max_new_tokens - w.gen_len))),
+            )
+            old = self.planned_workload
+            drift = max(
+                abs(self.workload.prompt_len / old.prompt_len - 1), abs(self.workload.gen_len / old.gen_len - 1)
+            )
+            if drift > self.config.workload_drift:
+                return self._replan(
+                    "workload", {"prompt_len": self.workload.prompt_len, "gen_len": self.workload.gen_len}
+                )
+            return None
+
+    def observe_step(self, batch: int, micro_batch: int, timings_ns: dict[str, int]) -> Policy | None:
+        """A decode step's timings from gpu_expert; returns a new policy when it re-planned."""
+        layers = self.spec.num_layers
+        measured = {
+            "device": (timings_ns.get("pre_attention", 0) + timings_ns.get("post_attention", 0)) / 1e9 / layers,
+            "attention": timings_ns.get("attention_wait", 0) / 1e9 / layers,
+        }
+        n_ub = -(-batch // micro_batch)  # the last micro-batch may be partial: model it as full
+        with self._lock:
+            est = estimate(self.spec, self.workload, self.profile, Policy(n_ub * micro_batch, micro_batch), self.dtype)
+            s = est.stage_seconds
+            predicted = {"device": s["gpu_dense"] + s["gpu_experts"], "attention": s["cpu_attention"]}
+            for stage in measured:
+                prev = self._measured.get(stage, measured[stage])
+                self._measured[stage] = prev + EWMA * (measured[stage] - prev)
+                PREDICTED.labels(stage).set(predicted[stage])
+                MEASURED.labels(stage).set(self._measured[stage])
+                off = abs(self._measured[stage] / predicted[stage] - 1) if predicted[stage] else 0.0
+                self._drift_steps[stage] = self._drift_steps[stage] + 1 if off > self.config.threshold else 0
+            drifted = [st for st, n in self._drift_steps.items() if n >= self.config.patience]
+            if not drifted:
+                return None
+            factors = {st: predicted[st] / self._measured[st] for st in drifted}
+            if "device" in drifted:
+                self.profile = self.profile.scaled(gpu_flops=factors["device"], gpu_bandwidth=factors["device"])
+            if "attention" in drifted:
+                f = factors["attention"]
+                self.profile = self.profile.scaled(cpu_flops=f, cpu_bandwidth=f)
+            self.profile = replace(self.profile, source=f"{self.profile.source} (corrected online)")
+            for st in drifted:
+                self._drift_steps[st] = 0
+            return self._replan("prediction_error", {f"{st}_scale": round(f, 3) for st, f in factors.items()})
