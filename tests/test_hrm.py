@@ -121,6 +121,10 @@ def test_plan_cli(tmp_path) -> None:  # type: ignore[no-untyped-def]
     text = plan("--arch", "dbrx", "--hardware", "t4", "--gpus", "4", "--host-memory", "416GB")
     assert text.returncode == 0, text.stderr
     assert "bound by" in text.stdout and "policy" in text.stdout
+    png = tmp_path / "roof.png"
+    drawn = plan("--arch", "mixtral-8x7b", "--hardware", "l4", "--plot", str(png))
+    assert drawn.returncode == 0, drawn.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     bad = plan("--arch", "gpt5", "--hardware", "t4")
     assert bad.returncode == 2 and "unknown --arch" in bad.stderr
 

@@ -30,6 +30,7 @@ def add_parser(sub: Any, name: str) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weight dtype (default: the model's)"
     )
     p.add_argument("--json", action="store_true", help="one JSON object instead of the explanation")
+    p.add_argument("--plot", type=Path, default=None, help="draw the hierarchical roofline to this PNG")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
     work = Workload(args.prompt_len, args.gen_len)
     dtype = args.dtype or ("float32" if hw.shared_host_device else None)  # CPU compute runs fp32
     est = optimize(spec, work, hw, dtype)
+    if args.plot is not None:
+        from moe_lightning.hrm.plot import plot_roofline
+
+        plot_roofline(hw, est, f"{name} on {hw.name}, prompt {args.prompt_len:g} / gen {args.gen_len}", args.plot)
     if args.json:
         sys.stdout.write(json.dumps(plan_to_dict(name, spec, work, hw, est)) + "\n")
     else:

@@ -82,7 +82,7 @@ class Estimate:
     gpu_capacity: float
     cpu_capacity: float
     binding: str  # the resource with the largest time
-    notes: list[str] = field(default_factory=list)
+    stage_work: dict[str, tuple[float, float]] = field(default_factory=dict)  # (flops, bytes) per layer
 
     @property
     def fits(self) -> bool:
@@ -135,22 +135,29 @@ def estimate(
     dense_flops = 2 * n * (h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1 + h1 * spec.num_experts)
     dense_bytes = n_ub * w["layer_dense"]  # every micro-batch re-reads the dense weights
     stages: dict[str, float] = {}
-    stages["gpu_dense"] = _roof(dense_flops, dense_bytes, hw.gpu_flops, hw.gpu_bandwidth)
+    stage_work: dict[str, tuple[float, float]] = {}  # (flops, bytes) per compute stage, for the roofline plot
+
+    def roof(stage: str, flops: float, nbytes: float, on_gpu: bool, share: float = 1.0) -> None:
+        peak, bandwidth = (hw.gpu_flops, hw.gpu_bandwidth) if on_gpu else (hw.cpu_flops, hw.cpu_bandwidth)
+        stage_work[stage] = (flops * share, nbytes * share)
+        stages[stage] = _roof(flops, nbytes, peak, bandwidth) * share
+
+    roof("gpu_dense", dense_flops, dense_bytes, True)
     expert_flops = 2 * n * k * 3 * h1 * h2
     if policy.experts == "gpu":
         touched = n_ub * distinct_experts(mu, spec) * w["expert"]
-        stages["gpu_experts"] = _roof(expert_flops, touched, hw.gpu_flops, hw.gpu_bandwidth)
+        roof("gpu_experts", expert_flops, touched, True)
     else:
         touched = distinct_experts(n, spec) * w["expert"]  # the host reads each needed expert once a step
-        stages["cpu_experts"] = _roof(expert_flops, touched, hw.cpu_flops, hw.cpu_bandwidth)
+        roof("cpu_experts", expert_flops, touched, False)
     attn_flops = 4 * n * ctx * spec.q_size
     kv_bytes = n * ctx * kv_per_token_layer
     if policy.attention == "cpu":
-        stages["cpu_attention"] = _roof(attn_flops, kv_bytes, hw.cpu_flops, hw.cpu_bandwidth)
+        roof("cpu_attention", attn_flops, kv_bytes, False)
     else:
-        stages["gpu_attention"] = _roof(attn_flops, kv_bytes, hw.gpu_flops, hw.gpu_bandwidth)
+        roof("gpu_attention", attn_flops, kv_bytes, True)
     head_flops = 2 * n * h1 * spec.vocab_size
-    stages["gpu_head"] = _roof(head_flops, spec.vocab_size * h1 * b, hw.gpu_flops, hw.gpu_bandwidth) / layers
+    roof("gpu_head", head_flops, spec.vocab_size * h1 * b, True, share=1 / layers)
 
     # --- link: streamed experts, activations to/from CPU stages, KV when attention is on GPU ------
     link = 0.0
@@ -204,4 +211,5 @@ def estimate(
         gpu_capacity=headroom.gpu * (hw.cpu_memory if hw.shared_host_device else hw.gpu_memory),
         cpu_capacity=headroom.cpu * hw.cpu_memory,
         binding=binding,
+        stage_work=stage_work,
     )
