@@ -120,20 +120,29 @@ def view(arena: torch.Tensor, page: Page) -> torch.Tensor:
 
 
 def weights_from_arena(
-    arena: torch.Tensor, layout: ArenaLayout, spec: ModelSpec, device: torch.device | str = "cpu"
+    arena: torch.Tensor,
+    layout: ArenaLayout,
+    spec: ModelSpec,
+    device: torch.device | str = "cpu",
+    experts_on_host: bool = False,
 ) -> ModelWeights:
-    """ModelWeights over the arena: zero-copy views on the CPU, copies on another device."""
+    """ModelWeights over the arena: zero-copy views on the CPU, copies on another device.
+
+    `experts_on_host`: leave every expert as an arena view (a pager decides what goes to the device).
+    """
     dev = torch.device(device)
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str, host: bool = False) -> torch.Tensor:
         t = view(arena, layout.pages[name])
-        return t if dev.type == "cpu" else t.to(dev)
+        return t if host or dev.type == "cpu" else t.to(dev)
 
     embed = get("embed")
     layers = []
     for i in range(spec.num_layers):
         p = f"layers.{i}"
-        experts = [ExpertWeights(*(get(n) for n in expert_page_names(i, e))) for e in range(spec.num_experts)]
+        experts = [
+            ExpertWeights(*(get(n, experts_on_host) for n in expert_page_names(i, e))) for e in range(spec.num_experts)
+        ]
         layers.append(
             LayerWeights(
                 attn_norm=get(f"{p}.attn_norm"),

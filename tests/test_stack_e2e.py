@@ -247,3 +247,61 @@ def test_workers_report_their_calibrated_roofs(stack: Stack) -> None:
         cpu_ch.close()
     assert g.matmul_flops > 1e8 and g.weight_stream_bandwidth > 1e7 and g.shared_host_device
     assert c.attention_bandwidth > 1e7 and c.memory_bytes > 1e9
+
+
+@pytest.fixture(scope="module")
+def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The same model with a device budget that holds 1 of 6 experts per layer: the rest stream."""
+    from moe_lightning.arena import ArenaLayout, expert_page_names
+    from moe_lightning.spec import ModelSpec
+
+    spec = ModelSpec.from_pretrained(hf_dir)
+    layout = ArenaLayout.for_spec(spec, "float32")
+    expert = sum(layout.pages[n].nbytes for n in expert_page_names(0, 0))
+    dense = layout.total_bytes - spec.num_layers * spec.num_experts * expert
+    budget = dense + (spec.num_layers * 1 + 2 * (spec.num_experts - 1)) * expert
+    config = StackConfig(
+        model=hf_dir,
+        run_id=f"stream{os.getpid()}",
+        port=0,
+        log_dir=tmp_path_factory.mktemp("slogs"),
+        kv_cache_memory="32MiB",
+        max_batch_size=8,
+        micro_batch_size=3,
+        device_memory=str(budget),
+    )
+    s = Stack(config)
+    s.start(timeout=120)
+    yield s
+    s.stop()
+    assert s.leaked_segments() == []
+
+
+def test_streamed_experts_keep_tokens_exact(streaming_stack: Stack, reference: dict) -> None:
+    with GenerationClient(streaming_stack.api_address, timeout=120) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
+    with urllib.request.urlopen(streaming_stack.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
+        text = r.read().decode()
+    assert float(re.search(r"^moe_lightning_resident_experts (\S+)", text, re.M)[1]) == 3.0
+    assert float(re.search(r"^moe_lightning_expert_bytes_streamed_total (\S+)", text, re.M)[1]) > 0
+
+
+def test_a_budget_below_the_dense_weights_fails_at_start(hf_dir: Path, tmp_path: Path) -> None:
+    from moe_lightning.launcher import StackError
+
+    s = Stack(
+        StackConfig(
+            model=hf_dir,
+            run_id=f"tiny{os.getpid()}",
+            port=0,
+            log_dir=tmp_path,
+            kv_cache_memory="8MiB",
+            device_memory="64KiB",
+        )
+    )
+    with pytest.raises(StackError, match="gpu_expert exited with code 1") as info:
+        s.start(timeout=120)
+    s.stop()
+    assert "cannot hold the dense weights" in str(info.value)
+    assert s.leaked_segments() == []

@@ -24,6 +24,7 @@ from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
 from moe_lightning.weights import ModelWeights
+from services.gpu_expert.residency import ExpertPager
 
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
@@ -44,12 +45,14 @@ class ExpertRunner:
         weights: ModelWeights,
         device: torch.device,
         output: TensorChannel,
+        pager: ExpertPager | None = None,
         handoff_timeout: float = 60.0,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.device = device
         self.output = output
+        self.pager = pager
         self.input: TensorChannel | None = None
         self.handoff_timeout = handoff_timeout
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
@@ -91,7 +94,14 @@ class ExpertRunner:
         if self.input is None:
             raise NotReadyError("gpu_expert is not connected to an attention service yet")
         t_start = time.perf_counter_ns()
-        timings = {"pre_attention": 0, "post_attention": 0, "head": 0, "attention_wait": 0, "handoff_send": 0}
+        timings = {
+            "pre_attention": 0,
+            "post_attention": 0,
+            "head": 0,
+            "attention_wait": 0,
+            "handoff_send": 0,
+            "expert_wait": 0,
+        }
         states = self._prepare(plan)
         outstanding = 0
         try:
@@ -113,6 +123,9 @@ class ExpertRunner:
                     HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
                     timings["pre_attention"] += t1 - t0
                     timings["handoff_send"] += time.perf_counter_ns() - t1
+                t0 = time.perf_counter_ns()
+                experts = self.pager.layer_experts(layer_idx) if self.pager is not None else None
+                timings["expert_wait"] += time.perf_counter_ns() - t0
                 for m, st in enumerate(states):
                     t0 = time.perf_counter_ns()
                     reply, tensors = self.input.recv(timeout=self.handoff_timeout)
@@ -122,12 +135,14 @@ class ExpertRunner:
                     HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
                     t1 = time.perf_counter_ns()
                     self._check_reply(reply, plan.step_id, layer_idx, m)
-                    st.hidden, _ = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device))
+                    st.hidden, _ = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device), experts)
                     self.input.release()
                     timings["attention_wait"] += t1 - t0
                     timings["post_attention"] += time.perf_counter_ns() - t1
         except BaseException:
             self._drain(outstanding)
+            if self.pager is not None:
+                self.pager.reset()
             raise
         t0 = time.perf_counter_ns()
         hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)

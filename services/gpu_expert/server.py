@@ -14,7 +14,7 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
-from moe_lightning.arena import weights_from_arena
+from moe_lightning.arena import expert_page_names, weights_from_arena
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
@@ -23,11 +23,14 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.shm import Segment, TensorChannel, segment_name
+from services.gpu_expert.residency import ExpertPager, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
 SERVICE = "moe_lightning.api.gpu_expert.v1.GpuExpert"
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
 DEVICE_BUDGET = Gauge("moe_lightning_device_memory_budget_bytes", "--device-memory")
+RESIDENT = Gauge("moe_lightning_resident_experts", "Expert pages kept on the device (of layers x experts)")
+BUFFER_SLOTS = Gauge("moe_lightning_expert_buffer_slots", "Experts one of the two streaming buffers holds")
 
 
 class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
@@ -115,13 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
         layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
         budget = args.device_memory if args.device_memory is not None else _device_capacity(device)
-        if layout.total_bytes > budget:
-            raise ValueError(
-                f"the weights need {layout.total_bytes / 2**30:.2f} GiB but --device-memory is "
-                f"{budget / 2**30:.2f} GiB; raise --device-memory (expert streaming is not available yet)"
-            )
+        w13, w2 = (layout.pages[n] for n in expert_page_names(0, 0))
+        expert_bytes = w13.nbytes + w2.nbytes
+        dense_bytes = layout.total_bytes - spec.num_layers * spec.num_experts * expert_bytes
+        residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, budget)
         arena = Segment.attach(manifest.region)
-        weights = weights_from_arena(arena.bytes(), layout, spec, device)
+        weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
+        pager = ExpertPager(weights, residency, device)
         output = TensorChannel.create(
             segment_name(args.run_id, "gpu_expert", "qkv"),
             4,
@@ -131,21 +134,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
-    experts = weights.layers[0].experts
+    experts = list(pager.resident[0].values()) or pager.buffers[0]  # on the device, as it computes
     key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
     measurements = cached_measurements(
         key, lambda: measure_expert_side(experts, str(device), budget), refresh=args.recalibrate
     )
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
     servicer.measurements = measurements
-    runner = ExpertRunner(spec, weights, device, output)
+    runner = ExpertRunner(spec, weights, device, output, pager)
+    RESIDENT.set(sum(len(r) for r in residency.resident))
+    BUFFER_SLOTS.set(residency.buffer_slots)
+    log.info(
+        "residency",
+        resident_experts=sum(len(r) for r in residency.resident),
+        of=spec.num_layers * spec.num_experts,
+        buffer_slots=residency.buffer_slots,
+        device_bytes=residency.device_bytes,
+        budget=budget,
+    )
     servicer.device, servicer.weight_bytes, servicer.budget = str(device), layout.total_bytes, budget
     servicer._runner = runner
-    DEVICE_BYTES.set(layout.total_bytes)
+    DEVICE_BYTES.set(residency.device_bytes)
     DEVICE_BUDGET.set(budget)
 
     def cleanup() -> None:
         output.close()
+        pager.close()
         if runner.input is not None:
             runner.input.close()
         arena.close()
