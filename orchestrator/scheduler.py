@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from moe_lightning.batching import balance
 from moe_lightning.hrm.costmodel import Policy
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
@@ -229,9 +230,10 @@ class Scheduler:
                     tokens = 0
                 mbs[-1].append(w)
                 tokens += len(w.token_ids)
-        else:
+        else:  # balanced by context length: micro-batches of equal attention work, no padding
             size = self.config.micro_batch_size or len(works)
-            mbs = [works[i : i + size] for i in range(0, len(works), size)]
+            contexts = [w.start + 1 for w in works]
+            mbs = [[works[i] for i in group] for group in balance(contexts, -(-len(works) // size))]
         release, self._release_next = self._release_next, []
         return StepPlan(next(self._step_ids), mbs, release)
 

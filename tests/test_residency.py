@@ -75,6 +75,12 @@ def test_pager_serves_exact_experts_over_steps_with_an_odd_layer_count() -> None
                     assert torch.equal(w.w2, host.layers[layer].experts[e].w2)
         # three steps of 3 layers x 4 streamed experts, plus perhaps the look-ahead copy of the next layer 0
         assert pager.bytes_streamed in (3 * 3 * 4 * eb, (3 * 3 + 1) * 4 * eb)
+        hot = plan_residency(3, 5, eb, 0, budget=(3 * 1 + 2 * 4) * eb, hot=[[0, 0, 0, 0, 9]] * 3)
+        pager.update_residency(hot)  # expert 4 becomes resident, 0 streams
+        assert all(4 in r and 0 not in r for r in pager.resident)
+        for layer in range(3):
+            for e, w in enumerate(pager.layer_experts(layer)):
+                assert torch.equal(w.w13, host.layers[layer].experts[e].w13)
         pager.layer_experts(0)
         pager.reset()  # a failed step: the next starts from layer 0 again
         assert torch.equal(pager.layer_experts(0)[4].w13, host.layers[0].experts[4].w13)

@@ -269,6 +269,7 @@ def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         max_batch_size=8,
         micro_batch_size=3,
         device_memory=str(budget),
+        extra={"gpu_expert": ["--residency-interval", "2"]},  # hot-expert swaps while generating
     )
     s = Stack(config)
     s.start(timeout=120)
@@ -285,6 +286,8 @@ def test_streamed_experts_keep_tokens_exact(streaming_stack: Stack, reference: d
         text = r.read().decode()
     assert float(re.search(r"^moe_lightning_resident_experts (\S+)", text, re.M)[1]) == 3.0
     assert float(re.search(r"^moe_lightning_expert_bytes_streamed_total (\S+)", text, re.M)[1]) > 0
+    assert 'moe_lightning_expert_routed_tokens_total{expert="' in text
+    assert float(re.search(r"^moe_lightning_residency_changes_total (\S+)", text, re.M)[1]) >= 1
 
 
 def test_a_budget_below_the_dense_weights_fails_at_start(hf_dir: Path, tmp_path: Path) -> None:

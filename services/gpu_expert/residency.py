@@ -152,6 +152,23 @@ class ExpertPager:
         experts = {**self.resident[layer], **streamed}
         return [experts[e] for e in range(len(experts))]
 
+    def update_residency(self, plan: ResidencyPlan) -> None:
+        """Between steps: swap which experts stay resident (same counts per layer, so same buffers)."""
+        if plan.buffer_slots != self.plan.buffer_slots:
+            raise ValueError("a residency update must keep the buffer size")
+        self.reset()
+        zero_copy = self.device.type == "cpu"
+        for layer, ids in enumerate(plan.resident):
+            old = self.resident[layer]
+            new = {}
+            for e in ids:
+                src = self.host.layers[layer].experts[e]
+                new[e] = old.get(e) or (
+                    src if zero_copy else ExpertWeights(src.w13.to(self.device), src.w2.to(self.device))
+                )
+            self.resident[layer] = new
+        self.plan = plan
+
     def reset(self) -> None:
         """After a failed step: finish outstanding copies and forget them (the next step starts fresh)."""
         for fut in self._pending.values():

@@ -24,9 +24,12 @@ from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
 from moe_lightning.weights import ModelWeights
-from services.gpu_expert.residency import ExpertPager
+from services.gpu_expert.residency import ExpertPager, plan_residency
 
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
+ROUTED = Counter("moe_lightning_expert_routed_tokens_total", "Tokens routed to each expert", ["layer", "expert"])
+RESIDENCY_CHANGES = Counter("moe_lightning_residency_changes_total", "Hot-expert residency updates")
+EXPORT_EVERY = 16  # decode steps between routing-counter flushes
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
 
 
@@ -47,6 +50,7 @@ class ExpertRunner:
         output: TensorChannel,
         pager: ExpertPager | None = None,
         handoff_timeout: float = 60.0,
+        residency_interval: int = 0,
     ) -> None:
         self.spec = spec
         self.weights = weights
@@ -57,6 +61,10 @@ class ExpertRunner:
         self.handoff_timeout = handoff_timeout
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.log = structlog.get_logger()
+        self.residency_interval = residency_interval
+        self.route_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long, device=device)
+        self._exported = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long)
+        self._decode_steps = 0
 
     def connect(self, input_channel: str) -> None:
         old, self.input = self.input, TensorChannel.attach(input_channel)
@@ -135,7 +143,8 @@ class ExpertRunner:
                     HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
                     t1 = time.perf_counter_ns()
                     self._check_reply(reply, plan.step_id, layer_idx, m)
-                    st.hidden, _ = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device), experts)
+                    st.hidden, ids = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device), experts)
+                    self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
                     self.input.release()
                     timings["attention_wait"] += t1 - t0
                     timings["post_attention"] += time.perf_counter_ns() - t1
@@ -156,9 +165,42 @@ class ExpertRunner:
         BUSY.labels("post_attention").inc(timings["post_attention"] / 1e9)
         BUSY.labels("head").inc(timings["head"] / 1e9)
         SHM_WAIT.inc(timings["attention_wait"] / 1e9)
-        STEPS.labels("prefill" if plan.num_tokens > plan.num_sequences else "decode").inc()
+        decode = plan.num_tokens == plan.num_sequences
+        STEPS.labels("decode" if decode else "prefill").inc()
         TOKENS.inc(len(tokens))
+        if decode:
+            self._decode_steps += 1
+            if self._decode_steps % EXPORT_EVERY == 0:
+                self.export_routing()
+            if self.residency_interval and self._decode_steps % self.residency_interval == 0:
+                self.rebalance()
         return StepOutput([w.seq_id for w in works], tokens, timings)
+
+    def export_routing(self) -> None:
+        """Routing counters per (layer, expert), flushed in batches: a label lookup per series per step
+        would cost more than the step's hand-offs."""
+        counts = self.route_counts.cpu()
+        new = counts - self._exported
+        self._exported = counts
+        for layer, expert in new.nonzero().tolist():
+            ROUTED.labels(str(layer), str(expert)).inc(int(new[layer, expert]))
+
+    def rebalance(self) -> None:
+        """Between steps: keep the experts that routing uses most resident (hot-expert residency)."""
+        pager = self.pager
+        if pager is None or not pager.streams:
+            return
+        hot = self.route_counts.cpu().tolist()
+        p = pager.plan
+        new = plan_residency(
+            self.spec.num_layers, self.spec.num_experts, p.expert_bytes, p.dense_bytes, p.budget, hot=hot
+        )
+        if new.resident != p.resident and new.buffer_slots == p.buffer_slots:
+            moved = sum(len(set(a) ^ set(b)) for a, b in zip(new.resident, p.resident, strict=True)) // 2
+            pager.update_residency(new)
+            RESIDENCY_CHANGES.inc()
+            self.log.info("residency_updated", experts_swapped=moved, after_decode_steps=self._decode_steps)
+        self.route_counts //= 2  # decay: recent routing counts most
 
     def _check_reply(self, reply: dict, step: int, layer: int, m: int) -> None:
         if "error" in reply:

@@ -94,6 +94,12 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument(
+        "--residency-interval",
+        type=int,
+        default=256,
+        help="decode steps between hot-expert residency updates when experts stream (0 = never)",
+    )
+    p.add_argument(
         "--recalibrate",
         action="store_true",
         help="re-measure the device's roofs at warm-up instead of reusing this machine's cache",
@@ -141,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
     servicer.measurements = measurements
-    runner = ExpertRunner(spec, weights, device, output, pager)
+    runner = ExpertRunner(spec, weights, device, output, pager, residency_interval=args.residency_interval)
     RESIDENT.set(sum(len(r) for r in residency.resident))
     BUFFER_SLOTS.set(residency.buffer_slots)
     log.info(
