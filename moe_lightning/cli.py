@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from moe_lightning.commands import demo_model, generate, plan, profile, run_job, up
+from moe_lightning.commands import demo_model, generate, plan, profile, run_job, timeline, up
 from moe_lightning.flags import EnvDefaultsParser
 
 COMMANDS = {
@@ -18,6 +18,7 @@ COMMANDS = {
     "run": run_job,
     "plan": plan,
     "profile": profile,
+    "timeline": timeline,
 }
 
 

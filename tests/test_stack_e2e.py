@@ -260,6 +260,7 @@ def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     expert = sum(layout.pages[n].nbytes for n in expert_page_names(0, 0))
     dense = layout.total_bytes - spec.num_layers * spec.num_experts * expert
     budget = dense + (spec.num_layers * 1 + 2 * (spec.num_experts - 1)) * expert
+    timelines = tmp_path_factory.mktemp("timeline")
     config = StackConfig(
         model=hf_dir,
         run_id=f"stream{os.getpid()}",
@@ -269,10 +270,14 @@ def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         max_batch_size=8,
         micro_batch_size=3,
         device_memory=str(budget),
-        extra={"gpu_expert": ["--residency-interval", "2"]},  # hot-expert swaps while generating
+        extra={  # hot-expert swaps while generating; stage times recorded for the timeline test
+            "gpu_expert": ["--residency-interval", "2", "--timeline", str(timelines / "gpu_expert.jsonl")],
+            "cpu_attention": ["--timeline", str(timelines / "cpu_attention.jsonl")],
+        },
     )
     s = Stack(config)
     s.start(timeout=120)
+    s.timeline_files = [timelines / "gpu_expert.jsonl", timelines / "cpu_attention.jsonl"]  # type: ignore[attr-defined]
     yield s
     s.stop()
     assert s.leaked_segments() == []
@@ -308,3 +313,45 @@ def test_a_budget_below_the_dense_weights_fails_at_start(hf_dir: Path, tmp_path:
     s.stop()
     assert "cannot hold the dense weights" in str(info.value)
     assert s.leaked_segments() == []
+
+
+def test_timeline_shows_attention_and_copies_overlapping_device_work(streaming_stack: Stack, tmp_path: Path) -> None:
+    """Runs after the streaming generation above: CPU attention of one micro-batch runs while the
+    device computes another, and expert page copies run during device compute."""
+    import json
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from moe_lightning.timeline import load, summarize
+
+    with GenerationClient(streaming_stack.api_address, timeout=120) as c:  # make sure there is a run to see
+        c.batch_generate([Prompt(token_ids=p, max_new_tokens=6, ignore_eos=True) for p in PROMPTS[:7]])
+    events = load(streaming_stack.timeline_files)  # type: ignore[attr-defined]
+    assert {e.resource for e in events} == {"device", "cpu", "copy"}
+    assert {e.micro_batch for e in events if e.resource == "cpu"} >= {0, 1, 2}
+    summary = summarize(events)
+    assert summary["overlap_seconds"]["cpu&device"] > 0
+    assert summary["overlap_seconds"]["copy&device"] > 0
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_lightning.cli",
+            "timeline",
+            *map(str, streaming_stack.timeline_files),  # type: ignore[attr-defined]
+            "--chrome",
+            str(tmp_path / "trace.json"),
+            "--parquet",
+            str(tmp_path / "t.parquet"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert set(json.loads(r.stdout)["busy_fraction"]) == {"device", "cpu", "copy"}
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" and e["name"].startswith("attention") for e in trace)
+    assert pq.read_table(tmp_path / "t.parquet").num_rows == len(events)

@@ -16,6 +16,7 @@ from moe_lightning.service.convert import measurements_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
+from moe_lightning.timeline import TimelineRecorder
 from services.cpu_attention.worker import AttentionWorker
 
 SERVICE = "moe_lightning.api.cpu_attention.v1.CpuAttention"
@@ -71,6 +72,7 @@ def build_parser() -> EnvDefaultsParser:
         help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--timeline", default=None, help="append (step, layer, micro-batch) attention times to this file")
     p.add_argument(
         "--recalibrate",
         action="store_true",
@@ -98,7 +100,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime.stop()
         return 1
     worker = AttentionWorker(
-        spec, num_blocks, args.block_size, args.run_id, handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn")
+        spec,
+        num_blocks,
+        args.block_size,
+        args.run_id,
+        handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn"),
+        timeline=TimelineRecorder(args.timeline, "cpu_attention"),
     )
     key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}"
     servicer.measurements = cached_measurements(key, lambda: measure_attention_side(spec), refresh=args.recalibrate)

@@ -22,6 +22,7 @@ from moe_lightning.shm import (
 )
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from moe_lightning.timeline import TimelineRecorder
 
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
 ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
@@ -29,9 +30,17 @@ ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests ans
 
 class AttentionWorker:
     def __init__(
-        self, spec: ModelSpec, num_blocks: int, block_size: int, run_id: str, slot_bytes: int, slots: int = 4
+        self,
+        spec: ModelSpec,
+        num_blocks: int,
+        block_size: int,
+        run_id: str,
+        slot_bytes: int,
+        slots: int = 4,
+        timeline: TimelineRecorder | None = None,
     ) -> None:
         self.spec = spec
+        self.timeline = timeline or TimelineRecorder(None, "cpu_attention")
         self.log = structlog.get_logger()
         shape = PagedKVCache.storage_shape(spec, num_blocks, block_size)
         numel = 1
@@ -115,7 +124,7 @@ class AttentionWorker:
         key = (meta["s"], meta["m"])
         layer = meta["l"]
         reply = {"s": meta["s"], "l": layer, "m": meta["m"]}
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         try:
             if layer == 0:
                 self._batches[key] = self._begin(meta)
@@ -126,13 +135,16 @@ class AttentionWorker:
             with self._lock:
                 write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.write_slots)
                 out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb)
+            self.timeline.record("cpu", "attention", meta["s"], layer, meta["m"], t0)
             if layer == self.spec.num_layers - 1:
                 del self._batches[key]
         except KVCacheFullError as exc:
             return self._error(reply, key, "RESOURCE_EXHAUSTED", str(exc))
         except (LookupError, ValueError) as exc:
             return self._error(reply, key, "FAILED_PRECONDITION", str(exc))
-        BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(time.perf_counter() - t0)
+        BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(
+            (time.perf_counter_ns() - t0) / 1e9
+        )
         return reply, [out]
 
     def _error(self, reply: dict, key: tuple[int, int], code: str, message: str) -> tuple[dict, list[torch.Tensor]]:
@@ -163,3 +175,4 @@ class AttentionWorker:
         self.output.close()
         self.kv_segment.close()
         self.kv_segment.unlink()
+        self.timeline.close()

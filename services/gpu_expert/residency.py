@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import Counter
 
+from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, ModelWeights
 
 STREAMED = Counter("moe_lightning_expert_bytes_streamed_total", "Expert weight bytes copied into the device buffers")
@@ -84,10 +85,13 @@ def plan_residency(
 class ExpertPager:
     """Serves each layer's experts: resident ones directly, streamed ones from a prefetched buffer."""
 
-    def __init__(self, host: ModelWeights, plan: ResidencyPlan, device: torch.device) -> None:
+    def __init__(
+        self, host: ModelWeights, plan: ResidencyPlan, device: torch.device, timeline: TimelineRecorder | None = None
+    ) -> None:
         self.host = host
         self.plan = plan
         self.device = device
+        self.timeline = timeline or TimelineRecorder(None, "gpu_expert")
         self.num_layers = len(host.layers)
         zero_copy = device.type == "cpu"
         self.resident: list[dict[int, ExpertWeights]] = []
@@ -120,6 +124,7 @@ class ExpertPager:
         return self.plan.buffer_slots > 0
 
     def _copy(self, layer: int, buffer: int) -> dict[int, ExpertWeights]:
+        t0 = time.perf_counter_ns()
         streamed = [e for e in range(len(self.host.layers[layer].experts)) if e not in self.resident[layer]]
         out = {}
         for slot, e in zip(self.buffers[buffer], streamed, strict=False):
@@ -130,6 +135,7 @@ class ExpertPager:
         with self._lock:
             self.bytes_streamed += len(streamed) * self.plan.expert_bytes
         STREAMED.inc(len(streamed) * self.plan.expert_bytes)
+        self.timeline.record("copy", "expert_copy", -1, layer, -1, t0)
         return out
 
     def prefetch(self, layer: int) -> None:

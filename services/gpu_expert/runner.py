@@ -23,6 +23,7 @@ from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
+from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ModelWeights
 from services.gpu_expert.residency import ExpertPager, plan_residency
 
@@ -51,6 +52,7 @@ class ExpertRunner:
         pager: ExpertPager | None = None,
         handoff_timeout: float = 60.0,
         residency_interval: int = 0,
+        timeline: TimelineRecorder | None = None,
     ) -> None:
         self.spec = spec
         self.weights = weights
@@ -62,6 +64,7 @@ class ExpertRunner:
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.log = structlog.get_logger()
         self.residency_interval = residency_interval
+        self.timeline = timeline or TimelineRecorder(None, "gpu_expert")
         self.route_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long, device=device)
         self._exported = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long)
         self._decode_steps = 0
@@ -118,6 +121,7 @@ class ExpertRunner:
                     t0 = time.perf_counter_ns()
                     q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
                     t1 = time.perf_counter_ns()
+                    self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
                     meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m}
                     if layer_idx == 0:
                         meta.update(
@@ -148,6 +152,7 @@ class ExpertRunner:
                     self.input.release()
                     timings["attention_wait"] += t1 - t0
                     timings["post_attention"] += time.perf_counter_ns() - t1
+                    self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t1)
         except BaseException:
             self._drain(outstanding)
             if self.pager is not None:
@@ -160,6 +165,7 @@ class ExpertRunner:
         chosen = [self.samplers[w.seq_id] for w in works]
         tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
         timings["head"] = time.perf_counter_ns() - t0
+        self.timeline.record("device", "head", plan.step_id, -1, -1, t0)
         timings["step"] = time.perf_counter_ns() - t_start
         BUSY.labels("pre_attention").inc(timings["pre_attention"] / 1e9)
         BUSY.labels("post_attention").inc(timings["post_attention"] / 1e9)

@@ -23,6 +23,7 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.shm import Segment, TensorChannel, segment_name
+from moe_lightning.timeline import TimelineRecorder
 from services.gpu_expert.residency import ExpertPager, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
@@ -93,6 +94,7 @@ def build_parser() -> EnvDefaultsParser:
         help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--timeline", default=None, help="append (step, layer, micro-batch) stage times to this file")
     p.add_argument(
         "--residency-interval",
         type=int,
@@ -130,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, budget)
         arena = Segment.attach(manifest.region)
         weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
-        pager = ExpertPager(weights, residency, device)
+        timeline = TimelineRecorder(args.timeline, "gpu_expert")
+        pager = ExpertPager(weights, residency, device, timeline)
         output = TensorChannel.create(
             segment_name(args.run_id, "gpu_expert", "qkv"),
             4,
@@ -147,7 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
     servicer.measurements = measurements
-    runner = ExpertRunner(spec, weights, device, output, pager, residency_interval=args.residency_interval)
+    runner = ExpertRunner(
+        spec, weights, device, output, pager, residency_interval=args.residency_interval, timeline=timeline
+    )
     RESIDENT.set(sum(len(r) for r in residency.resident))
     BUFFER_SLOTS.set(residency.buffer_slots)
     log.info(
@@ -166,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def cleanup() -> None:
         output.close()
         pager.close()
+        timeline.close()
         if runner.input is not None:
             runner.input.close()
         arena.close()
