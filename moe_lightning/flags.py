@@ -31,6 +31,14 @@ _UNITS = {
 }
 
 
+def format_size(n: float) -> str:
+    """Bytes for people: 1.50 GiB, 300.0 MiB, 12.0 KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GiB" else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
 def parse_size(text: str) -> int:
     """'4GiB', '512MB', '1.5G', '1000' -> bytes."""
     m = _SIZE.match(str(text))

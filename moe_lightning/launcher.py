@@ -98,9 +98,14 @@ class Stack:
         return common + own + c.extra.get(name, [])
 
     def start(self, timeout: float = 600.0) -> None:
+        """Starts all four and waits for SERVING; on any failure stops what did start, then raises."""
         self.prepare()
-        self.spawn(list(SERVICES))
-        self.wait_ready(timeout)
+        try:
+            self.spawn(list(SERVICES))
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
 
     def prepare(self) -> None:
         """Sweeps a dead run's leftovers and picks every address and port."""

@@ -249,17 +249,24 @@ def test_workers_report_their_calibrated_roofs(stack: Stack) -> None:
     assert c.attention_bandwidth > 1e7 and c.memory_bytes > 1e9
 
 
-@pytest.fixture(scope="module")
-def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The same model with a device budget that holds 1 of 6 experts per layer: the rest stream."""
+def streaming_budget(model: Path, resident_per_layer: int = 1) -> int:
+    """A --device-memory that holds the dense weights, `resident_per_layer` experts of every layer and
+    the double buffer for the rest."""
     from moe_lightning.arena import ArenaLayout, expert_page_names
     from moe_lightning.spec import ModelSpec
 
-    spec = ModelSpec.from_pretrained(hf_dir)
+    spec = ModelSpec.from_pretrained(model)
     layout = ArenaLayout.for_spec(spec, "float32")
     expert = sum(layout.pages[n].nbytes for n in expert_page_names(0, 0))
     dense = layout.total_bytes - spec.num_layers * spec.num_experts * expert
-    budget = dense + (spec.num_layers * 1 + 2 * (spec.num_experts - 1)) * expert
+    streamed = spec.num_experts - resident_per_layer
+    return dense + (spec.num_layers * resident_per_layer + 2 * streamed) * expert
+
+
+@pytest.fixture(scope="module")
+def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The same model with a device budget that holds 1 of 6 experts per layer: the rest stream."""
+    budget = streaming_budget(hf_dir)
     timelines = tmp_path_factory.mktemp("timeline")
     config = StackConfig(
         model=hf_dir,
@@ -309,9 +316,9 @@ def test_a_budget_below_the_dense_weights_fails_at_start(hf_dir: Path, tmp_path:
         )
     )
     with pytest.raises(StackError, match="gpu_expert exited with code 1") as info:
-        s.start(timeout=120)
-    s.stop()
+        s.start(timeout=120)  # stops the services that did start before raising
     assert "cannot hold the dense weights" in str(info.value)
+    assert all(p.poll() is not None for p in s.procs.values())
     assert s.leaked_segments() == []
 
 
@@ -355,3 +362,40 @@ def test_timeline_shows_attention_and_copies_overlapping_device_work(streaming_s
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert any(e.get("ph") == "X" and e["name"].startswith("attention") for e in trace)
     assert pq.read_table(tmp_path / "t.parquet").num_rows == len(events)
+
+
+def test_overlap_off_baseline_is_exact_and_sequential(hf_dir: Path, reference: dict, tmp_path: Path) -> None:
+    """The FlexGen-style baseline schedule (--no-overlap): same tokens, and the timeline shows no stage
+    of one resource running while another works."""
+    from moe_lightning.timeline import load, summarize
+
+    files = [tmp_path / "gpu.jsonl", tmp_path / "cpu.jsonl"]
+    s = Stack(
+        StackConfig(
+            model=hf_dir,
+            run_id=f"seq{os.getpid()}",
+            port=0,
+            log_dir=tmp_path,
+            kv_cache_memory="32MiB",
+            max_batch_size=8,
+            micro_batch_size=3,
+            device_memory=str(streaming_budget(hf_dir)),
+            extra={
+                "gpu_expert": ["--no-overlap", "--timeline", str(files[0])],
+                "cpu_attention": ["--timeline", str(files[1])],
+            },
+        )
+    )
+    s.start(timeout=120)
+    try:
+        with GenerationClient(s.api_address, timeout=120) as c:
+            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    finally:
+        s.stop()
+    assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
+    summary = summarize(load(files))
+    busy = summary["busy_fraction"]
+    assert "copy" in busy  # the budget holds 1 expert per layer: the rest stream
+    overlap = summary["overlap_seconds"]
+    assert overlap["cpu&device"] < 0.02 * summary["span_seconds"]
+    assert overlap["copy&device"] < 0.02 * summary["span_seconds"]

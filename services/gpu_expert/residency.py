@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from prometheus_client import Counter
 
+from moe_lightning.flags import format_size
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, ModelWeights
 
@@ -69,9 +70,9 @@ def plan_residency(
     if best is None:
         need = dense_bytes + 2 * num_experts * expert_bytes
         raise DeviceBudgetError(
-            f"--device-memory {budget / 2**30:.2f} GiB cannot hold the dense weights "
-            f"({dense_bytes / 2**30:.2f} GiB) and a double buffer of one layer's experts "
-            f"({2 * num_experts * expert_bytes / 2**30:.2f} GiB): at least {need / 2**30:.2f} GiB is needed"
+            f"--device-memory {format_size(budget)} cannot hold the dense weights ({format_size(dense_bytes)}) "
+            f"and a double buffer of one layer's experts ({format_size(2 * num_experts * expert_bytes)}): "
+            f"at least {format_size(need)} is needed"
         )
     r, slots, extra = best
     resident = []
@@ -86,12 +87,18 @@ class ExpertPager:
     """Serves each layer's experts: resident ones directly, streamed ones from a prefetched buffer."""
 
     def __init__(
-        self, host: ModelWeights, plan: ResidencyPlan, device: torch.device, timeline: TimelineRecorder | None = None
+        self,
+        host: ModelWeights,
+        plan: ResidencyPlan,
+        device: torch.device,
+        timeline: TimelineRecorder | None = None,
+        lookahead: bool = True,
     ) -> None:
         self.host = host
         self.plan = plan
         self.device = device
         self.timeline = timeline or TimelineRecorder(None, "gpu_expert")
+        self.lookahead = lookahead  # False: copy each layer's experts only when it needs them (no overlap)
         self.num_layers = len(host.layers)
         zero_copy = device.type == "cpu"
         self.resident: list[dict[int, ExpertWeights]] = []
@@ -154,7 +161,8 @@ class ExpertPager:
         waited = time.perf_counter() - t0
         self.wait_seconds += waited
         WAITED.inc(waited)
-        self.prefetch(layer + 1)  # the other buffer is free: layer - 1 is done
+        if self.lookahead:
+            self.prefetch(layer + 1)  # the other buffer is free: layer - 1 is done
         experts = {**self.resident[layer], **streamed}
         return [experts[e] for e in range(len(experts))]
 

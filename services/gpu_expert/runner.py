@@ -24,7 +24,7 @@ from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
 from moe_lightning.timeline import TimelineRecorder
-from moe_lightning.weights import ModelWeights
+from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 from services.gpu_expert.residency import ExpertPager, plan_residency
 
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
@@ -53,6 +53,7 @@ class ExpertRunner:
         handoff_timeout: float = 60.0,
         residency_interval: int = 0,
         timeline: TimelineRecorder | None = None,
+        overlap: bool = True,
     ) -> None:
         self.spec = spec
         self.weights = weights
@@ -64,6 +65,7 @@ class ExpertRunner:
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.log = structlog.get_logger()
         self.residency_interval = residency_interval
+        self.overlap = overlap
         self.timeline = timeline or TimelineRecorder(None, "gpu_expert")
         self.route_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long, device=device)
         self._exported = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long)
@@ -117,42 +119,23 @@ class ExpertRunner:
         outstanding = 0
         try:
             for layer_idx, layer in enumerate(self.weights.layers):
-                for m, st in enumerate(states):
-                    t0 = time.perf_counter_ns()
-                    q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
-                    t1 = time.perf_counter_ns()
-                    self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
-                    meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m}
-                    if layer_idx == 0:
-                        meta.update(
-                            seqs=[w.seq_id for w in st.works],
-                            q=[len(w.token_ids) for w in st.works],
-                            p=[w.start for w in st.works],
-                        )
-                    self.output.send(meta, [q, k, v], timeout=self.handoff_timeout)
-                    outstanding += 1
-                    HANDOFFS.labels("out").inc()
-                    HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
-                    timings["pre_attention"] += t1 - t0
-                    timings["handoff_send"] += time.perf_counter_ns() - t1
-                t0 = time.perf_counter_ns()
-                experts = self.pager.layer_experts(layer_idx) if self.pager is not None else None
-                timings["expert_wait"] += time.perf_counter_ns() - t0
-                for m, st in enumerate(states):
-                    t0 = time.perf_counter_ns()
-                    reply, tensors = self.input.recv(timeout=self.handoff_timeout)
-                    outstanding -= 1
-                    HANDOFFS.labels("in").inc()
-                    HANDOFF_LATENCY.labels("in").inc(self.input.last_latency_ns / 1e9)
-                    HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
-                    t1 = time.perf_counter_ns()
-                    self._check_reply(reply, plan.step_id, layer_idx, m)
-                    st.hidden, ids = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device), experts)
-                    self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
-                    self.input.release()
-                    timings["attention_wait"] += t1 - t0
-                    timings["post_attention"] += time.perf_counter_ns() - t1
-                    self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t1)
+                if self.overlap:
+                    # every micro-batch's q/k/v goes out before the first result is awaited: attention
+                    # on micro-batch k+1 runs while this process does post-attention for k
+                    for m, st in enumerate(states):
+                        self._send(plan, layer_idx, layer, m, st, timings)
+                        outstanding += 1
+                    experts = self._experts(layer_idx, timings)
+                    for m, st in enumerate(states):
+                        self._receive(plan, layer_idx, layer, m, st, experts, timings)
+                        outstanding -= 1
+                else:  # the FlexGen/DeepSpeed-style schedule: each stage waits for the previous one
+                    experts = self._experts(layer_idx, timings)
+                    for m, st in enumerate(states):
+                        self._send(plan, layer_idx, layer, m, st, timings)
+                        outstanding += 1
+                        self._receive(plan, layer_idx, layer, m, st, experts, timings)
+                        outstanding -= 1
         except BaseException:
             self._drain(outstanding)
             if self.pager is not None:
@@ -181,6 +164,55 @@ class ExpertRunner:
             if self.residency_interval and self._decode_steps % self.residency_interval == 0:
                 self.rebalance()
         return StepOutput([w.seq_id for w in works], tokens, timings)
+
+    def _send(
+        self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: _MicroBatchState, timings: dict[str, int]
+    ) -> None:
+        t0 = time.perf_counter_ns()
+        q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
+        t1 = time.perf_counter_ns()
+        self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
+        meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m}
+        if layer_idx == 0:
+            meta.update(
+                seqs=[w.seq_id for w in st.works], q=[len(w.token_ids) for w in st.works], p=[w.start for w in st.works]
+            )
+        self.output.send(meta, [q, k, v], timeout=self.handoff_timeout)
+        HANDOFFS.labels("out").inc()
+        HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
+        timings["pre_attention"] += t1 - t0
+        timings["handoff_send"] += time.perf_counter_ns() - t1
+
+    def _experts(self, layer_idx: int, timings: dict[str, int]) -> list[ExpertWeights] | None:
+        t0 = time.perf_counter_ns()
+        experts = self.pager.layer_experts(layer_idx) if self.pager is not None else None
+        timings["expert_wait"] += time.perf_counter_ns() - t0
+        return experts
+
+    def _receive(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer: LayerWeights,
+        m: int,
+        st: _MicroBatchState,
+        experts: list[ExpertWeights] | None,
+        timings: dict[str, int],
+    ) -> None:
+        assert self.input is not None
+        t0 = time.perf_counter_ns()
+        reply, tensors = self.input.recv(timeout=self.handoff_timeout)
+        HANDOFFS.labels("in").inc()
+        HANDOFF_LATENCY.labels("in").inc(self.input.last_latency_ns / 1e9)
+        HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
+        t1 = time.perf_counter_ns()
+        self._check_reply(reply, plan.step_id, layer_idx, m)
+        st.hidden, ids = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device), experts)
+        self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+        self.input.release()
+        timings["attention_wait"] += t1 - t0
+        timings["post_attention"] += time.perf_counter_ns() - t1
+        self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t1)
 
     def export_routing(self) -> None:
         """Routing counters per (layer, expert), flushed in batches: a label lookup per series per step

@@ -96,6 +96,11 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--timeline", default=None, help="append (step, layer, micro-batch) stage times to this file")
     p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="baseline schedule: copy each layer's experts when needed, one micro-batch at a time",
+    )
+    p.add_argument(
         "--residency-interval",
         type=int,
         default=256,
@@ -133,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         arena = Segment.attach(manifest.region)
         weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
         timeline = TimelineRecorder(args.timeline, "gpu_expert")
-        pager = ExpertPager(weights, residency, device, timeline)
+        pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
         output = TensorChannel.create(
             segment_name(args.run_id, "gpu_expert", "qkv"),
             4,
@@ -151,7 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
     servicer.measurements = measurements
     runner = ExpertRunner(
-        spec, weights, device, output, pager, residency_interval=args.residency_interval, timeline=timeline
+        spec,
+        weights,
+        device,
+        output,
+        pager,
+        residency_interval=args.residency_interval,
+        timeline=timeline,
+        overlap=not args.no_overlap,
     )
     RESIDENT.set(sum(len(r) for r in residency.resident))
     BUFFER_SLOTS.set(residency.buffer_slots)
