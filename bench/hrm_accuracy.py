@@ -17,8 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from stackrun import random_prompts, run_batch
-
+from moe_lightning.benchmark import random_prompts, run_batch
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.hrm.calibrate import cached_profile
 from moe_lightning.hrm.costmodel import Policy, Workload, estimate

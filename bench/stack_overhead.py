@@ -19,8 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from stackrun import random_prompts, run_batch
-
+from moe_lightning.benchmark import random_prompts, run_batch
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.engine import InProcessEngine

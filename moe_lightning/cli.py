@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from moe_lightning.commands import demo_model, generate, plan, profile, run_job, timeline, up
+from moe_lightning.commands import bench, demo_model, generate, plan, profile, run_job, timeline, up
 from moe_lightning.flags import EnvDefaultsParser
 
 COMMANDS = {
@@ -19,6 +19,7 @@ COMMANDS = {
     "plan": plan,
     "profile": profile,
     "timeline": timeline,
+    "bench": bench,
 }
 
 

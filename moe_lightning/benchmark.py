@@ -1,0 +1,120 @@
+"""Benchmark building blocks: the MT-Bench-shaped workload, one batch through a fresh stack with its
+metrics diffed around it, and transformers' `generate` as the baseline (bench-only: transformers
+is never needed to serve)."""
+
+from __future__ import annotations
+
+import re
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moe_lightning.client import Completion, GenerationClient, Prompt
+from moe_lightning.launcher import Stack, StackConfig
+
+SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m[1]] = float(m[2])
+    return out
+
+
+def random_prompts(batch: int, prompt_len: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[1, *torch.randint(3, vocab, (prompt_len - 1,), generator=g).tolist()] for _ in range(batch)]
+
+
+@dataclass
+class StackRun:
+    done: list[Completion]
+    wall_seconds: float
+    delta: Callable[[str, str], float]  # (service, series) -> increase during the batch
+
+
+def run_batch(
+    model: Path,
+    batch: list[list[int]],
+    gen: int,
+    run_id: str,
+    threads: int = 0,
+    extra: dict[str, list[str]] | None = None,
+    device_memory: str | None = None,
+    micro_batch: int | None = None,
+) -> StackRun:
+    cfg = StackConfig(
+        model=model,
+        run_id=run_id,
+        port=0,
+        max_batch_size=len(batch),
+        kv_cache_memory="4GiB",
+        log_dir=Path(f"/tmp/moe-lightning-bench-{run_id}"),
+        cache_dir=model.parent / "arena-cache",
+        threads={"gpu_expert": threads, "cpu_attention": threads} if threads else {},
+        extra=extra or {},
+        device_memory=device_memory,
+        micro_batch_size=micro_batch,
+    )
+    s = Stack(cfg)
+    s.start()
+    try:
+        ep = s.endpoints()
+        with GenerationClient(s.api_address, timeout=3600) as c:
+            c.batch_generate([Prompt(token_ids=batch[0][:8], max_new_tokens=2, ignore_eos=True)])  # warm-up
+            before = {n: scrape(ep[n]["metrics"]) for n in SERVICES}
+            t0 = time.perf_counter()
+            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=gen, ignore_eos=True) for p in batch])
+            wall = time.perf_counter() - t0
+            after = {n: scrape(ep[n]["metrics"]) for n in SERVICES}
+    finally:
+        s.stop()
+    return StackRun(done, wall, lambda svc, key: after[svc].get(key, 0.0) - before[svc].get(key, 0.0))
+
+
+def mtbench_lengths(n: int, seed: int = 0, mean: float = 77.0, longest: int = 418, shortest: int = 4) -> list[int]:
+    """Prompt lengths shaped like MT-Bench's (average 77, max 418 tokens): a seeded log-normal, clipped,
+    rescaled to the published mean, with the longest prompt present once n is large enough."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(n, generator=g) * 0.75)
+    lengths = (raw / raw.mean() * mean).clamp(shortest, longest)
+    if n >= 16:  # the longest prompt is there once; the others shrink so the mean stays put
+        i = int(torch.randint(n, (1,), generator=g))
+        rest = torch.cat([lengths[:i], lengths[i + 1 :]])
+        rest = (rest * (mean * n - longest) / rest.sum()).clamp(shortest, longest)
+        lengths = torch.cat([rest[:i], torch.tensor([float(longest)]), rest[i:]])
+    return [int(x) for x in lengths.round().long().tolist()]
+
+
+def transformers_generate(model: Path, prompts: list[list[int]], gen: int) -> dict[str, float]:
+    """transformers' own generate on the same checkpoint and batch: left padding to the longest prompt,
+    sdpa attention, its default (grouped) experts path, fp32, exactly `gen` new tokens each."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    with torch.no_grad():
+        m.generate(ids[:1, -4:], attention_mask=mask[:1, -4:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        out = m.generate(
+            ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0
+        )
+        wall = time.perf_counter() - t0
+    generated = (out.shape[1] - width) * len(prompts)
+    return {"generated_tokens_per_second": generated / wall, "seconds": wall, "padded_width": width}

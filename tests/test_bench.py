@@ -1,0 +1,51 @@
+"""The benchmark command on the tiny model: it runs every configuration and reports ratios."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from moe_lightning.benchmark import mtbench_lengths
+
+
+def test_mtbench_lengths_follow_the_published_statistics() -> None:
+    lengths = mtbench_lengths(256)
+    assert abs(sum(lengths) / len(lengths) - 77) < 1 and max(lengths) == 418 and min(lengths) >= 4
+    assert mtbench_lengths(64) == mtbench_lengths(64)  # deterministic
+
+
+def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_lightning.cli",
+            "bench",
+            "--model",
+            str(tiny_model),
+            "--num-prompts",
+            "6",
+            "--gen-len",
+            "4",
+            "--micro-batch-size",
+            "2",
+            "--json",
+            str(out),
+            "--trace",
+            str(tmp_path / "t.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    for key in ("ours", "overlap_off", "transformers"):
+        assert res[key]["generated_tokens_per_second"] > 0, key
+    assert res["roofline_decode_tokens_per_second"] > 0
+    assert set(res["ours"]["timeline"]["busy_fraction"]) >= {"device", "cpu"}
+    assert "(a) transformers generate" in r.stdout and "(b) overlap off" in r.stdout
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
