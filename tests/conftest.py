@@ -4,8 +4,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from reference import E2E_CONFIG, E2E_PROMPTS, load_hf, save_hf_mixtral
 
 
 @pytest.fixture(scope="session")
@@ -13,3 +16,24 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from moe_lightning.demo_model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=0, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_mixtral(tmp_path_factory.mktemp("hf_e2e"), seed=3, **E2E_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def reference(hf_dir: Path) -> dict[int, list[int]]:
+    hf = load_hf(hf_dir)
+    out = {}
+    for i, p in enumerate(E2E_PROMPTS):
+        ids = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=14,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out[i] = ids[0, len(p) :].tolist()
+    return out

@@ -44,3 +44,29 @@ def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], lis
         tokens.append(int(out.argmax()))
         ids.append(tokens[-1])
     return tokens, logits
+
+
+# The checkpoint and prompts of the end-to-end tests (made once per session in conftest.py).
+E2E_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    max_position_embeddings=512,
+)
+E2E_PROMPTS = [
+    [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69, 73, 77, 81, 85, 89],
+    [1, 300],
+    [1, 4, 4, 4, 4, 4],
+    [1, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89],
+    [1],
+    [1, 250, 251, 252],
+    [1, 12, 123, 34, 45, 56, 67, 78, 89, 90, 101, 112],
+    [1, 9, 8, 7, 6, 5, 4, 3],
+    [1, 200, 100, 50, 25, 12, 6, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+    [1, 42, 42],
+]
