@@ -82,3 +82,35 @@ def add_service_flags(parser: argparse.ArgumentParser, default_address: str) -> 
     )
     parser.add_argument("--log-level", default="info", help="debug, info, warning or error")
     parser.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags the two worker services (gpu_expert, cpu_attention) share."""
+    parser.add_argument(
+        "--max-tokens-per-handoff",
+        type=int,
+        default=8192,
+        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument(
+        "--timeline", default=None, help="append (step, layer, micro-batch) start/end times to this file"
+    )
+    parser.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="re-measure this service's roofs at warm-up instead of reusing this machine's cache",
+    )
+
+
+def add_batch_flags(parser: argparse.ArgumentParser) -> None:
+    """Batch and micro-batch sizes; unset, the orchestrator's HRM policy decides."""
+    parser.add_argument(
+        "--max-batch-size", type=int, default=None, help="requests decoded together (default: the HRM's policy)"
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per micro-batch (default: the HRM's policy; 0 = whole batch)",
+    )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags
+from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.service.runtime import bootstrap
@@ -33,15 +33,7 @@ def build_parser() -> EnvDefaultsParser:
         default=None,
         help="directory with tokenizer.json (default: the model directory the weight store serves)",
     )
-    p.add_argument(
-        "--max-batch-size", type=int, default=None, help="requests decoded together (default: the HRM's policy)"
-    )
-    p.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=None,
-        help="sequences per micro-batch (default: the HRM's policy; 0 = whole batch)",
-    )
+    add_batch_flags(p)
     p.add_argument(
         "--expected-prompt-len",
         type=float,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from moe_lightning.flags import add_batch_flags
+
 
 def token_ids(text: str) -> list[int]:
     try:
@@ -33,15 +35,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
         choices=["float32", "bfloat16", "float16"],
         help="dtype of the weights in the arena (and on the device)",
     )
-    p.add_argument(
-        "--max-batch-size", type=int, default=None, help="requests decoded together (default: the HRM's policy)"
-    )
-    p.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=None,
-        help="sequences per micro-batch (default: the HRM's policy; 0 = whole batch)",
-    )
+    add_batch_flags(p)
     p.add_argument("--run-id", default=None, help="names the shared-memory segments (default: per process)")
     p.add_argument("--cache-dir", default=None, help="where the weight store keeps its converted copy")
     p.add_argument("--log-dir", default=None, help="write each service's log to DIR/<service>.log")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_attention_side
 from moe_lightning.service.convert import measurements_to_pb
@@ -64,20 +64,8 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument(
         "--kv-cache-memory", type=parse_size, default=parse_size("2GiB"), help="host memory for the KV cache (fp32)"
     )
+    add_worker_flags(p)
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
-    p.add_argument(
-        "--max-tokens-per-handoff",
-        type=int,
-        default=8192,
-        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--timeline", default=None, help="append (step, layer, micro-batch) attention times to this file")
-    p.add_argument(
-        "--recalibrate",
-        action="store_true",
-        help="re-measure attention's roofs at warm-up instead of reusing this machine's cache",
-    )
     return p
 
 

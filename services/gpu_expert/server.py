@@ -15,7 +15,7 @@ from prometheus_client import Gauge
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.arena import expert_page_names, weights_from_arena
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, parse_size
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
 from moe_lightning.service.convert import layout_from_pb, measurements_to_pb, step_output_to_pb, step_plan_from_pb
@@ -88,28 +88,16 @@ def build_parser() -> EnvDefaultsParser:
         help="device memory budget for weights, e.g. 16GiB (default: all of the device)",
     )
     p.add_argument(
-        "--max-tokens-per-handoff",
-        type=int,
-        default=8192,
-        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
-    )
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--timeline", default=None, help="append (step, layer, micro-batch) stage times to this file")
-    p.add_argument(
         "--no-overlap",
         action="store_true",
         help="baseline schedule: copy each layer's experts when needed, one micro-batch at a time",
     )
+    add_worker_flags(p)
     p.add_argument(
         "--residency-interval",
         type=int,
         default=256,
         help="decode steps between hot-expert residency updates when experts stream (0 = never)",
-    )
-    p.add_argument(
-        "--recalibrate",
-        action="store_true",
-        help="re-measure the device's roofs at warm-up instead of reusing this machine's cache",
     )
     return p
 
