@@ -40,6 +40,14 @@ class StackRun:
     done: list[Completion]
     wall_seconds: float
     delta: Callable[[str, str], float]  # (service, series) -> increase during the batch
+    after: dict[str, dict[str, float]]  # every service's metrics after the batch
+
+    def policy(self) -> dict[str, str]:
+        """The orchestrator's policy in force at the end (its moe_lightning_policy_info labels)."""
+        for key in self.after["orchestrator"]:
+            if key.startswith("moe_lightning_policy_info{"):
+                return dict(re.findall(r'(\w+)="([^"]*)"', key))
+        return {}
 
 
 def run_batch(
@@ -51,7 +59,9 @@ def run_batch(
     extra: dict[str, list[str]] | None = None,
     device_memory: str | None = None,
     micro_batch: int | None = None,
+    **stack: object,
 ) -> StackRun:
+    """`stack`: more StackConfig fields (device, dtype, placements, device_kv_memory)."""
     cfg = StackConfig(
         model=model,
         run_id=run_id,
@@ -64,6 +74,7 @@ def run_batch(
         extra=extra or {},
         device_memory=device_memory,
         micro_batch_size=micro_batch,
+        **stack,  # type: ignore[arg-type]
     )
     s = Stack(cfg)
     s.start()
@@ -78,7 +89,7 @@ def run_batch(
             after = {n: scrape(ep[n]["metrics"]) for n in SERVICES}
     finally:
         s.stop()
-    return StackRun(done, wall, lambda svc, key: after[svc].get(key, 0.0) - before[svc].get(key, 0.0))
+    return StackRun(done, wall, lambda svc, key: after[svc].get(key, 0.0) - before[svc].get(key, 0.0), after)
 
 
 def mtbench_lengths(n: int, seed: int = 0, mean: float = 77.0, longest: int = 418, shortest: int = 4) -> list[int]:
@@ -95,26 +106,41 @@ def mtbench_lengths(n: int, seed: int = 0, mean: float = 77.0, longest: int = 41
     return [int(x) for x in lengths.round().long().tolist()]
 
 
-def transformers_generate(model: Path, prompts: list[list[int]], gen: int) -> dict[str, float]:
-    """transformers' own generate on the same checkpoint and batch: left padding to the longest prompt,
-    sdpa attention, its default (grouped) experts path, fp32, exactly `gen` new tokens each."""
-    import time
-
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa").eval()
+def left_pad(prompts: list[list[int]], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids, attention mask), each (B, longest prompt): the padding a batched `generate` needs."""
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p) :] = torch.tensor(p)
         mask[i, width - len(p) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def transformers_generate(
+    model: Path, prompts: list[list[int]], gen: int, device: str = "cpu", dtype: str = "float32"
+) -> dict[str, float]:
+    """transformers' own generate on the same checkpoint and batch: left padding to the longest prompt,
+    sdpa attention, its default (grouped) experts path, exactly `gen` new tokens each; the whole
+    model on `device` (on a GPU too small for it, use accelerate offloading instead)."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+    m = m.to(device).eval()
+    ids, mask = left_pad(prompts, device)
+    width = ids.shape[1]
     with torch.no_grad():
         m.generate(ids[:1, -4:], attention_mask=mask[:1, -4:], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        if device != "cpu":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         out = m.generate(
             ids, attention_mask=mask, max_new_tokens=gen, min_new_tokens=gen, do_sample=False, pad_token_id=0
         )
+        if device != "cpu":
+            torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     generated = (out.shape[1] - width) * len(prompts)
     return {"generated_tokens_per_second": generated / wall, "seconds": wall, "padded_width": width}

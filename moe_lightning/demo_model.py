@@ -45,6 +45,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=32000,
         max_position_embeddings=4096,
     ),
+    # Mixtral 8x7B's shapes with 4 of its 32 layers, ~6.1 B parameters, ~12 GB in bf16: the GPU check
+    # (bench/gpu_check.py); build it on the GPU (`device="cuda"`), on a CPU it takes minutes
+    "mixtral-8x7b-4l": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        max_position_embeddings=32768,
+    ),
 }
 
 
@@ -71,16 +84,20 @@ def mixtral_config(preset: str | dict[str, Any], dtype: str = "float32") -> dict
     return config
 
 
-def _random_state_dict(spec: ModelSpec, seed: int, dtype: torch.dtype, progress: bool) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
+def _random_state_dict(
+    spec: ModelSpec, seed: int, dtype: torch.dtype, progress: bool, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights, generated on `device` (a GPU makes billions of them in a second; the
+    values then differ from the CPU's for the same seed, but are as deterministic)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     d, inter = spec.hidden_size, spec.intermediate_size
 
     def normal(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+        return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(dtype)
 
     def norm_weight() -> torch.Tensor:
         # not all ones, so a test notices a norm weight that is dropped or misplaced
-        return (1.0 + 0.1 * torch.randn(d, generator=gen)).to(dtype)
+        return (1.0 + 0.1 * torch.randn(d, generator=gen, device=device)).to(dtype)
 
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(spec.vocab_size, d)}
     for i in tqdm(range(spec.num_layers), desc="generating layers", unit="layer", disable=not progress, leave=False):
@@ -150,15 +167,21 @@ def write_demo_model(
     dtype: str = "float32",
     progress: bool = True,
     with_tokenizer: bool = True,
+    device: str = "cpu",
 ) -> Path:
-    """Writes config.json, model.safetensors, tokenizer.json and generation_config.json."""
+    """Writes config.json, model.safetensors, tokenizer.json and generation_config.json.
+
+    `device`: where the random weights are generated (see `_random_state_dict`); they are saved from
+    host memory either way."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = mixtral_config(preset, dtype)
     spec = ModelSpec.from_hf_config(config)
-    sd = _random_state_dict(spec, seed, DTYPES[dtype], progress)
+    sd = _random_state_dict(spec, seed, DTYPES[dtype], progress, device)
+    if torch.device(device).type != "cpu":
+        sd = {name: t.cpu() for name, t in sd.items()}  # safetensors serializes host memory
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     del sd
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -100,6 +100,14 @@ class PagedKVCache:
             block_size=self.block_size,
         )
 
+    def begin(self, seq_ids: list[int], q_lens: list[int], starts: list[int]) -> AttentionMetadata:
+        """`append`, after checking that each sequence's cached length is where its step starts (a
+        mismatch means the orchestrator and this cache disagree: refuse rather than corrupt)."""
+        for s, p in zip(seq_ids, starts, strict=True):
+            if self.length(s) != p:
+                raise ValueError(f"sequence {s} has {self.length(s)} cached tokens but the step starts at {p}")
+        return self.append(seq_ids, q_lens)
+
     def free(self, seq_id: int) -> None:
         self.allocator.free(self.tables.pop(seq_id, []))
         self.lengths.pop(seq_id, None)

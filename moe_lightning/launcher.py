@@ -47,6 +47,9 @@ class StackConfig:
     port: int = 50051
     device: str = "cpu"
     device_memory: str | None = None
+    device_kv_memory: str | None = None  # a KV cache in gpu_expert, so attention may run on the device
+    attention_placement: str = "auto"  # cpu, gpu or auto (the HRM picks)
+    experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
     kv_cache_memory: str = "2GiB"
     dtype: str = "float32"
     max_batch_size: int | None = None  # None: the orchestrator's HRM policy decides
@@ -84,6 +87,7 @@ class Stack:
         elif name == "gpu_expert":
             own = ["--weight-store", a["weight_store"], "--device", c.device]
             own += ["--device-memory", c.device_memory] if c.device_memory else []
+            own += ["--device-kv-memory", c.device_kv_memory] if c.device_kv_memory else []
         else:
             own = [
                 "--weight-store",
@@ -95,6 +99,7 @@ class Stack:
             ]
             own += ["--max-batch-size", str(c.max_batch_size)] if c.max_batch_size is not None else []
             own += ["--micro-batch-size", str(c.micro_batch_size)] if c.micro_batch_size is not None else []
+            own += ["--attention-placement", c.attention_placement, "--experts-placement", c.experts_placement]
         return common + own + c.extra.get(name, [])
 
     def start(self, timeout: float = 600.0) -> None:

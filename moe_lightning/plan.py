@@ -20,6 +20,8 @@ class StepPlan:
     step_id: int
     micro_batches: list[list[SequenceWork]]
     release: list[int] = field(default_factory=list)  # finished sequences: drop their sampler state
+    attention_on_device: bool = False  # placement: attention in gpu_expert, over its own KV cache
+    experts_on_host: bool = False  # placement: non-resident experts computed on the host, not streamed
 
     @property
     def num_sequences(self) -> int:

@@ -32,6 +32,17 @@ class Capacity:
     weight_dtype: str  # of the arena (what the device computes in)
     expert_measurements: Measurements
     attention_measurements: Measurements
+    device_kv_blocks: int = 0  # gpu_expert's own KV cache (attention placed on the device)
+    device_kv_block_size: int = 0
+    resident_experts: int = 0  # (layer, expert) pages gpu_expert keeps on the device
+    expert_ring_slots: int = 0  # its buffer slots for streaming the rest (0: host placement only)
+
+    def placements(self, spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(attention, experts) placements the running services support."""
+        attention = ("cpu", "gpu") if self.device_kv_blocks else ("cpu",)
+        if self.resident_experts >= spec.num_layers * spec.num_experts:
+            return attention, ("gpu",)  # everything is on the device: nothing to place
+        return attention, (("gpu", "cpu") if self.expert_ring_slots else ("cpu",))
 
 
 class Backend:
@@ -44,6 +55,7 @@ class Backend:
         self._gpu: gpu_expert_pb2_grpc.GpuExpertStub | None = None
         self._cpu: cpu_attention_pb2_grpc.CpuAttentionStub | None = None
         self._channels: list[grpc.Channel] = []
+        self.attention_on_device = False  # set from the policy: KV then lives in gpu_expert
 
     def connect(self, timeout: float = 600.0, stop: object | None = None) -> Capacity:
         """Waits for the three services, then tells each where the other's channel is."""
@@ -67,6 +79,10 @@ class Backend:
             dtype,
             measurements_from_pb(gpu.measurements),
             measurements_from_pb(cpu.measurements),
+            gpu.device_kv_blocks,
+            gpu.device_kv_block_size,
+            gpu.resident_experts,
+            gpu.expert_ring_slots,
         )
 
     def step(self, plan: StepPlan) -> StepOutput:
@@ -75,6 +91,8 @@ class Backend:
 
     def release(self, seq_ids: list[int]) -> None:
         assert self._cpu is not None, "connect() first"
+        if self.attention_on_device:
+            return  # gpu_expert frees its device KV when the next step lists the sequence as released
         self._cpu.Release(cpu_attention_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=30)
 
     def close(self) -> None:

@@ -48,13 +48,22 @@ class Planner:
         dtype: str,
         kv_tokens: int,
         config: PlannerConfig | None = None,
+        attention: tuple[str, ...] = ("cpu",),
+        experts: tuple[str, ...] = ("gpu",),
+        device_kv_tokens: int = 0,
+        resident_experts: int | None = None,
     ) -> None:
+        """`attention` / `experts`: the placements the running services support (and the operator
+        allows); `kv_tokens` is the attention service's cache, `device_kv_tokens` gpu_expert's."""
         self.spec = spec
         self.profile = profile
         self.workload = workload
         self.planned_workload = workload
         self.dtype = dtype
-        self.kv_tokens = kv_tokens
+        self.kv_tokens = {"cpu": kv_tokens, "gpu": device_kv_tokens}
+        self.attention = attention
+        self.experts = experts
+        self.resident_experts = resident_experts  # what gpu_expert holds, when known
         self.config = config or PlannerConfig()
         self.fixed_batch: int | None = None  # set by the operator's flags: the policy does not override
         self.fixed_micro_batch: int | None = None
@@ -67,11 +76,30 @@ class Planner:
 
     # ---- planning ------------------------------------------------------------------------------
     def _optimize(self) -> Estimate:
-        # the stack runs attention on the CPU and experts on the device today (CGOPipe adds the rest)
-        cap = max(1, min(self.config.batch_cap, int(self.kv_tokens // self.workload.max_context)))
-        return optimize(
-            self.spec, self.workload, self.profile, self.dtype, batch_cap=cap, attention=("cpu",), experts=("gpu",)
-        )
+        best: Estimate | None = None
+        self.alternatives: dict[str, float] = {}  # "attention/experts" -> best predicted tokens/s
+        for att in self.attention:
+            cap = min(self.config.batch_cap, int(self.kv_tokens[att] // self.workload.max_context))
+            if cap < 1:
+                continue
+            for exp in self.experts:
+                est = optimize(
+                    self.spec,
+                    self.workload,
+                    self.profile,
+                    self.dtype,
+                    batch_cap=cap,
+                    attention=(att,),
+                    experts=(exp,),
+                    resident=self.resident_experts,
+                )
+                self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
+                if best is None or est.tokens_per_second > best.tokens_per_second:
+                    best = est
+        if best is None:
+            raise ValueError(f"no attention placement in {self.attention} has room for one request's KV cache")
+        self.attention = (best.policy.attention,)  # the KV cache lives there now: re-plans keep it
+        return best
 
     @property
     def policy(self) -> Policy:
@@ -131,13 +159,18 @@ class Planner:
         layers = self.spec.num_layers
         measured = {
             "device": (timings_ns.get("pre_attention", 0) + timings_ns.get("post_attention", 0)) / 1e9 / layers,
-            "attention": timings_ns.get("attention_wait", 0) / 1e9 / layers,
+            "attention": (timings_ns.get("attention_wait", 0) + timings_ns.get("device_attention", 0)) / 1e9 / layers,
         }
         n_ub = -(-batch // micro_batch)  # the last micro-batch may be partial: model it as full
         with self._lock:
-            est = estimate(self.spec, self.workload, self.profile, Policy(n_ub * micro_batch, micro_batch), self.dtype)
+            p = self.policy
+            policy = Policy(n_ub * micro_batch, micro_batch, p.attention, p.experts, p.resident_experts)
+            est = estimate(self.spec, self.workload, self.profile, policy, self.dtype)
             s = est.stage_seconds
-            predicted = {"device": s["gpu_dense"] + s["gpu_experts"], "attention": s["cpu_attention"]}
+            predicted = {
+                "device": sum(s.get(k, 0.0) for k in ("gpu_dense", "gpu_experts", "cpu_experts", "gpu_expert_copy")),
+                "attention": s.get("cpu_attention", 0.0) + s.get("gpu_attention", 0.0),
+            }
             for stage in measured:
                 prev = self._measured.get(stage, measured[stage])
                 self._measured[stage] = prev + EWMA * (measured[stage] - prev)

@@ -81,6 +81,8 @@ class Scheduler:
         block_size: int,
         config: SchedulerConfig,
         planner: Planner | None = None,
+        attention_on_device: bool = False,
+        experts_on_host: bool = False,
     ) -> None:
         self.spec = spec
         self.backend = backend
@@ -89,6 +91,8 @@ class Scheduler:
         self.block_size = block_size
         self.config = config
         self.planner = planner
+        self.attention_on_device = attention_on_device  # placement, sent with every step
+        self.experts_on_host = experts_on_host
         self.log = structlog.get_logger()
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
@@ -235,7 +239,7 @@ class Scheduler:
             contexts = [w.start + 1 for w in works]
             mbs = [[works[i] for i in group] for group in balance(contexts, -(-len(works) // size))]
         release, self._release_next = self._release_next, []
-        return StepPlan(next(self._step_ids), mbs, release)
+        return StepPlan(next(self._step_ids), mbs, release, self.attention_on_device, self.experts_on_host)
 
     def _run_step(self, tickets: list[Ticket], prefill: bool) -> None:
         plan = self._plan(tickets, prefill)
@@ -274,6 +278,7 @@ class Scheduler:
             self.config.max_batch_size = policy.batch
         if self.planner is not None and self.planner.fixed_micro_batch is None:
             self.config.micro_batch_size = policy.micro_batch
+        self.experts_on_host = policy.experts == "cpu"  # attention placement never changes: its KV lives there
 
     def _apply(self, tickets: list[Ticket], out: StepOutput) -> None:
         by_seq = dict(zip(out.seq_ids, out.token_ids, strict=True))

@@ -3,6 +3,7 @@ driver that runs each step across gpu_expert and cpu_attention."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -12,9 +13,10 @@ from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.service.runtime import bootstrap
+from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.api import GenerationServicer
-from orchestrator.backend import Backend
+from orchestrator.backend import Backend, Capacity
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 
@@ -42,6 +44,20 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--expected-gen-len", type=int, default=64, help="generated tokens to plan for until seen")
     p.add_argument("--no-replan", action="store_true", help="keep the start-up plan; never correct or re-plan")
+    p.add_argument(
+        "--attention-placement",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="where attention runs: the attention service next to the host KV cache (cpu), gpu_expert "
+        "over its own KV cache (gpu; needs its --device-kv-memory), or whichever the HRM picks (auto)",
+    )
+    p.add_argument(
+        "--experts-placement",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="where non-resident experts compute: streamed to the device (gpu), on the host where they "
+        "live (cpu; on a CPU-only machine that is the zero-copy mode), or whichever the HRM picks (auto)",
+    )
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
     p.add_argument(
         "--max-prefill-tokens",
@@ -51,6 +67,23 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
     return p
+
+
+def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+    """The placements the planner may choose from: what the services support, narrowed by the flags."""
+    attention, experts = capacity.placements(spec)
+    chosen = []
+    for flag, supported, why in (
+        (args.attention_placement, attention, "gpu_expert has no device KV cache (--device-kv-memory)"),
+        (args.experts_placement, experts, "gpu_expert has no room to stream experts within --device-memory"),
+    ):
+        if flag == "auto":
+            chosen.append(supported)
+        elif flag in supported:
+            chosen.append((flag,))
+        else:
+            raise ValueError(f"placement {flag!r} is not available: {why}; available: {', '.join(supported)}")
+    return tuple(chosen)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,14 +106,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
-    planner = Planner(
-        backend.spec,
-        profile_from(capacity.expert_measurements, capacity.attention_measurements),
-        Workload(args.expected_prompt_len, args.expected_gen_len),
-        capacity.weight_dtype,
-        capacity.kv_blocks * capacity.block_size,
-        PlannerConfig(patience=10**9) if args.no_replan else None,
-    )
+    try:
+        attention, experts = _placements(args, capacity, backend.spec)
+        planner = Planner(
+            backend.spec,
+            profile_from(capacity.expert_measurements, capacity.attention_measurements),
+            Workload(args.expected_prompt_len, args.expected_gen_len),
+            capacity.weight_dtype,
+            capacity.kv_blocks * capacity.block_size,
+            PlannerConfig(patience=10**9) if args.no_replan else None,
+            attention=attention,
+            experts=experts,
+            device_kv_tokens=capacity.device_kv_blocks * capacity.device_kv_block_size,
+            resident_experts=capacity.resident_experts,
+        )
+    except ValueError as exc:
+        log.error("startup_failed", error=str(exc))
+        runtime.stop()
+        return 1
     planner.fixed_batch, planner.fixed_micro_batch = args.max_batch_size, args.micro_batch_size
     policy = planner.policy
     config = SchedulerConfig(
@@ -95,17 +138,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         micro_batch_size=policy.micro_batch,
         predicted_decode_tokens_per_second=round(planner.estimate.tokens_per_second, 2),
         binding=planner.estimate.binding,
+        attention=policy.attention,
+        experts=policy.experts,
+        resident_experts=capacity.resident_experts,
+        placements_predicted_tokens_per_second=planner.alternatives,
         in_force_batch=config.max_batch_size,
         in_force_micro_batch=config.micro_batch_size,
     )
+    on_device = policy.attention == "gpu"
+    backend.attention_on_device = on_device
     scheduler = Scheduler(
         backend.spec,
         backend,
         tokenizer,
-        capacity.kv_blocks,
-        capacity.block_size,
+        capacity.device_kv_blocks if on_device else capacity.kv_blocks,
+        capacity.device_kv_block_size if on_device else capacity.block_size,
         config,
         None if args.no_replan else planner,
+        attention_on_device=on_device,
+        experts_on_host=policy.experts == "cpu",
     )
     servicer.scheduler, servicer.device, servicer.model_path = scheduler, capacity.device, backend.model_path
     runtime.on_drain(lambda: scheduler.stop(args.drain_seconds))

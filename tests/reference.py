@@ -70,3 +70,16 @@ E2E_PROMPTS = [
     [1, 200, 100, 50, 25, 12, 6, 3, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19],
     [1, 42, 42],
 ]
+
+
+def device_budget(model: Path, ring: int, resident_per_layer: int = 0) -> int:
+    """A gpu_expert --device-memory that holds the dense weights, `resident_per_layer` experts of every
+    layer and `ring` buffer slots for the rest (fp32 arena)."""
+    from moe_lightning.arena import ArenaLayout, expert_page_names
+    from moe_lightning.spec import ModelSpec
+
+    spec = ModelSpec.from_pretrained(model)
+    layout = ArenaLayout.for_spec(spec, "float32")
+    expert = sum(layout.pages[n].nbytes for n in expert_page_names(0, 0))
+    dense = layout.total_bytes - spec.num_layers * spec.num_experts * expert
+    return dense + (spec.num_layers * resident_per_layer + ring) * expert

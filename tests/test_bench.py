@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from moe_lightning.benchmark import mtbench_lengths
+from moe_lightning.spec import ModelSpec
+
+from reference import device_budget
 
 
 def test_mtbench_lengths_follow_the_published_statistics() -> None:
@@ -17,6 +20,7 @@ def test_mtbench_lengths_follow_the_published_statistics() -> None:
 
 
 def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) -> None:
+    spec = ModelSpec.from_pretrained(tiny_model)
     out = tmp_path / "bench.json"
     r = subprocess.run(
         [
@@ -32,6 +36,8 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
             "4",
             "--micro-batch-size",
             "2",
+            "--device-memory",  # streams: the resident and copy reference runs join in
+            str(device_budget(tiny_model, spec.num_experts)),
             "--json",
             str(out),
             "--trace",
@@ -43,8 +49,11 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
     )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    for key in ("ours", "overlap_off", "transformers"):
+    for key in ("ours", "overlap_off", "transformers", "resident", "streamed"):
         assert res[key]["generated_tokens_per_second"] > 0, key
+    assert res["ours"]["policy"]["experts"] == "cpu"  # a CPU "device": the HRM computes experts in place
+    assert res["ours"]["expert_bytes_streamed"] == 0 and res["streamed"]["expert_bytes_streamed"] > 0
+    assert res["overlap_off"]["policy"]["experts"] == "cpu"  # (b) runs at the same placement
     assert res["roofline_decode_tokens_per_second"] > 0
     assert set(res["ours"]["timeline"]["busy_fraction"]) >= {"device", "cpu"}
     assert "(a) transformers generate" in r.stdout and "(b) overlap off" in r.stdout

@@ -13,22 +13,16 @@ import pytest
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.spec import ModelSpec
 
 from reference import E2E_PROMPTS as PROMPTS
+from reference import device_budget
 
 
 def streaming_budget(model: Path, resident_per_layer: int = 1) -> int:
-    """A --device-memory that holds the dense weights, `resident_per_layer` experts of every layer and
-    the double buffer for the rest."""
-    from moe_lightning.arena import ArenaLayout, expert_page_names
-    from moe_lightning.spec import ModelSpec
-
+    """Dense weights, `resident_per_layer` experts of every layer and a double buffer for the rest."""
     spec = ModelSpec.from_pretrained(model)
-    layout = ArenaLayout.for_spec(spec, "float32")
-    expert = sum(layout.pages[n].nbytes for n in expert_page_names(0, 0))
-    dense = layout.total_bytes - spec.num_layers * spec.num_experts * expert
-    streamed = spec.num_experts - resident_per_layer
-    return dense + (spec.num_layers * resident_per_layer + 2 * streamed) * expert
+    return device_budget(model, 2 * (spec.num_experts - resident_per_layer), resident_per_layer)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +39,7 @@ def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         max_batch_size=8,
         micro_batch_size=3,
         device_memory=str(budget),
+        experts_placement="gpu",  # on a CPU the HRM would compute them in place (zero copy)
         extra={  # hot-expert swaps while generating; stage times recorded for the timeline test
             "gpu_expert": ["--residency-interval", "2", "--timeline", str(timelines / "gpu_expert.jsonl")],
             "cpu_attention": ["--timeline", str(timelines / "cpu_attention.jsonl")],
@@ -148,6 +143,7 @@ def test_overlap_off_baseline_is_exact_and_sequential(hf_dir: Path, reference: d
             max_batch_size=8,
             micro_batch_size=3,
             device_memory=str(streaming_budget(hf_dir)),
+            experts_placement="gpu",
             extra={
                 "gpu_expert": ["--no-overlap", "--timeline", str(files[0])],
                 "cpu_attention": ["--timeline", str(files[1])],

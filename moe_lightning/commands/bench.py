@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moe_lightning.commands.common import add_placement_flags
+
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="throughput vs transformers, vs our own overlap-off schedule, vs the roofline")
@@ -22,9 +24,13 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--workload", default="mtbench", help="mtbench (synthetic lengths) or a prompts .parquet/.jsonl")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts in the batch (mtbench)")
     p.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt")
+    p.add_argument("--device", default="cpu", help="gpu_expert's device (and transformers'): cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
     p.add_argument("--device-memory", default=None, help="gpu_expert's budget, e.g. 25%% of the weights: 800MiB")
+    add_placement_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
     p.add_argument("--skip-transformers", action="store_true", help="leave out baseline (a)")
+    p.add_argument("--skip-resident", action="store_true", help="leave out the whole-model-resident reference run")
     p.add_argument("--json", type=Path, default=None, help="write all numbers here")
     p.add_argument("--trace", type=Path, default=None, help="write our run's Chrome trace here")
 
@@ -55,11 +61,21 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return out
 
 
-def _ours(args: argparse.Namespace, prompts: list[list[int]], overlap: bool, trace_dir: Path) -> dict[str, Any]:
+def _ours(
+    args: argparse.Namespace,
+    prompts: list[list[int]],
+    tag: str,
+    trace_dir: Path,
+    overlap: bool = True,
+    device_memory: str | None = "",
+    attention: str | None = None,
+    experts: str | None = None,
+) -> dict[str, Any]:
+    """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory."""
     from moe_lightning.benchmark import run_batch
     from moe_lightning.timeline import load, summarize
 
-    files = [trace_dir / f"gpu-{overlap}.jsonl", trace_dir / f"cpu-{overlap}.jsonl"]
+    files = [trace_dir / f"gpu-{tag}.jsonl", trace_dir / f"cpu-{tag}.jsonl"]
     extra = {
         "gpu_expert": ["--timeline", str(files[0]), *([] if overlap else ["--no-overlap"])],
         "cpu_attention": ["--timeline", str(files[1])],
@@ -68,10 +84,15 @@ def _ours(args: argparse.Namespace, prompts: list[list[int]], overlap: bool, tra
         args.model,
         prompts,
         args.gen_len,
-        f"bench{os.getpid()}{int(overlap)}",
+        f"bench{os.getpid()}{tag}",
         extra=extra,
-        device_memory=args.device_memory,
+        device_memory=args.device_memory if device_memory == "" else device_memory,
         micro_batch=args.micro_batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        device_kv_memory=args.device_kv_memory,
+        attention_placement=attention or args.attention_placement,
+        experts_placement=experts or args.experts_placement,
     )
     d = run.delta
     generated = sum(c.completion_tokens for c in run.done)
@@ -82,9 +103,16 @@ def _ours(args: argparse.Namespace, prompts: list[list[int]], overlap: bool, tra
         "decode_tokens_per_second": (generated - len(run.done)) / decode_s if decode_s else 0.0,
         "seconds": run.wall_seconds,
         "decode_steps": d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'),
+        "policy": run.policy(),
+        "resident_experts": run.after["gpu_expert"].get("moe_lightning_resident_experts", 0.0),
+        "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
         "timeline": summarize(events),
         "_events": events,
     }
+
+
+def _public(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if not k.startswith("_")}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,38 +131,57 @@ def run(args: argparse.Namespace) -> int:
     trace_dir = Path(tempfile.mkdtemp(prefix="moe-lightning-bench-"))
     results: dict[str, Any] = {"prompts": n, "average_prompt_tokens": avg, "gen_len": args.gen_len}
     sys.stderr.write("ours (overlap on)...\n")
-    ours = _ours(args, prompts, True, trace_dir)
+    ours = _ours(args, prompts, "1", trace_dir)
     if args.trace is not None:
         write(ours["_events"], chrome_path=args.trace)
-    sys.stderr.write("baseline (b): ours with overlap off...\n")
-    seq = _ours(args, prompts, False, trace_dir)
-    results["ours"] = {k: v for k, v in ours.items() if not k.startswith("_")}
-    results["overlap_off"] = {k: v for k, v in seq.items() if not k.startswith("_")}
+    policy = ours["policy"]
+    results["ours"] = _public(ours)
+    rows: list[tuple[str, dict[str, Any], str, float | None]] = []  # (name, run, what the ratio is, target)
+    if args.device_memory and not args.skip_resident:
+        sys.stderr.write("reference: ours with the whole model resident...\n")
+        results["resident"] = _public(_ours(args, prompts, "r", trace_dir, device_memory=None))
+        rows.append(("ours, whole model resident", results["resident"], "ours / it", 0.85))
+        if policy.get("experts") == "cpu" and ours["resident_experts"] < spec.num_layers * spec.num_experts:
+            sys.stderr.write("ours with the experts streamed (copied) instead of computed in place...\n")
+            results["streamed"] = _public(_ours(args, prompts, "c", trace_dir, experts="gpu"))
+            rows.append(("ours, experts streamed (copy)", results["streamed"], "it / resident", None))
+    sys.stderr.write("baseline (b): ours with overlap off, same placement...\n")
+    seq = _ours(args, prompts, "0", trace_dir, False, attention=policy.get("attention"), experts=policy.get("experts"))
+    results["overlap_off"] = _public(seq)
+    rows.append(("(b) overlap off", results["overlap_off"], "ours / it", 1.2))
     if not args.skip_transformers:
         sys.stderr.write("baseline (a): transformers generate...\n")
         from moe_lightning.benchmark import transformers_generate
 
-        results["transformers"] = transformers_generate(args.model, prompts, args.gen_len)
-    profile = cached_profile(spec, "cpu")
-    mu = args.micro_batch_size or n
-    bound = estimate(spec, Workload(avg, args.gen_len), profile, Policy(-(-n // mu) * mu, mu), "float32")
+        results["transformers"] = transformers_generate(args.model, prompts, args.gen_len, args.device, args.dtype)
+        rows.append(("(a) transformers generate", results["transformers"], "ours / it", 3.0))
+    profile = cached_profile(spec, args.device)
+    mu = min(int(policy.get("micro_batch_size", n)), n) if args.micro_batch_size is None else args.micro_batch_size
+    ran = Policy(
+        -(-n // mu) * mu,
+        mu,
+        policy.get("attention", "cpu"),
+        policy.get("experts", "gpu"),
+        int(ours["resident_experts"]),
+    )
+    bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype)
     results["roofline_decode_tokens_per_second"] = bound.tokens_per_second
+    results["roofline_policy"] = str(ran)
 
     e2e = ours["generated_tokens_per_second"]
-    print(f"{'':34} {'tok/s':>10} {'ratio (ours / it)':>18}")
-    print(f"{'ours, end to end':34} {e2e:10.1f}")
-    print(f"{'ours, decode':34} {ours['decode_tokens_per_second']:10.1f}")
-    print(
-        f"{'(b) overlap off, end to end':34} {seq['generated_tokens_per_second']:10.1f} "
-        f"{e2e / seq['generated_tokens_per_second']:18.2f}"
-    )
-    if "transformers" in results:
-        t = results["transformers"]["generated_tokens_per_second"]
-        print(f"{'(a) transformers generate':34} {t:10.1f} {e2e / t:18.2f}")
-    print(
-        f"{'(c) HRM roofline bound, decode':34} {bound.tokens_per_second:10.1f} "
-        f"{ours['decode_tokens_per_second'] / bound.tokens_per_second:18.2f}"
-    )
+    print(f"policy that ran: {ran}")
+    print(f"{'':34} {'tok/s':>8} {'ratio':>14} {'target':>7}")
+    print(f"{'ours, end to end':34} {e2e:8.1f}")
+    print(f"{'ours, decode':34} {ours['decode_tokens_per_second']:8.1f}")
+    for name, r, what, target in rows:
+        t = r["generated_tokens_per_second"]
+        ratio = t / results["resident"]["generated_tokens_per_second"] if what.startswith("it") else e2e / t
+        results.setdefault("ratios", {})[name] = ratio
+        print(f"{name:34} {t:8.1f} {ratio:6.2f} {what:>7} {'>= ' + str(target) if target else '':>7}")
+    decode_ratio = ours["decode_tokens_per_second"] / bound.tokens_per_second
+    results.setdefault("ratios", {})["decode / roofline"] = decode_ratio
+    name = "(c) HRM roofline bound, decode"
+    print(f"{name:34} {bound.tokens_per_second:8.1f} {decode_ratio:6.2f} {'of it':>7} {'>= 0.6':>7}")
     tl = ours["timeline"]
     print(
         "busy fraction "

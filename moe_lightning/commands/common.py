@@ -24,11 +24,25 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def add_placement_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device-kv-memory", default=None, help="a KV cache in gpu_expert, so attention may run on the device"
+    )
+    p.add_argument("--attention-placement", default="auto", choices=["auto", "cpu", "gpu"], help="auto: the HRM picks")
+    p.add_argument(
+        "--experts-placement",
+        default="auto",
+        choices=["auto", "gpu", "cpu"],
+        help="non-resident experts streamed to the device (gpu) or computed on the host (cpu); auto: the HRM picks",
+    )
+
+
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
     """How `up` and `run --model` start the services."""
     p.add_argument("--device", default="cpu", help="cpu or cuda for gpu_expert")
     p.add_argument("--device-memory", default=None, help="gpu_expert's weight budget, e.g. 16GiB")
     p.add_argument("--kv-cache-memory", default="2GiB", help="host memory for cpu_attention's KV cache")
+    add_placement_flags(p)
     p.add_argument(
         "--dtype",
         default="float32",

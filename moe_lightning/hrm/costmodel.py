@@ -127,8 +127,11 @@ def estimate(
     ctx = work.avg_context
     kv_per_token_layer = 2 * spec.kv_size * b
     total_experts = layers * spec.num_experts
-    resident = min(policy.resident_experts, total_experts) if policy.experts == "gpu" else 0
+    resident = min(policy.resident_experts, total_experts)
     streamed = (total_experts - resident) / layers  # per layer, on average
+    # experts on the CPU: the non-resident ones compute on the host where they live, resident ones
+    # still on the device; on the GPU every expert computes there and the non-resident ones stream
+    host_share = streamed / spec.num_experts if policy.experts == "cpu" else 0.0
     buffered = math.ceil(streamed)  # the double buffer holds the most any layer streams
 
     # --- device: dense projections, router, (experts), (attention), head amortised per layer -----
@@ -144,12 +147,16 @@ def estimate(
 
     roof("gpu_dense", dense_flops, dense_bytes, True)
     expert_flops = 2 * n * k * 3 * h1 * h2
-    if policy.experts == "gpu":
+    if host_share < 1.0:
         touched = n_ub * distinct_experts(mu, spec) * w["expert"]
-        roof("gpu_experts", expert_flops, touched, True)
-    else:
+        roof("gpu_experts", expert_flops, touched, True, share=1.0 - host_share)
+    if host_share > 0.0:
         touched = distinct_experts(n, spec) * w["expert"]  # the host reads each needed expert once a step
-        roof("cpu_experts", expert_flops, touched, False)
+        # one machine: the expert GEMM's calibrated roofs are the device-side ones wherever it is placed
+        roof("cpu_experts", expert_flops, touched, hw.shared_host_device, share=host_share)
+    if hw.shared_host_device and policy.experts == "gpu" and streamed:
+        # one memory: "streaming" is a memcpy that reads and writes every streamed expert each step
+        stages["gpu_expert_copy"] = 2 * streamed * w["expert"] / hw.gpu_bandwidth
     attn_flops = 4 * n * ctx * spec.q_size
     kv_bytes = n * ctx * kv_per_token_layer
     if policy.attention == "cpu":
@@ -164,7 +171,7 @@ def estimate(
     if not hw.shared_host_device:
         if policy.experts == "gpu":
             stages["link_weights"] = streamed * w["expert"] / hw.h2d_bandwidth
-        else:
+        elif host_share > 0.0:
             stages["link_experts_io"] = 2 * n * h1 * b / hw.h2d_bandwidth
         if policy.attention == "cpu":
             stages["link_qkv"] = n * (spec.q_size + 2 * spec.kv_size) * b / hw.d2h_bandwidth
@@ -189,10 +196,9 @@ def estimate(
     kv_total = n * work.max_context * kv_per_token_layer * layers
     activations = mu * (4 * h1 + spec.q_size + 2 * spec.kv_size + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
     gpu_bytes = dense_all + activations
-    if policy.experts == "gpu":
-        gpu_bytes += resident * w["expert"]
-        if buffered and not hw.shared_host_device:
-            gpu_bytes += 2 * buffered * w["expert"]  # double buffer for one layer's streamed experts
+    gpu_bytes += resident * w["expert"]
+    if policy.experts == "gpu" and buffered and not hw.shared_host_device:
+        gpu_bytes += 2 * buffered * w["expert"]  # double buffer for one layer's streamed experts
     if policy.attention == "gpu":
         gpu_bytes += policy.kv_gpu_fraction * kv_total + mu * work.max_context * kv_per_token_layer
     cpu_bytes = all_experts + dense_all + (1 - policy.kv_gpu_fraction) * kv_total

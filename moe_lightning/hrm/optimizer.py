@@ -53,18 +53,17 @@ def best_resident(
     """The policy with the most resident experts that fits (memory is linear in that count)."""
     from dataclasses import replace
 
-    if base.experts == "cpu":
-        est = estimate(spec, work, hw, base, dtype, headroom)
-        return est if est.fits else None
     e = spec.num_experts * spec.num_layers
     low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom)
     if low.cpu_bytes > low.cpu_capacity:
         return None
     high = estimate(spec, work, hw, replace(base, resident_experts=e), dtype, headroom)
-    if high.gpu_bytes <= high.gpu_capacity:
-        return high
     slope = (high.gpu_bytes - low.gpu_bytes) / e
-    if low.gpu_bytes > low.gpu_capacity:
+    if high.gpu_bytes <= high.gpu_capacity:
+        if base.experts == "gpu":
+            return high
+        j = e
+    elif low.gpu_bytes > low.gpu_capacity:
         if slope >= 0:
             return None
         j = math.ceil((low.gpu_bytes - low.gpu_capacity) / -slope)
@@ -75,9 +74,26 @@ def best_resident(
     while j >= 0:
         est = estimate(spec, work, hw, replace(base, resident_experts=j), dtype, headroom)
         if est.fits:
-            return est
+            break
         j -= 1
-    return None
+    else:
+        return None
+    if base.experts == "gpu":
+        return est
+    # experts on the host: each resident expert moves work from the host to the device. Device time
+    # rises and host time falls linearly with the count, so the layer time is V-shaped: the best
+    # count is next to where the two lines cross, or at an end
+
+    def at(i: int) -> Estimate:
+        return estimate(spec, work, hw, replace(base, resident_experts=i), dtype, headroom)
+
+    top = est if j == est.policy.resident_experts else at(j)
+    diff0 = low.resource_seconds["gpu"] - low.resource_seconds["cpu"]
+    diff1 = top.resource_seconds["gpu"] - top.resource_seconds["cpu"]
+    cross = j * diff0 / (diff0 - diff1) if diff0 < 0 < diff1 else (0 if diff0 >= 0 else j)
+    inner = {min(j, max(0, i)) for i in (math.floor(cross), math.ceil(cross))} - {0, j}
+    best = max([low, top, *(at(i) for i in sorted(inner))], key=lambda x: x.tokens_per_second)
+    return best if best.tokens_per_second >= est.tokens_per_second else est
 
 
 def max_batch(
@@ -103,8 +119,12 @@ def optimize(
     experts: Iterable[str] = ("gpu", "cpu"),
     mus: Iterable[int] | None = None,
     n_ubs: Iterable[int] | None = None,
+    resident: int | None = None,
 ) -> Estimate:
     """The best fitting policy; raises ValueError when nothing fits (the message says why).
+
+    `resident`: the running gpu_expert's resident expert count (it sized its residency within its
+    own budget); the search then keeps it instead of choosing one.
 
     `mus` / `n_ubs` replace the default grids (tests compare against brute force on small ones).
     """
@@ -116,15 +136,17 @@ def optimize(
         )
     best: Estimate | None = None
     attention, experts = tuple(attention), tuple(experts)
-    if hw.shared_host_device:  # one set of cores: "device" and "host" placements are the same thing
-        attention, experts = ("cpu",), ("gpu",)
     for mu in micro_batch_sizes(n_max) if mus is None else [m for m in mus if m <= n_max]:
         for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
             for att in attention:
                 for exp in experts:
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
-                        base = Policy(mu * n_ub, mu, att, exp, 0, r_c)
-                        est = best_resident(spec, work, hw, base, dtype, headroom)
+                        base = Policy(mu * n_ub, mu, att, exp, resident or 0, r_c)
+                        if resident is None:
+                            est = best_resident(spec, work, hw, base, dtype, headroom)
+                        else:
+                            est = estimate(spec, work, hw, base, dtype, headroom)
+                            est = est if est.cpu_bytes <= est.cpu_capacity else None
                         if est is not None and _better(est, best):
                             best = est
     if best is None:
@@ -148,7 +170,7 @@ def brute_force(
             for att in ("cpu", "gpu"):
                 for exp in ("gpu", "cpu"):
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
-                        for j in range(spec.num_layers * spec.num_experts + 1) if exp == "gpu" else (0,):
+                        for j in range(spec.num_layers * spec.num_experts + 1):
                             est = estimate(spec, work, hw, Policy(mu * n_ub, mu, att, exp, j, r_c), dtype, headroom)
                             if est.fits and _better(est, best):
                                 best = est

@@ -87,6 +87,8 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
             for mb in plan.micro_batches
         ],
         release_seq_ids=plan.release,
+        attention_on_device=plan.attention_on_device,
+        experts_on_host=plan.experts_on_host,
     )
 
 
@@ -106,6 +108,8 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
             for mb in m.micro_batches
         ],
         release=list(m.release_seq_ids),
+        attention_on_device=m.attention_on_device,
+        experts_on_host=m.experts_on_host,
     )
 
 

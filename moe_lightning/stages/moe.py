@@ -22,6 +22,8 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) ->
 
 def expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     # x: (n, D) -> (n, D); SwiGLU with fused gate/up
+    if expert.w13.device != x.device:  # an expert placed on the host: compute where its weights live
+        return expert_ffn(expert, x.to(expert.w13.device)).to(x.device)
     gate_up = x @ expert.w13.T  # (n, 2I)
     gate, up = gate_up.chunk(2, dim=-1)  # (n, I) each
     return (F.silu(gate) * up) @ expert.w2.T  # (n, D)

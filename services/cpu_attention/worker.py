@@ -132,9 +132,10 @@ class AttentionWorker:
             if mb is None:
                 raise LookupError(f"step {meta['s']} micro-batch {meta['m']} was never started at layer 0")
             q, k, v = tensors
+            cache_dtype = self.cache.k.dtype  # fp32 on the host: bf16 matmuls are slow (emulated) on CPUs
             with self._lock:
-                write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.write_slots)
-                out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb)
+                write_kv(self.cache.k[layer], self.cache.v[layer], k.to(cache_dtype), v.to(cache_dtype), mb.write_slots)
+                out = paged_attention(q.to(cache_dtype), self.cache.k[layer], self.cache.v[layer], mb).to(q.dtype)
             self.timeline.record("cpu", "attention", meta["s"], layer, meta["m"], t0)
             if layer == self.spec.num_layers - 1:
                 del self._batches[key]
@@ -156,12 +157,7 @@ class AttentionWorker:
     def _begin(self, meta: dict) -> AttentionPlan:
         seqs, q_lens, starts = meta["seqs"], meta["q"], meta["p"]
         with self._lock:
-            for s, p in zip(seqs, starts, strict=True):
-                if self.cache.length(s) != p:
-                    raise ValueError(
-                        f"sequence {s} has {self.cache.length(s)} cached tokens but the step starts at {p}"
-                    )
-            md = self.cache.append(seqs, q_lens)
+            md = self.cache.begin(seqs, q_lens, starts)
             self._update_gauges()
         return plan_attention(md, self.spec.sliding_window)
 

@@ -7,6 +7,7 @@ copy onto an accelerator). Sampler state (each sequence's random stream) lives h
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -14,7 +15,7 @@ import structlog
 import torch
 from prometheus_client import Counter
 
-from moe_lightning.kv_cache import KVCacheFullError
+from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.sampling import SamplingParams, sample
 from moe_lightning.service.errors import NotReadyError, ServiceError
@@ -23,9 +24,11 @@ from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
+from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
-from services.gpu_expert.residency import ExpertPager, plan_residency
+from services.gpu_expert.pager import ExpertPager
+from services.gpu_expert.residency import plan_residency
 
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
 ROUTED = Counter("moe_lightning_expert_routed_tokens_total", "Tokens routed to each expert", ["layer", "expert"])
@@ -40,6 +43,7 @@ class _MicroBatchState:
     positions: torch.Tensor  # (T,)
     hidden: torch.Tensor  # (T, D)
     last_rows: torch.Tensor  # (B,)
+    attention: AttentionPlan | None = None  # set when attention runs here, over the device KV cache
 
 
 class ExpertRunner:
@@ -50,22 +54,26 @@ class ExpertRunner:
         device: torch.device,
         output: TensorChannel,
         pager: ExpertPager | None = None,
+        kv: PagedKVCache | None = None,
         handoff_timeout: float = 60.0,
         residency_interval: int = 0,
         timeline: TimelineRecorder | None = None,
         overlap: bool = True,
+        experts_on_host: bool = False,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.device = device
         self.output = output
         self.pager = pager
+        self.kv = kv  # the device KV cache (attention placed on the device); None: attention service only
         self.input: TensorChannel | None = None
         self.handoff_timeout = handoff_timeout
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.log = structlog.get_logger()
         self.residency_interval = residency_interval
         self.overlap = overlap
+        self.experts_on_host = experts_on_host  # placement: streamed experts run on the host, not copied
         self.timeline = timeline or TimelineRecorder(None, "gpu_expert")
         self.route_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long, device=device)
         self._exported = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long)
@@ -80,6 +88,17 @@ class ExpertRunner:
     def _prepare(self, plan: StepPlan) -> list[_MicroBatchState]:
         for seq in plan.release:
             self.samplers.pop(seq, None)
+            if self.kv is not None:
+                self.kv.free(seq)
+        if plan.attention_on_device and self.kv is None:
+            raise ServiceError(
+                "attention on the device was asked for, but this gpu_expert has no device KV cache "
+                "(start it with --device-kv-memory)",
+                grpc.StatusCode.FAILED_PRECONDITION,
+            )
+        if self.pager is not None and plan.experts_on_host != self.experts_on_host:
+            self.pager.reset()  # placement changed: pages prefetched for the old one are dropped
+            self.experts_on_host = plan.experts_on_host
         states = []
         for mb in plan.micro_batches:
             if not mb:
@@ -97,14 +116,20 @@ class ExpertRunner:
             tokens = torch.tensor([t for w in mb for t in w.token_ids], dtype=torch.long, device=self.device)
             positions = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in mb]).to(self.device)
             last = torch.tensor([len(w.token_ids) for w in mb]).cumsum(0) - 1
-            states.append(
-                _MicroBatchState(mb, positions, embed_tokens(self.weights.embed, tokens), last.to(self.device))
-            )
+            st = _MicroBatchState(mb, positions, embed_tokens(self.weights.embed, tokens), last.to(self.device))
+            if plan.attention_on_device:
+                assert self.kv is not None
+                try:
+                    md = self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
+                except ValueError as exc:
+                    raise ServiceError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
+                st.attention = plan_attention(md, self.spec.sliding_window)
+            states.append(st)
         return states
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
-        if self.input is None:
+        if self.input is None and not plan.attention_on_device:
             raise NotReadyError("gpu_expert is not connected to an attention service yet")
         t_start = time.perf_counter_ns()
         timings = {
@@ -114,21 +139,31 @@ class ExpertRunner:
             "attention_wait": 0,
             "handoff_send": 0,
             "expert_wait": 0,
+            "device_attention": 0,
         }
         states = self._prepare(plan)
         outstanding = 0
         try:
             for layer_idx, layer in enumerate(self.weights.layers):
-                if self.overlap:
+                if plan.attention_on_device:  # no hand-offs: the pages of the next layer still interleave
+                    experts = self._experts(layer_idx, timings)
+                    self._prefetch(layer_idx + 1, 0, len(states))
+                    for m, st in enumerate(states):
+                        self._attend_here(plan, layer_idx, layer, m, st, experts, timings)
+                        self._prefetch(layer_idx + 1, m + 1, len(states))
+                elif self.overlap:
                     # every micro-batch's q/k/v goes out before the first result is awaited: attention
-                    # on micro-batch k+1 runs while this process does post-attention for k
+                    # on micro-batch k+1 runs while this process does post-attention for k, and page
+                    # k+1 of the next layer's streamed experts copies meanwhile
                     for m, st in enumerate(states):
                         self._send(plan, layer_idx, layer, m, st, timings)
                         outstanding += 1
                     experts = self._experts(layer_idx, timings)
+                    self._prefetch(layer_idx + 1, 0, len(states))
                     for m, st in enumerate(states):
                         self._receive(plan, layer_idx, layer, m, st, experts, timings)
                         outstanding -= 1
+                        self._prefetch(layer_idx + 1, m + 1, len(states))
                 else:  # the FlexGen/DeepSpeed-style schedule: each stage waits for the previous one
                     experts = self._experts(layer_idx, timings)
                     for m, st in enumerate(states):
@@ -136,11 +171,15 @@ class ExpertRunner:
                         outstanding += 1
                         self._receive(plan, layer_idx, layer, m, st, experts, timings)
                         outstanding -= 1
+                if self.pager is not None and not self.experts_on_host:
+                    self.pager.end_layer(layer_idx)
         except BaseException:
             self._drain(outstanding)
             if self.pager is not None:
                 self.pager.reset()
             raise
+        if self.pager is not None:
+            self.pager.end_step()
         t0 = time.perf_counter_ns()
         hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
         logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
@@ -183,11 +222,21 @@ class ExpertRunner:
         timings["pre_attention"] += t1 - t0
         timings["handoff_send"] += time.perf_counter_ns() - t1
 
-    def _experts(self, layer_idx: int, timings: dict[str, int]) -> list[ExpertWeights] | None:
+    def _experts(self, layer_idx: int, timings: dict[str, int]) -> Sequence[ExpertWeights] | None:
+        if self.pager is None:
+            return None
+        if self.experts_on_host:  # non-resident experts compute where they live: no transfer
+            resident = self.pager.resident[layer_idx]
+            host = self.weights.layers[layer_idx].experts
+            return [resident.get(e) or host[e] for e in range(len(host))]
         t0 = time.perf_counter_ns()
-        experts = self.pager.layer_experts(layer_idx) if self.pager is not None else None
+        experts = self.pager.begin_layer(layer_idx)
         timings["expert_wait"] += time.perf_counter_ns() - t0
         return experts
+
+    def _prefetch(self, layer_idx: int, page: int, num_pages: int) -> None:
+        if self.pager is not None and not self.experts_on_host:
+            self.pager.prefetch_page(layer_idx, page, num_pages)
 
     def _receive(
         self,
@@ -196,7 +245,7 @@ class ExpertRunner:
         layer: LayerWeights,
         m: int,
         st: _MicroBatchState,
-        experts: list[ExpertWeights] | None,
+        experts: Sequence[ExpertWeights] | None,
         timings: dict[str, int],
     ) -> None:
         assert self.input is not None
@@ -214,6 +263,33 @@ class ExpertRunner:
         timings["post_attention"] += time.perf_counter_ns() - t1
         self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t1)
 
+    def _attend_here(
+        self,
+        plan: StepPlan,
+        layer_idx: int,
+        layer: LayerWeights,
+        m: int,
+        st: _MicroBatchState,
+        experts: Sequence[ExpertWeights] | None,
+        timings: dict[str, int],
+    ) -> None:
+        assert self.kv is not None and st.attention is not None
+        t0 = time.perf_counter_ns()
+        q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
+        t1 = time.perf_counter_ns()
+        write_kv(self.kv.k[layer_idx], self.kv.v[layer_idx], k, v, st.attention.write_slots)
+        attn = paged_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], st.attention)
+        t2 = time.perf_counter_ns()
+        st.hidden, ids = post_attention(self.spec, layer, st.hidden, attn, experts)
+        self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+        t3 = time.perf_counter_ns()
+        self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
+        self.timeline.record("device", "attention", plan.step_id, layer_idx, m, t1, t2)
+        self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t2, t3)
+        timings["pre_attention"] += t1 - t0
+        timings["device_attention"] += t2 - t1
+        timings["post_attention"] += t3 - t2
+
     def export_routing(self) -> None:
         """Routing counters per (layer, expert), flushed in batches: a label lookup per series per step
         would cost more than the step's hand-offs."""
@@ -226,14 +302,20 @@ class ExpertRunner:
     def rebalance(self) -> None:
         """Between steps: keep the experts that routing uses most resident (hot-expert residency)."""
         pager = self.pager
-        if pager is None or not pager.streams:
+        if pager is None or pager.plan.max_streamed == 0:
             return
         hot = self.route_counts.cpu().tolist()
         p = pager.plan
         new = plan_residency(
-            self.spec.num_layers, self.spec.num_experts, p.expert_bytes, p.dense_bytes, p.budget, hot=hot
+            self.spec.num_layers,
+            self.spec.num_experts,
+            p.expert_bytes,
+            p.dense_bytes,
+            p.budget,
+            hot=hot,
+            stream=p.ring_slots > 0,
         )
-        if new.resident != p.resident and new.buffer_slots == p.buffer_slots:
+        if new.resident != p.resident and new.ring_slots == p.ring_slots:
             moved = sum(len(set(a) ^ set(b)) for a, b in zip(new.resident, p.resident, strict=True)) // 2
             pager.update_residency(new)
             RESIDENCY_CHANGES.inc()

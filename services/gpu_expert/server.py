@@ -18,20 +18,24 @@ from moe_lightning.arena import expert_page_names, weights_from_arena
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
+from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.service.convert import layout_from_pb, measurements_to_pb, step_output_to_pb, step_plan_from_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.shm import Segment, TensorChannel, segment_name
+from moe_lightning.spec import ModelSpec
 from moe_lightning.timeline import TimelineRecorder
-from services.gpu_expert.residency import ExpertPager, plan_residency
+from services.gpu_expert.copy_engine import pin_host_memory, unpin_host_memory
+from services.gpu_expert.pager import ExpertPager
+from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
 SERVICE = "moe_lightning.api.gpu_expert.v1.GpuExpert"
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
 DEVICE_BUDGET = Gauge("moe_lightning_device_memory_budget_bytes", "--device-memory")
 RESIDENT = Gauge("moe_lightning_resident_experts", "Expert pages kept on the device (of layers x experts)")
-BUFFER_SLOTS = Gauge("moe_lightning_expert_buffer_slots", "Experts one of the two streaming buffers holds")
+BUFFER_SLOTS = Gauge("moe_lightning_expert_buffer_slots", "Buffer slots (one expert each) for streamed experts")
 
 
 class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
@@ -41,6 +45,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self.weight_bytes = 0
         self.budget = 0
         self.measurements: Measurements | None = None
+        self.residency: ResidencyPlan | None = None
         self._step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
 
     @property
@@ -58,6 +63,10 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
             device_memory_bytes=self.budget,
             output_channel=self.runner.output.name,
             measurements=measurements_to_pb(self.measurements) if self.measurements else None,
+            device_kv_blocks=self.runner.kv.allocator.num_blocks if self.runner.kv is not None else 0,
+            device_kv_block_size=self.runner.kv.block_size if self.runner.kv is not None else 0,
+            resident_experts=sum(len(r) for r in self.residency.resident) if self.residency else 0,
+            expert_ring_slots=self.residency.ring_slots if self.residency else 0,
         )
 
     def Connect(
@@ -88,6 +97,13 @@ def build_parser() -> EnvDefaultsParser:
         help="device memory budget for weights, e.g. 16GiB (default: all of the device)",
     )
     p.add_argument(
+        "--device-kv-memory",
+        type=parse_size,
+        default=0,
+        help="device memory for a KV cache, so the policy may place attention on the device (default 0: never)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="device KV cache block size in tokens")
+    p.add_argument(
         "--no-overlap",
         action="store_true",
         help="baseline schedule: copy each layer's experts when needed, one micro-batch at a time",
@@ -110,6 +126,18 @@ def _device_capacity(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def _device_kv_cache(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, nbytes: int, block_size: int
+) -> PagedKVCache | None:
+    """A KV cache on the device for attention placed there, in the weights' compute dtype."""
+    if nbytes <= 0:
+        return None
+    per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    if nbytes < per_block:
+        raise ValueError(f"--device-kv-memory {nbytes} B holds no {per_block} B KV block")
+    return PagedKVCache(spec, nbytes // per_block, block_size, dtype=dtype, device=device)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     servicer = GpuExpertServicer()
@@ -122,11 +150,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         w13, w2 = (layout.pages[n] for n in expert_page_names(0, 0))
         expert_bytes = w13.nbytes + w2.nbytes
         dense_bytes = layout.total_bytes - spec.num_layers * spec.num_experts * expert_bytes
-        residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, budget)
+        weight_budget = budget - args.device_kv_memory
+        try:
+            residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
+        except DeviceBudgetError as exc:  # no room to stream: what does not fit can still run on the host
+            residency = plan_residency(
+                spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget, stream=False
+            )
+            log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
         arena = Segment.attach(manifest.region)
+        pinned = device.type == "cuda" and pin_host_memory(arena.bytes())
         weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
         timeline = TimelineRecorder(args.timeline, "gpu_expert")
         pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
+        kv = _device_kv_cache(spec, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
         output = TensorChannel.create(
             segment_name(args.run_id, "gpu_expert", "qkv"),
             4,
@@ -136,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
-    experts = list(pager.resident[0].values()) or pager.buffers[0]  # on the device, as it computes
+    experts = list(pager.resident[0].values()) or pager.slots or list(weights.layers[0].experts)  # as it computes
     key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
     measurements = cached_measurements(
         key, lambda: measure_expert_side(experts, str(device), budget), refresh=args.recalibrate
@@ -149,21 +186,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         device,
         output,
         pager,
+        kv,
         residency_interval=args.residency_interval,
         timeline=timeline,
         overlap=not args.no_overlap,
     )
     RESIDENT.set(sum(len(r) for r in residency.resident))
-    BUFFER_SLOTS.set(residency.buffer_slots)
+    BUFFER_SLOTS.set(residency.ring_slots)
     log.info(
         "residency",
         resident_experts=sum(len(r) for r in residency.resident),
         of=spec.num_layers * spec.num_experts,
-        buffer_slots=residency.buffer_slots,
+        ring_slots=residency.ring_slots,
+        double_buffered=residency.double_buffered,
+        device_kv_blocks=kv.allocator.num_blocks if kv is not None else 0,
         device_bytes=residency.device_bytes,
         budget=budget,
     )
     servicer.device, servicer.weight_bytes, servicer.budget = str(device), layout.total_bytes, budget
+    servicer.residency = residency
     servicer._runner = runner
     DEVICE_BYTES.set(residency.device_bytes)
     DEVICE_BUDGET.set(budget)
@@ -174,6 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timeline.close()
         if runner.input is not None:
             runner.input.close()
+        if pinned:
+            unpin_host_memory(arena.bytes())
         arena.close()
 
     runtime.on_shutdown(cleanup)

@@ -12,18 +12,26 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("device", "weight_bytes", "device_memory_bytes", "output_channel", "measurements")
+    __slots__ = ("device", "weight_bytes", "device_memory_bytes", "output_channel", "measurements", "device_kv_blocks", "device_kv_block_size", "resident_experts", "expert_ring_slots")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     MEASUREMENTS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     device: str
     weight_bytes: int
     device_memory_bytes: int
     output_channel: str
     measurements: _common_pb2.HardwareMeasurements
-    def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ...) -> None: ...
+    device_kv_blocks: int
+    device_kv_block_size: int
+    resident_experts: int
+    expert_ring_slots: int
+    def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., device_kv_blocks: _Optional[int] = ..., device_kv_block_size: _Optional[int] = ..., resident_experts: _Optional[int] = ..., expert_ring_slots: _Optional[int] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("input_channel",)
@@ -54,14 +62,18 @@ class MicroBatch(_message.Message):
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "micro_batches", "release_seq_ids")
+    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "attention_on_device", "experts_on_host")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_ON_HOST_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     micro_batches: _containers.RepeatedCompositeFieldContainer[MicroBatch]
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    attention_on_device: bool
+    experts_on_host: bool
+    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., attention_on_device: _Optional[bool] = ..., experts_on_host: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("seq_ids", "token_ids", "timings")
