@@ -94,18 +94,28 @@ def test_decode_path_equals_ragged_path() -> None:
     q = torch.randn(3, 8, 16, generator=gen)
     for window in (None, 5):
         decode = plan_attention(decode_meta, window)
-        assert decode.grid is not None
+        assert decode.decode_groups
         ragged = plan_attention(replace(decode_meta, q_lens=(1, 1, 1)), window)
         ragged = replace(
             ragged,
-            grid=None,
-            grid_mask=None,
+            decode_groups=(),
             seq_slots=_ragged(decode_meta, window)[0],
             seq_masks=_ragged(decode_meta, window)[1],
         )
         a = paged_attention(q, cache.k[0], cache.v[0], decode)
         b = paged_attention(q, cache.k[0], cache.v[0], ragged)
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_decode_groups_bound_the_padding_and_cover_every_sequence() -> None:
+    from moe_lightning.stages.attention import PADDING_SLACK, _decode_groups
+
+    ctx = (418, 40, 77, 90, 12, 300, 75, 81, 60, 5)
+    groups = _decode_groups(ctx)
+    assert sorted(b for g in groups for b in g) == list(range(len(ctx)))
+    for g in groups:
+        assert max(ctx[b] for b in g) * len(g) <= PADDING_SLACK * sum(ctx[b] for b in g) or len(g) == 1
+    assert len(groups) < len(ctx)  # similar lengths share a grid
 
 
 def _ragged(meta: AttentionMetadata, window: int | None) -> tuple[tuple, tuple]:

@@ -115,6 +115,8 @@ def test_timeline_shows_attention_and_copies_overlapping_device_work(streaming_s
             str(tmp_path / "trace.json"),
             "--parquet",
             str(tmp_path / "t.parquet"),
+            "--png",
+            str(tmp_path / "t.png"),
         ],
         capture_output=True,
         text=True,
@@ -125,6 +127,7 @@ def test_timeline_shows_attention_and_copies_overlapping_device_work(streaming_s
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert any(e.get("ph") == "X" and e["name"].startswith("attention") for e in trace)
     assert pq.read_table(tmp_path / "t.parquet").num_rows == len(events)
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_overlap_off_baseline_is_exact_and_sequential(hf_dir: Path, reference: dict, tmp_path: Path) -> None:

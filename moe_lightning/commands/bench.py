@@ -33,6 +33,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--skip-resident", action="store_true", help="leave out the whole-model-resident reference run")
     p.add_argument("--json", type=Path, default=None, help="write all numbers here")
     p.add_argument("--trace", type=Path, default=None, help="write our run's Chrome trace here")
+    p.add_argument("--png", type=Path, default=None, help="draw a few layers of one of our decode steps here")
 
 
 def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -134,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
     ours = _ours(args, prompts, "1", trace_dir)
     if args.trace is not None:
         write(ours["_events"], chrome_path=args.trace)
+    if args.png is not None:
+        from moe_lightning.timeline_plot import plot_timeline
+
+        plot_timeline(ours["_events"], args.png, f"ours: {args.model.name}, {n} prompts")
     policy = ours["policy"]
     results["ours"] = _public(ours)
     rows: list[tuple[str, dict[str, Any], str, float | None]] = []  # (name, run, what the ratio is, target)
@@ -141,10 +146,12 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("reference: ours with the whole model resident...\n")
         results["resident"] = _public(_ours(args, prompts, "r", trace_dir, device_memory=None))
         rows.append(("ours, whole model resident", results["resident"], "ours / it", 0.85))
-        if policy.get("experts") == "cpu" and ours["resident_experts"] < spec.num_layers * spec.num_experts:
-            sys.stderr.write("ours with the experts streamed (copied) instead of computed in place...\n")
-            results["streamed"] = _public(_ours(args, prompts, "c", trace_dir, experts="gpu"))
-            rows.append(("ours, experts streamed (copy)", results["streamed"], "it / resident", None))
+        if ours["resident_experts"] < spec.num_layers * spec.num_experts:  # the other expert placement
+            other = "gpu" if policy.get("experts") == "cpu" else "cpu"
+            key, name = ("streamed", "experts streamed (copy)") if other == "gpu" else ("in_place", "experts in place")
+            sys.stderr.write(f"ours with the {name}...\n")
+            results[key] = _public(_ours(args, prompts, "c", trace_dir, experts=other))
+            rows.append((f"ours, {name}", results[key], "it / resident", None))
     sys.stderr.write("baseline (b): ours with overlap off, same placement...\n")
     seq = _ours(args, prompts, "0", trace_dir, False, attention=policy.get("attention"), experts=policy.get("experts"))
     results["overlap_off"] = _public(seq)

@@ -14,6 +14,7 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("files", nargs="+", type=Path, help="the files given to the services' --timeline")
     p.add_argument("--chrome", type=Path, default=None, help="write a Chrome trace JSON here")
     p.add_argument("--parquet", type=Path, default=None, help="write the events as Parquet here")
+    p.add_argument("--png", type=Path, default=None, help="draw a few layers of a decode step here")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,5 +24,9 @@ def run(args: argparse.Namespace) -> int:
     if not events:
         raise ValueError("no timeline events in " + ", ".join(map(str, args.files)))
     write(events, args.chrome, args.parquet)
+    if args.png is not None:
+        from moe_lightning.timeline_plot import plot_timeline
+
+        plot_timeline(events, args.png, "timeline")
     sys.stdout.write(json.dumps(summarize(events), indent=2) + "\n")
     return 0

@@ -27,6 +27,9 @@ from moe_lightning.stages.moe import expert_ffn
 from moe_lightning.weights import ExpertWeights
 
 CACHE_DIR = Path.home() / ".cache" / "moe-lightning" / "profiles"
+# Part of every cache key: bump it when a kernel the roofs are measured with changes, so cached
+# roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU)
+KERNELS_VERSION = 2
 
 
 def _sync(device: torch.device) -> None:
@@ -161,6 +164,7 @@ def cached_profile(
 ) -> HardwareProfile:
     """The machine's calibrated profile, measured once per (host, device, model shape) and cached."""
     key = f"{platform.node() or 'host'}-{device.replace(':', '')}-{spec.hidden_size}x{spec.intermediate_size}"
+    key += f"-k{KERNELS_VERSION}"
     path = cache_dir / f"{key}.json"
     if path.is_file() and not refresh:
         return HardwareProfile.from_file(path)
@@ -221,7 +225,7 @@ def cached_measurements(
     key: str, measure_fn: Callable[[], Measurements], refresh: bool = False, cache_dir: Path = CACHE_DIR
 ) -> Measurements:
     """A service's warm-up measurements, re-used across restarts on this machine."""
-    path = cache_dir / f"{platform.node() or 'host'}-{key}.json"
+    path = cache_dir / f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json"
     if path.is_file() and not refresh:
         try:
             return Measurements(**json.loads(path.read_text()))

@@ -76,15 +76,60 @@ def write_kv(
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """Decode sequences of similar context length, attended as one padded (b, Lg) grid."""
+
+    rows: torch.Tensor  # (b,) their rows in the batch
+    grid: torch.Tensor  # (b, Lg) flat cache slot of every context position (0 past the end)
+    mask: torch.Tensor  # (b, 1, 1, Lg) which grid entries attend
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """Index tensors for one batch, built once and reused by every layer (they do not change)."""
 
     meta: AttentionMetadata
     write_slots: torch.Tensor  # (T,) where each new token's K/V goes
-    grid: torch.Tensor | None  # decode: (B, Lmax) flat slot of every context position
-    grid_mask: torch.Tensor | None  # decode: (B, 1, 1, Lmax) which grid entries attend
+    decode_groups: tuple[DecodeGroup, ...] = ()  # decode: sequences grouped by context length
     seq_slots: tuple[torch.Tensor, ...] = ()  # prefill: (ctx_b,) per sequence
     seq_masks: tuple[torch.Tensor, ...] = ()  # prefill: (q_len_b, ctx_b) per sequence
+
+
+PADDING_SLACK = 1.25  # a decode group's padded grid may hold at most this many times its real context
+
+
+def _decode_groups(ctx_lens: tuple[int, ...]) -> list[list[int]]:
+    """Sequences by descending context, cut into groups whose padded grid stays within PADDING_SLACK
+    of their real context: one long prompt in a batch does not make every sequence gather its length."""
+    order = sorted(range(len(ctx_lens)), key=lambda b: -ctx_lens[b])
+    groups: list[list[int]] = []
+    total = 0
+    for b in order:
+        if groups and ctx_lens[groups[-1][0]] * (len(groups[-1]) + 1) <= PADDING_SLACK * (total + ctx_lens[b]):
+            groups[-1].append(b)
+            total += ctx_lens[b]
+        else:
+            groups.append([b])
+            total = ctx_lens[b]
+    return groups
+
+
+def _decode_group(
+    meta: AttentionMetadata, rows: list[int], sliding_window: int | None, device: torch.device | str
+) -> DecodeGroup:
+    ctx = torch.tensor([meta.ctx_lens[b] for b in rows], dtype=torch.long)
+    pos = torch.arange(int(ctx.max()))  # (Lg,)
+    width = max(len(meta.block_tables[b]) for b in rows)
+    tables = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, b in enumerate(rows):
+        tables[i, : len(meta.block_tables[b])] = torch.tensor(meta.block_tables[b], dtype=torch.long)
+    valid = pos[None, :] < ctx[:, None]  # (b, Lg)
+    if sliding_window is not None:
+        valid &= (ctx[:, None] - 1 - pos[None, :]) < sliding_window
+    block_idx = torch.clamp(pos // meta.block_size, max=width - 1)
+    grid = tables[:, block_idx] * meta.block_size + pos % meta.block_size  # (b, Lg)
+    grid = torch.where(valid, grid, torch.zeros_like(grid))
+    return DecodeGroup(torch.tensor(rows, device=device), grid.to(device), valid[:, None, None, :].to(device))
 
 
 def plan_attention(
@@ -92,19 +137,8 @@ def plan_attention(
 ) -> AttentionPlan:
     write_slots = meta.slot_mapping().to(device)
     if meta.is_decode:
-        ctx = torch.tensor(meta.ctx_lens, dtype=torch.long)
-        pos = torch.arange(int(ctx.max()))  # (Lmax,)
-        width = max(len(t) for t in meta.block_tables)
-        tables = torch.zeros(len(ctx), width, dtype=torch.long)
-        for i, table in enumerate(meta.block_tables):
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        valid = pos[None, :] < ctx[:, None]  # (B, Lmax)
-        if sliding_window is not None:
-            valid &= (ctx[:, None] - 1 - pos[None, :]) < sliding_window
-        block_idx = torch.clamp(pos // meta.block_size, max=width - 1)
-        grid = tables[:, block_idx] * meta.block_size + pos % meta.block_size  # (B, Lmax)
-        grid = torch.where(valid, grid, torch.zeros_like(grid))
-        return AttentionPlan(meta, write_slots, grid.to(device), valid[:, None, None, :].to(device))
+        groups = tuple(_decode_group(meta, g, sliding_window, device) for g in _decode_groups(meta.ctx_lens))
+        return AttentionPlan(meta, write_slots, groups)
     slots, masks = [], []
     for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
         q_pos = torch.arange(ctx - q_len, ctx)[:, None]  # (q_len, 1)
@@ -114,7 +148,7 @@ def plan_attention(
             mask &= q_pos - k_pos < sliding_window
         slots.append(meta.context_slots(b).to(device))
         masks.append(mask.to(device))
-    return AttentionPlan(meta, write_slots, None, None, tuple(slots), tuple(masks))
+    return AttentionPlan(meta, write_slots, (), tuple(slots), tuple(masks))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
@@ -127,12 +161,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     k_flat = k_cache.view(-1, kv_heads, hd)  # (NB * BS, K, Hd)
     v_flat = v_cache.view(-1, kv_heads, hd)
     gqa = h != kv_heads
-    if plan.grid is not None:
-        # One query per sequence: gather every context into a (B, Lmax) grid, mask the tail.
-        k = k_flat[plan.grid].transpose(1, 2)  # (B, K, Lmax, Hd)
-        v = v_flat[plan.grid].transpose(1, 2)  # (B, K, Lmax, Hd)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=plan.grid_mask, enable_gqa=gqa)
-        return o.reshape(t, h * hd)  # (B, H, 1, Hd) -> (T, H * Hd)
+    if plan.decode_groups:
+        # One query per sequence: per group, gather each context into a (b, Lg) grid, mask the tail.
+        out = torch.empty(t, h, hd, dtype=q.dtype, device=q.device)
+        for g in plan.decode_groups:
+            k = k_flat[g.grid].transpose(1, 2)  # (b, K, Lg, Hd)
+            v = v_flat[g.grid].transpose(1, 2)  # (b, K, Lg, Hd)
+            qg = q[g.rows][:, :, None, :]  # (b, H, 1, Hd)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, enable_gqa=gqa)  # (b, H, 1, Hd)
+            out[g.rows] = o[:, :, 0, :]
+        return out.reshape(t, h * hd)
     out = torch.empty(t, h, hd, dtype=q.dtype, device=q.device)
     start = 0
     for slots, mask, q_len in zip(plan.seq_slots, plan.seq_masks, plan.meta.q_lens, strict=True):

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from moe_lightning.stages.linear import linear
 from moe_lightning.weights import ExpertWeights
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (T, D), router: (E, D) -> weights (T, A) in x's dtype, expert ids (T, A)."""
-    logits = x @ router.T  # (T, E)
+    logits = linear(x, router)  # (T, E)
     probs = torch.softmax(logits.float(), dim=-1)  # (T, E) in fp32, as the reference
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, A)
     if normalize:
@@ -24,9 +25,9 @@ def expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     # x: (n, D) -> (n, D); SwiGLU with fused gate/up
     if expert.w13.device != x.device:  # an expert placed on the host: compute where its weights live
         return expert_ffn(expert, x.to(expert.w13.device)).to(x.device)
-    gate_up = x @ expert.w13.T  # (n, 2I)
+    gate_up = linear(x, expert.w13)  # (n, 2I)
     gate, up = gate_up.chunk(2, dim=-1)  # (n, I) each
-    return (F.silu(gate) * up) @ expert.w2.T  # (n, D)
+    return linear(F.silu(gate) * up, expert.w2)  # (n, D)
 
 
 def experts_forward(

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.linear import linear
 from moe_lightning.stages.moe import experts_forward, route
 from moe_lightning.stages.norm import rms_norm
 from moe_lightning.weights import ExpertWeights, LayerWeights
@@ -24,7 +25,7 @@ def post_attention(
     `experts` overrides `layer.experts` (streamed or remote experts); the ids are returned so the
     caller can count routing for hot-expert residency.
     """
-    h = residual + attn_out @ layer.wo.T  # (T, D)
+    h = residual + linear(attn_out, layer.wo)  # (T, D)
     x = rms_norm(h, layer.ffn_norm, spec.rms_norm_eps)  # (T, D)
     weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob)  # (T, A) each
     moe = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D)

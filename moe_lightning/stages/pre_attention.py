@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.linear import linear
 from moe_lightning.stages.norm import rms_norm
 from moe_lightning.stages.rope import apply_rope, rope_cos_sin
 from moe_lightning.weights import LayerWeights
@@ -21,7 +22,7 @@ def pre_attention(
     """hidden: (T, D) residual stream, positions: (T,) -> q (T, H, Hd), k (T, K, Hd), v (T, K, Hd)."""
     t = hidden.shape[0]
     x = rms_norm(hidden, layer.attn_norm, spec.rms_norm_eps)  # (T, D)
-    qkv = x @ layer.wqkv.T  # (T, (H + 2K) * Hd)
+    qkv = linear(x, layer.wqkv)  # (T, (H + 2K) * Hd)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     q = q.reshape(t, spec.num_heads, spec.head_dim)  # (T, H, Hd)
     k = k.reshape(t, spec.num_kv_heads, spec.head_dim)  # (T, K, Hd)
