@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -77,19 +78,30 @@ class Completion:
 
 
 class GenerationClient:
-    def __init__(self, address: str, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(
+        self, address: str, timeout: float | None = None, tls_ca: Path | None = None, token: str | None = None
+    ) -> None:
+        """`tls_ca`: PEM root certificate(s) to verify a TLS server with (None: plaintext);
+        `token`: sent as 'authorization: Bearer <token>' on every call."""
+        if tls_ca is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.timeout = timeout
 
     def generate(self, prompt: Prompt) -> Completion:
-        resp = self.stub.Generate(generation_pb2.GenerateRequest(input=prompt.to_pb()), timeout=self.timeout)
+        resp = self.stub.Generate(
+            generation_pb2.GenerateRequest(input=prompt.to_pb()), timeout=self.timeout, metadata=self._metadata
+        )
         return Completion.from_pb(resp.output)
 
     def stream(self, prompt: Prompt) -> Iterator[list[int] | Completion]:
         """Yields lists of new token ids as they come, then the Completion."""
         for msg in self.stub.GenerateStream(
-            generation_pb2.GenerateStreamRequest(input=prompt.to_pb()), timeout=self.timeout
+            generation_pb2.GenerateStreamRequest(input=prompt.to_pb()), timeout=self.timeout, metadata=self._metadata
         ):
             if msg.token_ids:
                 yield list(msg.token_ids)
@@ -98,15 +110,21 @@ class GenerationClient:
 
     def batch_generate(self, prompts: Sequence[Prompt]) -> list[Completion]:
         resp = self.stub.BatchGenerate(
-            generation_pb2.BatchGenerateRequest(inputs=[p.to_pb() for p in prompts]), timeout=self.timeout
+            generation_pb2.BatchGenerateRequest(inputs=[p.to_pb() for p in prompts]),
+            timeout=self.timeout,
+            metadata=self._metadata,
         )
         return [Completion.from_pb(o) for o in resp.outputs]
 
     def model_info(self) -> generation_pb2.GetModelInfoResponse:
-        return self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(
+            generation_pb2.GetModelInfoRequest(), timeout=self.timeout, metadata=self._metadata
+        )
 
     def server_metadata(self) -> generation_pb2.GetServerMetadataResponse:
-        return self.stub.GetServerMetadata(generation_pb2.GetServerMetadataRequest(), timeout=self.timeout)
+        return self.stub.GetServerMetadata(
+            generation_pb2.GetServerMetadataRequest(), timeout=self.timeout, metadata=self._metadata
+        )
 
     def close(self) -> None:
         self.channel.close()

@@ -112,6 +112,11 @@ class PagedKVCache:
         self.allocator.free(self.tables.pop(seq_id, []))
         self.lengths.pop(seq_id, None)
 
+    def reset(self) -> None:
+        """Frees every sequence (a new orchestrator session: nothing cached belongs to anyone)."""
+        for seq in list(self.tables):
+            self.free(seq)
+
     def usage(self) -> float:
         """Fraction of blocks in use."""
         a = self.allocator

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,9 @@ class StackConfig:
     device_kv_memory: str | None = None  # a KV cache in gpu_expert, so attention may run on the device
     attention_placement: str = "auto"  # cpu, gpu or auto (the HRM picks)
     experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
+    tls_cert: Path | None = None  # serve the public API over TLS (the other services stay on unix sockets)
+    tls_key: Path | None = None
+    auth_token: str | None = None  # require it as a bearer token (passed by environment, not argv)
     kv_cache_memory: str = "2GiB"
     dtype: str = "float32"
     max_batch_size: int | None = None  # None: the orchestrator's HRM policy decides
@@ -68,6 +72,11 @@ class Stack:
         self.addresses: dict[str, str] = {}
         self.metrics_ports: dict[str, int] = {}
         self._logs: list[IO[bytes]] = []
+        self._env: dict[str, str] = {}
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self.restarts: dict[str, list[float]] = {name: [] for name in SERVICES}  # monotonic restart times
+        self.gave_up: list[str] = []  # services in a crash loop, left down
 
     @property
     def api_address(self) -> str:
@@ -100,6 +109,8 @@ class Stack:
             own += ["--max-batch-size", str(c.max_batch_size)] if c.max_batch_size is not None else []
             own += ["--micro-batch-size", str(c.micro_batch_size)] if c.micro_batch_size is not None else []
             own += ["--attention-placement", c.attention_placement, "--experts-placement", c.experts_placement]
+            if c.tls_cert is not None and c.tls_key is not None:
+                own += ["--tls-cert", str(c.tls_cert), "--tls-key", str(c.tls_key)]
         return common + own + c.extra.get(name, [])
 
     def start(self, timeout: float = 600.0) -> None:
@@ -133,6 +144,7 @@ class Stack:
         # Two processes computing on shared cores: torch's spinning OpenMP workers would steal each
         # other's cores for milliseconds at every hand-off.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self._env = env
         for name in names:
             self._spawn(name, env)
 
@@ -143,6 +155,8 @@ class Stack:
             self.config.log_dir.mkdir(parents=True, exist_ok=True)
             out = (self.config.log_dir / f"{name}.log").open("ab")
             self._logs.append(out)
+        if name == "orchestrator" and self.config.auth_token:
+            env = {**env, "MOE_LIGHTNING_AUTH_TOKEN": self.config.auth_token}  # not in argv: ps shows argv
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, *self._args(name)],
             env=env,
@@ -154,6 +168,9 @@ class Stack:
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         channels = {name: open_channel(addr) for name, addr in self.addresses.items()}
+        if self.config.tls_cert is not None:  # the public API speaks TLS: so must its health check
+            channels["orchestrator"].close()
+            channels["orchestrator"] = open_channel(self.addresses["orchestrator"], tls_ca=self.config.tls_cert)
         try:
             pending = set(SERVICES)
             while pending:
@@ -187,8 +204,38 @@ class Stack:
             for name in SERVICES
         }
 
+    def supervise(self, max_restarts: int = 5, window: float = 60.0) -> None:
+        """Restarts any service that exits while the stack runs (kill -9, a crash, the OOM killer),
+        with the same address and flags: the orchestrator re-wires the workers, the weight store
+        maps its converted copy from disk. More than `max_restarts` of one service within `window`
+        seconds is a crash loop: it is left down and named in `gave_up`."""
+
+        def loop() -> None:
+            while not self._stopping.wait(0.2):
+                for name, proc in list(self.procs.items()):
+                    code = proc.poll()
+                    if code is None or self._stopping.is_set() or name in self.gave_up:
+                        continue
+                    now = time.monotonic()
+                    recent = [t for t in self.restarts[name] if now - t < window]
+                    if len(recent) >= max_restarts:
+                        self.gave_up.append(name)
+                        sys.stderr.write(f"moe-lightning: {name} keeps exiting (code {code}); not restarting it\n")
+                        continue
+                    self.restarts[name].append(now)
+                    sys.stderr.write(f"moe-lightning: {name} exited with code {code}; restarting it\n")
+                    if name != "orchestrator":
+                        (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
+                    self._spawn(name, self._env)
+
+        self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)
+        self._supervisor.start()
+
     def stop(self, timeout: float = 30.0) -> list[str]:
         """SIGTERM in order (orchestrator first so it drains), SIGKILL after `timeout`; returns leaks swept."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
         for name in reversed(list(SERVICES)):
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:

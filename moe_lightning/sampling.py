@@ -63,7 +63,9 @@ def sample(
     for b, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             continue
-        row = _filter(logits[b] / p.temperature, p)
+        # shift first: with a tiny temperature, logits / T overflows to +inf and softmax gives NaN;
+        # shifted logits are <= 0, so they can only underflow to -inf (the argmax stays at 0)
+        row = _filter((logits[b] - logits[b].max()) / p.temperature, p)
         probs = torch.softmax(row, dim=-1)
         out[b] = torch.multinomial(probs, 1, generator=gen).item()
     return out

@@ -24,6 +24,15 @@ class TextTokenizer:
         except Exception as exc:  # the library raises plain Exception for a malformed file
             raise ValueError(f"{path}: cannot load tokenizer: {exc}") from exc
 
+    def check_fits(self, vocab_size: int, where: str | Path = "") -> None:
+        """A tokenizer with more tokens than the model's embedding rows is the wrong tokenizer (ids
+        past the table would be rejected or, worse, read garbage): fail at start, naming both."""
+        if self.vocab_size > vocab_size:
+            raise ValueError(
+                f"{Path(where) / TOKENIZER_FILE}: the tokenizer has {self.vocab_size} tokens but the model's "
+                f"vocabulary has {vocab_size}: it belongs to another model"
+            )
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import grpc
 import structlog
+from grpc_health.v1 import health_pb2
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
@@ -17,7 +19,7 @@ from moe_lightning.service.convert import (
     step_output_from_pb,
     step_plan_to_pb,
 )
-from moe_lightning.service.upstream import fetch_manifest, wait_serving
+from moe_lightning.service.upstream import WEIGHT_STORE, fetch_manifest, health_status, open_channel, wait_serving
 from moe_lightning.spec import ModelSpec
 
 GPU_EXPERT = "moe_lightning.api.gpu_expert.v1.GpuExpert"
@@ -58,18 +60,26 @@ class Backend:
         self.attention_on_device = False  # set from the policy: KV then lives in gpu_expert
 
     def connect(self, timeout: float = 600.0, stop: object | None = None) -> Capacity:
-        """Waits for the three services, then tells each where the other's channel is."""
+        """Waits for the three services, then tells each where the other's channel is. Connecting
+        starts a new session on both workers (they drop every cached sequence), so it is also how
+        the stack recovers after one of them restarted."""
+        self.close()
         self.spec, manifest = fetch_manifest(self.addresses["weight_store"], timeout, stop)  # type: ignore[arg-type]
         self.model_path = manifest.model.model_path
         gpu_ch = wait_serving(self.addresses["gpu_expert"], GPU_EXPERT, timeout, stop)  # type: ignore[arg-type]
         cpu_ch = wait_serving(self.addresses["cpu_attention"], CPU_ATTENTION, timeout, stop)  # type: ignore[arg-type]
-        self._channels = [gpu_ch, cpu_ch]
+        self._channels = [gpu_ch, cpu_ch, open_channel(self.addresses["weight_store"])]
         self._gpu = gpu_expert_pb2_grpc.GpuExpertStub(gpu_ch)
         self._cpu = cpu_attention_pb2_grpc.CpuAttentionStub(cpu_ch)
         gpu = self._gpu.Describe(gpu_expert_pb2.DescribeRequest(), timeout=30)
         cpu = self._cpu.Describe(cpu_attention_pb2.DescribeRequest(), timeout=30)
-        self._cpu.Connect(cpu_attention_pb2.ConnectRequest(input_channel=gpu.output_channel), timeout=30)
-        self._gpu.Connect(gpu_expert_pb2.ConnectRequest(input_channel=cpu.output_channel), timeout=30)
+        # gpu_expert first: its Connect waits for a step still running for a dead orchestrator, which
+        # needs cpu_attention to still answer the old session
+        session = secrets.randbits(63)
+        self._gpu.Connect(gpu_expert_pb2.ConnectRequest(input_channel=cpu.output_channel, session=session), timeout=120)
+        self._cpu.Connect(
+            cpu_attention_pb2.ConnectRequest(input_channel=gpu.output_channel, session=session), timeout=30
+        )
         self.log.info("backend_wired", qkv=gpu.output_channel, attn=cpu.output_channel, kv_blocks=cpu.num_blocks)
         dtype = DTYPE_FROM_PB[manifest.pages[0].dtype] if manifest.pages else self.spec.dtype
         return Capacity(
@@ -93,8 +103,22 @@ class Backend:
         assert self._cpu is not None, "connect() first"
         if self.attention_on_device:
             return  # gpu_expert frees its device KV when the next step lists the sequence as released
-        self._cpu.Release(cpu_attention_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=30)
+        # short: this runs under the scheduler's lock, and a dead peer must not stall it
+        self._cpu.Release(cpu_attention_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2)
+
+    def unhealthy(self, timeout: float = 1.0) -> list[str]:
+        """The services that do not answer SERVING right now."""
+        if not self._channels:
+            return list(self.addresses)
+        names = ("gpu_expert", "cpu_attention", "weight_store")
+        services = (GPU_EXPERT, CPU_ATTENTION, WEIGHT_STORE)
+        return [
+            name
+            for name, ch, svc in zip(names, self._channels, services, strict=True)
+            if health_status(ch, svc, timeout) != health_pb2.HealthCheckResponse.SERVING
+        ]
 
     def close(self) -> None:
         for ch in self._channels:
             ch.close()
+        self._channels = []

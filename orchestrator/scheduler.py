@@ -23,7 +23,13 @@ from moe_lightning.batching import balance
 from moe_lightning.hrm.costmodel import Policy
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
-from moe_lightning.service.errors import ResourceExhaustedError, ServiceError, ShuttingDownError, status_for
+from moe_lightning.service.errors import (
+    ResourceExhaustedError,
+    ServiceError,
+    ShuttingDownError,
+    UnavailableError,
+    status_for,
+)
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stopping import StopChecker
 from moe_lightning.tokenizer import TextTokenizer
@@ -103,6 +109,9 @@ class Scheduler:
         self._seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
         self._release_next: list[int] = []
+        self._suspended: str | None = None  # why steps cannot run now (a backend service is down)
+        self.backend_lost = threading.Event()  # a step failed because a backend service is unreachable
+        self._session = 0  # bumped by suspend(): a step begun in an older session cannot flag the new one
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     # ---- submission (any thread) ----------------------------------------------------------------
@@ -126,6 +135,8 @@ class Scheduler:
         with self._cv:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
+            if self._suspended is not None:
+                raise UnavailableError(f"{self._suspended}; retry shortly")
             if len(self._waiting) >= self.config.max_queue:
                 raise ResourceExhaustedError(f"the request queue is full ({self.config.max_queue}); retry later")
             ticket.seq_id = next(self._seq_ids)
@@ -165,7 +176,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._waiting and not self._running and not self._closed:
+                while ((not self._waiting and not self._running) or self._suspended) and not self._closed:
                     self._cv.wait(0.5)
                 if self._closed:
                     return
@@ -184,6 +195,34 @@ class Scheduler:
                             self._running.remove(t)
                         if not t.done.is_set():
                             self._finish(t, ServiceError(f"internal error in the scheduler: {exc}"), "failed")
+
+    # ---- backend faults (the supervisor calls these) ---------------------------------------------
+    def suspend(self, reason: str) -> int:
+        """Stops running steps and ends every request with UNAVAILABLE: their KV lived in a service
+        that restarted (or is about to be reset). Returns how many requests were ended."""
+        with self._cv:
+            self._suspended = reason
+            self._session += 1
+            ended = [*self._running, *self._waiting]
+            self._running.clear()
+            self._waiting.clear()
+            for t in ended:
+                if not t.done.is_set():
+                    self._finish(t, UnavailableError(f"{reason}; the request was not completed, retry it"), "failed")
+            metrics.WAITING.set(0)
+            self._cv.notify_all()
+        return len(ended)
+
+    def resume(self, kv_blocks: int, block_size: int) -> None:
+        """After the backend was re-wired (a new session: every KV block is free again)."""
+        with self._cv:
+            self.kv_blocks, self.block_size = kv_blocks, block_size
+            self._free_blocks = kv_blocks
+            self._release_next = []
+            self._suspended = None
+            self.backend_lost.clear()
+            metrics.KV_USAGE.set(0.0)
+            self._cv.notify_all()
 
     def _drop_cancelled(self) -> None:
         for t in [t for t in self._waiting if t.cancelled]:
@@ -242,6 +281,7 @@ class Scheduler:
         return StepPlan(next(self._step_ids), mbs, release, self.attention_on_device, self.experts_on_host)
 
     def _run_step(self, tickets: list[Ticket], prefill: bool) -> None:
+        session = self._session
         plan = self._plan(tickets, prefill)
         kind = "prefill" if prefill else "decode"
         t0 = time.perf_counter()
@@ -249,8 +289,12 @@ class Scheduler:
             out = self.backend.step(plan)
         except Exception as exc:
             self.log.warning("step_failed", kind=kind, error=str(exc), code=status_for(exc).name)
+            if status_for(exc) == grpc.StatusCode.UNAVAILABLE and session == self._session:
+                self.backend_lost.set()  # the supervisor re-wires the stack and resumes
             with self._cv:
                 for t in tickets:
+                    if t.done.is_set():  # already ended (cancelled, or by a suspend meanwhile)
+                        continue
                     if t in self._running:
                         self._running.remove(t)
                     self._finish(t, exc, "failed")
@@ -306,6 +350,7 @@ class Scheduler:
         if t.admitted:
             self._free_blocks += t.blocks
             self._release_next.append(t.seq_id)
+        if t.admitted and not self.backend_lost.is_set() and self._suspended is None:
             try:
                 self.backend.release([t.seq_id])
             except grpc.RpcError as exc:

@@ -19,6 +19,7 @@ from orchestrator.api import GenerationServicer
 from orchestrator.backend import Backend, Capacity
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
+from orchestrator.supervisor import BackendSupervisor
 
 SERVICE = "moe_lightning.api.generation.v1.Generation"
 
@@ -44,6 +45,14 @@ def build_parser() -> EnvDefaultsParser:
     )
     p.add_argument("--expected-gen-len", type=int, default=64, help="generated tokens to plan for until seen")
     p.add_argument("--no-replan", action="store_true", help="keep the start-up plan; never correct or re-plan")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve the public API over TLS with this PEM cert")
+    p.add_argument("--tls-key", type=Path, default=None, help="the PEM private key of --tls-cert")
+    p.add_argument(
+        "--auth-token",
+        default=None,
+        help="require 'authorization: Bearer TOKEN' on every call but health and reflection "
+        "(better set as MOE_LIGHTNING_AUTH_TOKEN than on the command line)",
+    )
     p.add_argument(
         "--attention-placement",
         choices=["auto", "cpu", "gpu"],
@@ -102,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         capacity = backend.connect(stop=runtime)
         assert backend.spec is not None
         tokenizer = TextTokenizer.from_model_dir(args.tokenizer or backend.model_path)
+        if tokenizer is not None:
+            tokenizer.check_fits(backend.spec.vocab_size, args.tokenizer or backend.model_path)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
@@ -159,9 +170,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         experts_on_host=policy.experts == "cpu",
     )
     servicer.scheduler, servicer.device, servicer.model_path = scheduler, capacity.device, backend.model_path
+    supervisor = BackendSupervisor(
+        backend,
+        scheduler,
+        runtime.set_serving,
+        lambda c: (c.device_kv_blocks, c.device_kv_block_size) if on_device else (c.kv_blocks, c.block_size),
+    )
+    runtime.on_drain(supervisor.stop)
     runtime.on_drain(lambda: scheduler.stop(args.drain_seconds))
     runtime.on_shutdown(backend.close)
     scheduler.start()
+    supervisor.start()
     runtime.set_serving(True)
     log.info(
         "serving",

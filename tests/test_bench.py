@@ -49,7 +49,7 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
     )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
-    for key in ("ours", "overlap_off", "transformers", "resident", "streamed"):
+    for key in ("ours", "overlap_off", "transformers", "resident", "streamed", "overlap_off_streamed"):
         assert res[key]["generated_tokens_per_second"] > 0, key
     assert res["ours"]["policy"]["experts"] == "cpu"  # a CPU "device": the HRM computes experts in place
     assert res["ours"]["expert_bytes_streamed"] == 0 and res["streamed"]["expert_bytes_streamed"] > 0

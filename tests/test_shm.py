@@ -118,3 +118,32 @@ def test_segment_names_are_checked() -> None:
         segment_name("a.b", "owner", "x")
     with pytest.raises(FileNotFoundError, match="does not exist"):
         Segment.attach("/mlt.none.none.1.none")
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_new_reader_resumes_where_the_last_one_stopped(held: bool) -> None:
+    """A restarted reader picks up at the shared read position; a slot its predecessor died holding
+    is given back, so reads stay in order and nothing blocks."""
+    name = segment_name(f"resume{os.getpid()}{int(held)}", "test", "ch")
+    writer = TensorChannel.create(name, slots=4, slot_bytes=1024)
+    try:
+        for i in range(4):  # the ring is full
+            writer.send({"i": i}, [torch.full((2,), float(i))])
+        first = TensorChannel.attach(name)
+        assert first.recv(timeout=5)[0] == {"i": 0}
+        if not held:
+            first.release()
+        # the first reader is gone (crashed: no close, maybe no release)
+        second = TensorChannel.attach(name)
+        writer.send({"i": 4}, [torch.full((2,), 4.0)], timeout=5)  # needs the slot back when held
+        got = []
+        for _ in range(4):
+            meta, tensors = second.recv(timeout=5)
+            got.append(meta["i"])
+            assert torch.equal(tensors[0], torch.full((2,), float(meta["i"])))
+            second.release()
+        assert got == [1, 2, 3, 4]
+        second.close()
+        first.close()
+    finally:
+        writer.close()

@@ -137,3 +137,26 @@ def test_bad_checkpoint_fails_at_start_and_leaves_nothing(tiny_model: Path, tmp_
     assert r.returncode == 1
     assert "truncated safetensors file" in r.stderr
     assert list_segments(run) == []
+
+
+def test_a_tokenizer_of_another_model_fails_at_start(tiny_model: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from moe_lightning.demo_model import build_tokenizer
+    from moe_lightning.spec import ModelSpec
+
+    bad = tmp_path / "badtok"
+    shutil.copytree(tiny_model, bad)
+    vocab = ModelSpec.from_pretrained(bad).vocab_size
+    build_tokenizer(vocab * 4).save(str(bad / "tokenizer.json"))
+    run = f"wstok{os.getpid()}"
+    cmd = [sys.executable, "-m", "services.weight_store", "--model", str(bad), "--run-id", run, "--no-cache"]
+    r = subprocess.run(
+        [*cmd, "--address", f"unix://{tmp_path / 't.sock'}", "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 1
+    assert f"has {vocab * 4} tokens but the model's vocabulary has {vocab}" in r.stderr
+    assert list_segments(run) == []

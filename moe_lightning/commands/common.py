@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from moe_lightning.flags import add_batch_flags
 
@@ -22,6 +23,12 @@ def add_sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     p.add_argument("--seed", type=int, default=None, help="seed of the sampling stream (reproducible)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """How to reach a stack whose public API requires TLS and/or a token."""
+    p.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate to verify the server's TLS cert")
+    p.add_argument("--auth-token", default=None, help="bearer token (or set MOE_LIGHTNING_AUTH_TOKEN)")
 
 
 def add_placement_flags(p: argparse.ArgumentParser) -> None:

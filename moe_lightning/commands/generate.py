@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_lightning.commands.common import add_sampling_flags, token_ids
+from moe_lightning.commands.common import add_client_flags, add_sampling_flags, token_ids
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -17,6 +17,7 @@ def add_parser(sub: Any, name: str) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", type=Path, help="HF checkpoint directory: run every stage in this process")
     where.add_argument("--addr", help="HOST:PORT of a running stack's Generation API")
+    add_client_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompt-ids", action="append", type=token_ids, help="comma-separated token ids (repeatable)")
@@ -122,7 +123,7 @@ def _remote(args: argparse.Namespace) -> int:
     else:
         prompts = [Prompt(token_ids=ids, **common) for ids in args.prompt_ids]  # type: ignore[arg-type]
     t0 = time.perf_counter()
-    with GenerationClient(args.addr) as client:
+    with GenerationClient(args.addr, tls_ca=args.tls_ca, token=args.auth_token) as client:
         done = client.batch_generate(prompts) if len(prompts) > 1 else [client.generate(prompts[0])]
     wall = time.perf_counter() - t0
     generated = sum(c.completion_tokens for c in done)

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from moe_lightning.commands.common import add_sampling_flags, add_stack_flags
+from moe_lightning.commands.common import add_client_flags, add_sampling_flags, add_stack_flags
 
 ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 
@@ -21,6 +21,7 @@ def add_parser(sub: Any, name: str) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model", type=Path, help="start a stack on this checkpoint for the job, stop it after")
     where.add_argument("--addr", help="HOST:PORT of a running stack")
+    add_client_flags(p)
     p.add_argument("--input", required=True, type=Path, help="prompts.parquet or prompts.jsonl")
     p.add_argument("--output", required=True, type=Path, help="results .parquet")
     add_sampling_flags(p)
@@ -106,7 +107,10 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
     results: list[Completion | None] = [None] * len(prompts)
     chunks = [list(range(i, min(i + args.chunk_size, len(prompts)))) for i in range(0, len(prompts), args.chunk_size)]
     t0 = time.perf_counter()
-    with GenerationClient(addr) as client, tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar:
+    with (
+        GenerationClient(addr, tls_ca=args.tls_ca, token=args.auth_token) as client,
+        tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar,
+    ):
         pending: list[tuple[list[int], Future[Any]]] = []
         for chunk in chunks + [None] * args.in_flight:  # type: ignore[operator]
             if chunk is not None:

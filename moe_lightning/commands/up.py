@@ -21,6 +21,9 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--port", type=int, default=50051, help="port of the public API (0 = any free port)")
     add_stack_flags(p)
     p.add_argument("--json", action="store_true", help="print the endpoints as one JSON object")
+    p.add_argument(
+        "--no-restart", action="store_true", help="stop the stack when a service exits (default: restart it)"
+    )
 
 
 def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -> Any:
@@ -41,6 +44,9 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
         micro_batch_size=args.micro_batch_size,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        tls_cert=getattr(args, "tls_cert", None),
+        tls_key=getattr(args, "tls_key", None),
+        auth_token=getattr(args, "auth_token", None),
     )
 
 
@@ -64,9 +70,11 @@ def run(args: argparse.Namespace) -> int:
                 sys.stdout.write(f"  {name:<14} grpc {e['grpc']:<48} metrics {e['metrics']}\n")
             sys.stdout.write("Ctrl-C or SIGTERM stops every service.\n")
         sys.stdout.flush()
+        if not args.no_restart:
+            stack.supervise()
         while not stop.wait(0.5):
             dead = [n for n, p in stack.procs.items() if p.poll() is not None]
-            if dead:
+            if dead and (args.no_restart or stack.gave_up):
                 sys.stderr.write(f"error: {', '.join(dead)} exited; stopping the stack\n")
                 return 1
         return 0

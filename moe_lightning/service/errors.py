@@ -86,16 +86,47 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
     context.abort(code, message or code.name)
 
 
+class _Undecodable:
+    """A request whose bytes did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as exc:  # grpc would answer INTERNAL; it is the caller's bad input
+            return _Undecodable(str(exc) or type(exc).__name__)
+
+    return parse
+
+
+def _reject_undecodable(request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request could not be parsed ({request.error}); string fields such as text and stop "
+            "must be valid UTF-8",
+        )
+
+
 class ErrorMappingInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None:
             return None
         method = details.method
+        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                _reject_undecodable(request, context)
                 try:
                     return inner(request, context)
                 except Exception as exc:
@@ -108,6 +139,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             inner_stream = handler.unary_stream
 
             def stream(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+                _reject_undecodable(request, context)
                 try:
                     yield from inner_stream(request, context)
                 except Exception as exc:

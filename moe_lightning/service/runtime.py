@@ -142,7 +142,26 @@ def bootstrap(
         torch.set_num_threads(threads)
     for name in sweep_stale(args.run_id, owner=owner, at_startup=True):
         log.warning("swept_stale_segment", name=name)
-    runtime = ServiceRuntime(service, args.address, args.metrics_port, args.metrics_host, grace_seconds=grace_seconds)
+    credentials, interceptors = None, ()
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        from moe_lightning.service.auth import server_credentials
+
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        credentials = server_credentials(args.tls_cert, args.tls_key)
+    if getattr(args, "auth_token", None):
+        from moe_lightning.service.auth import BearerTokenInterceptor
+
+        interceptors = (BearerTokenInterceptor(args.auth_token),)
+    runtime = ServiceRuntime(
+        service,
+        args.address,
+        args.metrics_port,
+        args.metrics_host,
+        grace_seconds=grace_seconds,
+        server_credentials=credentials,
+        interceptors=interceptors,
+    )
     runtime.add_service(add_fn, servicer, service)
     runtime.start()
     return log, runtime

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -30,7 +31,10 @@ class _Stoppable(Protocol):
     def stopping(self) -> bool: ...
 
 
-def open_channel(address: str) -> grpc.Channel:
+def open_channel(address: str, tls_ca: Path | None = None) -> grpc.Channel:
+    if tls_ca is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+        return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
     return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
 
 

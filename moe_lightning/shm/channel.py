@@ -27,7 +27,9 @@ MAGIC = 0x4D4C54_43484E31  # "MLTCHN1"
 HEADER_BYTES = 4096
 SLOT_META_BYTES = 8192
 ALIGN = 64
-# header fields, u64 each; a re-attaching reader resets its own fields, so a restarted peer can join
+# header fields, u64 each; a re-attaching reader resets its own fields, so a restarted peer can join,
+# and resumes at the shared read position (the writer is always the creator: a restarted writer
+# makes a new channel)
 _FIELDS = (
     "magic",
     "slots",
@@ -38,6 +40,8 @@ _FIELDS = (
     "reader_beat",
     "writer_closed",
     "reader_closed",
+    "read_index",  # messages the readers released so far
+    "reader_holding",  # 1 while a reader holds a received, unreleased slot
 )
 _OFF = {name: 8 * i for i, name in enumerate(_FIELDS)}
 HEARTBEAT_SECONDS = 0.1
@@ -114,8 +118,15 @@ class TensorChannel:
         except posix_ipc.ExistentialError:
             raise FileNotFoundError(f"semaphores of channel {self.name} do not exist") from None
         self._next_write = 0
-        self._next_read = 0
+        self._next_read = 0 if is_writer else self._get("read_index")
         self._pending_release = False
+        if not is_writer and self._get("reader_holding"):
+            # the previous reader died (or closed) holding a slot: its message was taken, so skip it
+            # and give the slot back, or the semaphores and the read position disagree by one
+            self._next_read += 1
+            self._set("read_index", self._next_read)
+            self._set("reader_holding", 0)
+            self._spaces.release()
         self._closed = False
         self.last_latency_ns = 0  # send-to-receive time of the last message received (same clock)
         self.last_work_ns = 0  # CPU time of the last send() or recv() itself, waiting excluded
@@ -233,6 +244,7 @@ class TensorChannel:
             for dtype, shape, off in msg["tensors"]
         ]
         self._pending_release = True
+        self._set("reader_holding", 1)
         now = time.perf_counter_ns()
         self.last_latency_ns = now - msg["sent_ns"]
         self.last_work_ns = now - t0
@@ -243,6 +255,8 @@ class TensorChannel:
         if self._pending_release:
             self._pending_release = False
             self._next_read += 1
+            self._set("read_index", self._next_read)
+            self._set("reader_holding", 0)
             self._spaces.release()
 
     # ---- lifetime -------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
     def Connect(
         self, request: cpu_attention_pb2.ConnectRequest, context: grpc.ServicerContext
     ) -> cpu_attention_pb2.ConnectResponse:
-        self.worker.connect(request.input_channel)
+        self.worker.connect(request.input_channel, request.session)
         return cpu_attention_pb2.ConnectResponse()
 
     def Release(

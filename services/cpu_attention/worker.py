@@ -28,6 +28,13 @@ KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
 ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
 
 
+class _Reconnect:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.done = threading.Event()
+        self.error: Exception | None = None
+
+
 class AttentionWorker:
     def __init__(
         self,
@@ -54,25 +61,59 @@ class AttentionWorker:
         )
         self.cache = PagedKVCache(spec, num_blocks, block_size, storage=storage)
         self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
-        self.input: TensorChannel | None = None
+        self.input: TensorChannel | None = None  # owned by the loop thread (see _take_reconnect)
+        self._reconnect: _Reconnect | None = None
         self._lock = threading.Lock()  # guards the cache between the loop and Release calls
         self._connected = threading.Condition()
         self._stop = threading.Event()
         self._batches: dict[tuple[int, int], AttentionPlan] = {}
+        self.session = 0  # hand-offs of another session are stale (see connect)
         self._thread = threading.Thread(target=self._run, name="attention-loop", daemon=True)
         self._update_gauges()
 
     def start(self) -> None:
         self._thread.start()
 
-    def connect(self, input_channel: str) -> None:
-        channel = TensorChannel.attach(input_channel)
+    def connect(self, input_channel: str, session: int = 0, timeout: float = 10.0) -> None:
+        """Wires the input channel and starts a new session: the orchestrator (re)connects after
+        it or a peer restarted, so every cached sequence belongs to a request that no longer runs.
+        The loop thread itself swaps the channel between two receives (closing a handle under a
+        blocked receive would break it); this waits until it has."""
+        with self._lock:
+            self.session = session
+            dropped = len(self.cache.tables)
+            self.cache.reset()
+            self._batches.clear()
+            self._update_gauges()
+        if dropped:
+            self.log.info("session_reset", sequences_dropped=dropped)
+        request = _Reconnect(input_channel)
         with self._connected:
-            old, self.input = self.input, channel
+            self._reconnect = request
             self._connected.notify_all()
-        if old is not None:
-            old.close()
+        if not request.done.wait(timeout):
+            raise TimeoutError(f"the attention loop did not take channel {input_channel} within {timeout:.0f} s")
+        if request.error is not None:
+            raise request.error
         self.log.info("input_connected", channel=input_channel)
+
+    def _take_reconnect(self, channel: TensorChannel | None) -> TensorChannel | None:
+        """In the loop thread: swaps to a requested channel (old handle closed first, so its
+        'closed' flag cannot land after the new handle's attach)."""
+        with self._connected:
+            request, self._reconnect = self._reconnect, None
+        if request is None:
+            return channel
+        if channel is not None:
+            channel.close()
+            channel = None
+        try:
+            channel = TensorChannel.attach(request.name)
+        except (OSError, ValueError) as exc:
+            request.error = exc
+        self.input = channel
+        request.done.set()
+        return channel
 
     def release(self, seq_ids: list[int]) -> int:
         with self._lock:
@@ -88,12 +129,13 @@ class AttentionWorker:
         KV_USAGE.set(self.cache.usage())
 
     def _run(self) -> None:
+        channel: TensorChannel | None = None
         while not self._stop.is_set():
-            with self._connected:
-                while self.input is None and not self._stop.is_set():
-                    self._connected.wait(0.5)
-                channel = self.input
+            channel = self._take_reconnect(channel)
             if channel is None:
+                with self._connected:
+                    if self._reconnect is None and not self._stop.is_set():
+                        self._connected.wait(0.5)
                 continue
             t0 = time.perf_counter()
             try:
@@ -102,15 +144,17 @@ class AttentionWorker:
                 continue
             except (PeerDiedError, ChannelClosedError) as exc:
                 self.log.warning("input_lost", error=str(exc))
-                with self._connected:
-                    if self.input is channel:
-                        self.input = None
                 channel.close()
+                channel = self.input = None
                 continue
             SHM_WAIT.inc(time.perf_counter() - t0)
             HANDOFFS.labels("in").inc()
             HANDOFF_LATENCY.labels("in").inc(channel.last_latency_ns / 1e9)
             HANDOFF_WORK.labels("in").inc(channel.last_work_ns / 1e9)
+            if meta.get("sn", self.session) != self.session:  # left over from before a restart
+                channel.release()
+                self.log.warning("stale_handoff_dropped", step=meta.get("s"), layer=meta.get("l"))
+                continue
             reply, out = self._handle(meta, tensors)
             channel.release()
             try:
@@ -123,7 +167,7 @@ class AttentionWorker:
     def _handle(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
         key = (meta["s"], meta["m"])
         layer = meta["l"]
-        reply = {"s": meta["s"], "l": layer, "m": meta["m"]}
+        reply = {"s": meta["s"], "l": layer, "m": meta["m"], "sn": meta.get("sn", self.session)}
         t0 = time.perf_counter_ns()
         try:
             if layer == 0:

@@ -68,6 +68,7 @@ class ExpertRunner:
         self.pager = pager
         self.kv = kv  # the device KV cache (attention placed on the device); None: attention service only
         self.input: TensorChannel | None = None
+        self.session = 0
         self.handoff_timeout = handoff_timeout
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.log = structlog.get_logger()
@@ -79,10 +80,19 @@ class ExpertRunner:
         self._exported = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long)
         self._decode_steps = 0
 
-    def connect(self, input_channel: str) -> None:
-        old, self.input = self.input, TensorChannel.attach(input_channel)
-        if old is not None:
-            old.close()
+    def connect(self, input_channel: str, session: int = 0) -> None:
+        """Wires the attention channel and starts a new session (see the attention worker's connect):
+        sampler streams, the device KV cache and prefetched pages of earlier requests are dropped."""
+        self.session = session  # stamped on every hand-off; replies of another session are stale
+        self.samplers.clear()
+        if self.kv is not None:
+            self.kv.reset()
+        if self.pager is not None:
+            self.pager.reset()
+        if self.input is not None:  # closed first: its 'closed' flag must not land after the new attach
+            self.input.close()
+            self.input = None
+        self.input = TensorChannel.attach(input_channel)
         self.log.info("input_connected", channel=input_channel)
 
     def _prepare(self, plan: StepPlan) -> list[_MicroBatchState]:
@@ -211,7 +221,7 @@ class ExpertRunner:
         q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
         t1 = time.perf_counter_ns()
         self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
-        meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m}
+        meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m, "sn": self.session}
         if layer_idx == 0:
             meta.update(
                 seqs=[w.seq_id for w in st.works], q=[len(w.token_ids) for w in st.works], p=[w.start for w in st.works]
@@ -251,6 +261,10 @@ class ExpertRunner:
         assert self.input is not None
         t0 = time.perf_counter_ns()
         reply, tensors = self.input.recv(timeout=self.handoff_timeout)
+        while reply.get("sn", self.session) != self.session:  # left over from a session before a restart
+            self.input.release()
+            self.log.warning("stale_handoff_dropped", step=reply.get("s"), layer=reply.get("l"))
+            reply, tensors = self.input.recv(timeout=self.handoff_timeout)
         HANDOFFS.labels("in").inc()
         HANDOFF_LATENCY.labels("in").inc(self.input.last_latency_ns / 1e9)
         HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)

@@ -73,7 +73,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self, request: gpu_expert_pb2.ConnectRequest, context: grpc.ServicerContext
     ) -> gpu_expert_pb2.ConnectResponse:
         with self._step_lock:
-            self.runner.connect(request.input_channel)
+            self.runner.connect(request.input_channel, request.session)
         return gpu_expert_pb2.ConnectResponse()
 
     def Step(self, request: gpu_expert_pb2.StepRequest, context: grpc.ServicerContext) -> gpu_expert_pb2.StepResponse:

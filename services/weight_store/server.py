@@ -15,6 +15,7 @@ from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.tokenizer import TextTokenizer
 from services.weight_store.store import LoadReport, WeightArena
 
 SERVICE = "moe_lightning.api.weight_store.v1.WeightStore"
@@ -70,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         spec = ModelSpec.from_pretrained(args.model)
+        tokenizer = TextTokenizer.from_model_dir(args.model)
+        if tokenizer is not None:
+            tokenizer.check_fits(spec.vocab_size, args.model)
         arena = WeightArena(args.model, spec, args.dtype, None if args.no_cache else args.cache_dir, args.run_id)
         runtime.on_shutdown(arena.close)
         report = arena.load(progress=not args.no_progress)

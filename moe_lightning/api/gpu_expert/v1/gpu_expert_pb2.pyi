@@ -34,10 +34,12 @@ class DescribeResponse(_message.Message):
     def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., device_kv_blocks: _Optional[int] = ..., device_kv_block_size: _Optional[int] = ..., resident_experts: _Optional[int] = ..., expert_ring_slots: _Optional[int] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
-    __slots__ = ("input_channel",)
+    __slots__ = ("input_channel", "session")
     INPUT_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     input_channel: str
-    def __init__(self, input_channel: _Optional[str] = ...) -> None: ...
+    session: int
+    def __init__(self, input_channel: _Optional[str] = ..., session: _Optional[int] = ...) -> None: ...
 
 class ConnectResponse(_message.Message):
     __slots__ = ()

@@ -1,0 +1,173 @@
+"""kill -9 of each service during a batch, with the launcher supervising (as `up` does): nothing
+hangs, requests in flight end with UNAVAILABLE within 5 s (or finish, when only the weight store
+died: the workers keep its mapped weights), the orchestrator goes NOT_SERVING and back to SERVING,
+the dead service is restarted, the stack answers exactly as before, and no segment leaks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.service.upstream import health_status, open_channel
+from moe_lightning.shm.segment import list_segments, pid_alive
+
+from reference import E2E_PROMPTS as PROMPTS
+
+API = "moe_lightning.api.generation.v1.Generation"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+@pytest.fixture(scope="module")
+def supervised(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(
+        StackConfig(
+            model=hf_dir,
+            run_id=f"fault{os.getpid()}",
+            port=0,
+            log_dir=tmp_path_factory.mktemp("fault-logs"),
+            kv_cache_memory="32MiB",
+            max_batch_size=8,
+            cache_dir=tmp_path_factory.mktemp("arena-cache"),  # the weight store's restart maps this
+        )
+    )
+    s.start(timeout=120)
+    s.supervise()
+    yield s
+    s.stop()
+    assert s.leaked_segments() == []
+
+
+def _in_flight(stack: Stack, n: int) -> tuple[list[threading.Thread], list[tuple[float, object]]]:
+    """n long greedy requests, each on its own connection; results are (end time, completion or error)."""
+    results: list[tuple[float, object]] = []
+
+    def one(p: list[int]) -> None:
+        try:
+            with GenerationClient(stack.api_address, timeout=60) as c:
+                out: object = c.generate(Prompt(token_ids=p, max_new_tokens=400, ignore_eos=True))
+        except grpc.RpcError as exc:
+            out = exc
+        results.append((time.monotonic(), out))
+
+    threads = [threading.Thread(target=one, args=(PROMPTS[i],), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def _watch_health(address: str, seconds: float) -> list[int | None]:
+    seen: list[int | None] = []
+    ch = open_channel(address)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        seen.append(health_status(ch, API, timeout=0.5))
+        time.sleep(0.05)
+    ch.close()
+    return seen
+
+
+def _wait_serving(address: str, timeout: float) -> None:
+    ch = open_channel(address)
+    deadline = time.monotonic() + timeout
+    try:
+        while health_status(ch, API, timeout=0.5) != SERVING:
+            assert time.monotonic() < deadline, f"not SERVING again within {timeout} s"
+            time.sleep(0.1)
+    finally:
+        ch.close()
+
+
+@pytest.mark.parametrize("victim", ["gpu_expert", "cpu_attention", "weight_store", "orchestrator"])
+def test_a_killed_service_comes_back_and_answers_exactly(supervised: Stack, victim: str, reference: dict) -> None:
+    _wait_serving(supervised.api_address, 60)
+    restarts_before = len(supervised.restarts[victim])
+    threads, results = _in_flight(supervised, 4)
+    time.sleep(1.0)  # the batch is decoding
+    assert not results, "the requests finished before the fault: make them longer"
+    killed_at = time.monotonic()
+    os.kill(supervised.procs[victim].pid, signal.SIGKILL)
+    health = [] if victim == "orchestrator" else _watch_health(supervised.api_address, 3.0)
+    for t in threads:
+        t.join(timeout=30)
+    assert len(results) == 4 and all(not t.is_alive() for t in threads), "a request hung"
+    if victim == "weight_store":  # the workers still have the weights mapped: the batch finishes
+        assert all(not isinstance(r, Exception) for _, r in results), results
+    else:
+        for ended, r in results:
+            assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE, r
+            assert ended - killed_at < 5.0, f"ended {ended - killed_at:.1f} s after the kill"
+    if victim != "orchestrator":
+        assert health_pb2.HealthCheckResponse.NOT_SERVING in health, health
+    _wait_serving(supervised.api_address, 90)
+    assert len(supervised.restarts[victim]) == restarts_before + 1
+    with GenerationClient(supervised.api_address, timeout=60) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
+    # the dead incarnation's segments were swept by its successor: every segment has a live owner
+    for name in list_segments(supervised.config.run_id):
+        owner_pid = re.match(r"^(?:sem\.)?mlt\.[\w-]+\.[\w-]+\.(\d+)\.", name)
+        assert owner_pid and pid_alive(int(owner_pid[1])), name
+    if victim == "weight_store":
+        from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
+
+        ch = open_channel(supervised.addresses["weight_store"])
+        manifest = weight_store_pb2_grpc.WeightStoreStub(ch).GetManifest(weight_store_pb2.GetManifestRequest())
+        ch.close()
+        assert manifest.from_cache  # remapped its converted copy, not converted again
+
+
+def test_sigterm_on_the_orchestrator_drains_in_flight_requests(hf_dir: Path, tmp_path: Path, reference: dict) -> None:
+    s = Stack(
+        StackConfig(
+            model=hf_dir,
+            run_id=f"drain{os.getpid()}",
+            port=0,
+            log_dir=tmp_path,
+            kv_cache_memory="16MiB",
+            max_batch_size=8,
+            extra={"orchestrator": ["--drain-seconds", "30"]},
+        )
+    )
+    s.start(timeout=120)
+    try:
+        results: list = []
+
+        def one(i: int) -> None:
+            try:
+                with GenerationClient(s.api_address, timeout=60) as c:
+                    out = c.generate(Prompt(token_ids=PROMPTS[i], max_new_tokens=300, ignore_eos=True))
+                    results.append((i, out))
+            except grpc.RpcError as exc:
+                results.append((i, exc))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # decoding
+        assert not results
+        s.procs["orchestrator"].send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        with GenerationClient(s.api_address, timeout=10) as c, pytest.raises(grpc.RpcError) as info:
+            c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=3))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # stopped accepting
+        for t in threads:
+            t.join(60)
+        assert s.procs["orchestrator"].wait(30) == 0
+    finally:
+        s.stop()
+    assert sorted(i for i, _ in results) == [0, 1, 2, 3]
+    for i, r in results:  # in flight when the signal came: finished, not cut off
+        assert not isinstance(r, Exception), r
+        assert len(r.token_ids) == 300 and r.token_ids[: len(reference[i])] == reference[i]
+    assert s.leaked_segments() == []
