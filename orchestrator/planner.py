@@ -79,9 +79,10 @@ class Planner:
         best: Estimate | None = None
         self.alternatives: dict[str, float] = {}  # "attention/experts" -> best predicted tokens/s
         for att in self.attention:
-            cap = min(self.config.batch_cap, int(self.kv_tokens[att] // self.workload.max_context))
-            if cap < 1:
-                continue
+            if self.kv_tokens[att] <= 0:
+                continue  # no KV cache there
+            # at least one sequence: a cache smaller than the expected request still serves shorter ones
+            cap = max(1, min(self.config.batch_cap, int(self.kv_tokens[att] // self.workload.max_context)))
             for exp in self.experts:
                 est = optimize(
                     self.spec,
@@ -97,7 +98,7 @@ class Planner:
                 if best is None or est.tokens_per_second > best.tokens_per_second:
                     best = est
         if best is None:
-            raise ValueError(f"no attention placement in {self.attention} has room for one request's KV cache")
+            raise ValueError(f"no attention placement in {self.attention} has a KV cache")
         self.attention = (best.policy.attention,)  # the KV cache lives there now: re-plans keep it
         return best
 

@@ -158,6 +158,9 @@ def test_cancel_and_deadline_free_the_request_and_spare_the_others(stack: Stack,
         assert time.monotonic() < deadline, _requests_total(stack)
         time.sleep(0.1)
     ch.close()
+    with urllib.request.urlopen(stack.endpoints()["cpu_attention"]["metrics"], timeout=10) as r:
+        used = re.search(r'^moe_lightning_kv_cache_blocks\{state="used"\} (\S+)$', r.read().decode(), re.M)
+    assert used and float(used[1]) == 0.0  # their KV blocks were freed
 
 
 def test_a_full_queue_refuses_at_once(hf_dir: Path, tmp_path: Path) -> None:
@@ -255,3 +258,32 @@ def test_64_clients_8_requests_each(stack: Stack, reference: dict) -> None:
     assert done <= finished and cancelled <= 64 * 8 - done
     print(f"512 requests from 64 clients in {time.monotonic() - t0:.1f} s")
     assert _healthy(stack)
+
+
+def test_requests_wait_for_kv_blocks_and_a_too_large_one_is_refused(
+    hf_dir: Path, tmp_path: Path, reference: dict
+) -> None:
+    """A KV cache of 8 blocks (16 tokens each) holds two of these requests at a time: the others
+    wait their turn and still get exactly their tokens; one that could never fit is refused."""
+    s = Stack(
+        StackConfig(
+            model=hf_dir,
+            run_id=f"kvwait{os.getpid()}",
+            port=0,
+            log_dir=tmp_path,
+            kv_cache_memory="96KiB",
+            max_batch_size=8,
+        )
+    )
+    s.start(timeout=120)
+    try:
+        with GenerationClient(s.api_address, timeout=120) as c:
+            assert c.server_metadata().kv_cache_tokens == 8 * 16
+            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+            with pytest.raises(grpc.RpcError) as info:
+                c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=200))
+    finally:
+        s.stop()
+    assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the cache holds 128" in info.value.details()

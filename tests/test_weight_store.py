@@ -7,8 +7,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
@@ -108,34 +110,49 @@ def test_arena_matches_checkpoint_and_restart_maps_the_copy(tiny_model: Path, tm
     assert list_segments(run) == []
 
 
-def test_bad_checkpoint_fails_at_start_and_leaves_nothing(tiny_model: Path, tmp_path: Path) -> None:
+def _truncate(d: Path) -> None:
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 3])
+
+
+def _remove_weights(d: Path) -> None:
+    (d / "model.safetensors").unlink()
+
+
+def _wrong_shapes(d: Path) -> None:
+    import json
+
+    config = json.loads((d / "config.json").read_text())
+    config["intermediate_size"] *= 2  # the tensors on disk no longer match what the config says
+    (d / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_truncate, "truncated safetensors file"),
+        (_remove_weights, "no model.safetensors"),
+        (_wrong_shapes, "has shape"),
+    ],
+)
+def test_bad_checkpoint_fails_at_start_and_leaves_nothing(
+    tiny_model: Path, tmp_path: Path, damage: Callable[[Path], None], message: str
+) -> None:
     import shutil
 
     bad = tmp_path / "bad"
     shutil.copytree(tiny_model, bad)
-    data = (bad / "model.safetensors").read_bytes()
-    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
-    run = f"wsbad{os.getpid()}"
+    damage(bad)
+    run = f"wsbad{os.getpid()}{damage.__name__}"
+    cmd = [sys.executable, "-m", "services.weight_store", "--model", str(bad), "--run-id", run, "--no-cache"]
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.weight_store",
-            "--model",
-            str(bad),
-            "--run-id",
-            run,
-            "--no-cache",
-            "--address",
-            f"unix://{tmp_path / 'b.sock'}",
-            "--no-progress",
-        ],
+        [*cmd, "--address", f"unix://{tmp_path / 'b.sock'}", "--no-progress"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert r.returncode == 1
-    assert "truncated safetensors file" in r.stderr
+    assert message in r.stderr, r.stderr[-2000:]
     assert list_segments(run) == []
 
 

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
 from moe_lightning.shm import Segment, segment_name
-from moe_lightning.shm.segment import SHM_DIR
+from moe_lightning.shm.segment import SHM_DIR, pid_alive
 from moe_lightning.spec import ModelSpec
 
 READ_CHUNK = 256 << 20
@@ -36,6 +36,7 @@ class WeightArena:
         self.segment = Segment.create(segment_name(run_id, "weight_store", "arena"), self.layout.total_bytes)
         self.log = structlog.get_logger()
         self._writer: threading.Thread | None = None
+        self._closing = threading.Event()
 
     def _cache_paths(self, key: str) -> tuple[Path, Path]:
         assert self.cache_dir is not None
@@ -98,18 +99,27 @@ class WeightArena:
 
     def _write_copy(self, key: str) -> None:
         data, manifest = self._cache_paths(key)
+        tmp = data.with_suffix(f".tmp{os.getpid()}")
         try:
             data.parent.mkdir(parents=True, exist_ok=True)
-            tmp = data.with_suffix(f".tmp{os.getpid()}")
+            for stale in data.parent.glob(f"{data.stem}.tmp*"):  # a predecessor killed mid-write
+                pid = stale.suffix.removeprefix(".tmp")
+                if pid.isdigit() and not pid_alive(int(pid)):
+                    stale.unlink(missing_ok=True)
             with tmp.open("wb") as f:
                 buf = memoryview(self.segment.buf)
-                for start in range(0, self.layout.total_bytes, READ_CHUNK):
-                    f.write(buf[start : start + READ_CHUNK])
-                buf.release()
+                try:
+                    for start in range(0, self.layout.total_bytes, READ_CHUNK):
+                        if self._closing.is_set():
+                            raise InterruptedError("the weight store is stopping")
+                        f.write(buf[start : start + READ_CHUNK])
+                finally:
+                    buf.release()
             tmp.rename(data)
             manifest.write_text(layout_to_json(self.layout))
             self.log.info("arena_copy_written", path=str(data), bytes=self.layout.total_bytes)
         except (OSError, ValueError) as exc:
+            tmp.unlink(missing_ok=True)  # a partial copy is never left behind
             self.log.warning("arena_copy_failed", error=str(exc))
 
     def wait_for_copy(self, timeout: float | None = None) -> None:
@@ -117,5 +127,8 @@ class WeightArena:
             self._writer.join(timeout)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._writer is not None:
+            self._writer.join(timeout=30)  # it stops at the next chunk and removes its partial file
         self.segment.close()
         self.segment.unlink()
