@@ -30,7 +30,11 @@ def add_parser(sub: Any, name: str) -> None:
     add_placement_flags(p)
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
     p.add_argument("--skip-transformers", action="store_true", help="leave out baseline (a)")
-    p.add_argument("--skip-resident", action="store_true", help="leave out the whole-model-resident reference run")
+    p.add_argument(
+        "--skip-references",
+        action="store_true",
+        help="leave out the reference runs (whole model resident; the other expert placement and its (b))",
+    )
     p.add_argument("--json", type=Path, default=None, help="write all numbers here")
     p.add_argument("--trace", type=Path, default=None, help="write our run's Chrome trace here")
     p.add_argument("--png", type=Path, default=None, help="draw a few layers of one of our decode steps here")
@@ -142,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     policy = ours["policy"]
     results["ours"] = _public(ours)
     rows: list[tuple[str, dict[str, Any], str, float | None]] = []  # (name, run, what the ratio is, target)
-    if args.device_memory and not args.skip_resident:
+    if args.device_memory and not args.skip_references:
         sys.stderr.write("reference: ours with the whole model resident...\n")
         results["resident"] = _public(_ours(args, prompts, "r", trace_dir, device_memory=None))
         rows.append(("ours, whole model resident", results["resident"], "ours / it", 0.85))
