@@ -61,6 +61,10 @@ def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{p}.attn_norm", (d,)
         yield f"{p}.wqkv", (spec.q_size + 2 * spec.kv_size, d)
         yield f"{p}.wo", (d, spec.q_size)
+        if spec.qk_norm is not None:
+            q_norm, k_norm = spec.qk_norm_shapes()
+            yield f"{p}.q_norm", (q_norm,)
+            yield f"{p}.k_norm", (k_norm,)
         yield f"{p}.ffn_norm", (d,)
         yield f"{p}.router", (spec.num_experts, d)
         for e in range(spec.num_experts):
@@ -107,8 +111,9 @@ def fill_arena(
     for i in tqdm(range(spec.num_layers), desc="converting layers", unit="layer", disable=not progress, leave=False):
         layer = load_layer(reader, spec, i, dtype, "cpu")
         p = f"layers.{i}"
-        for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router"):
-            put(f"{p}.{field}", getattr(layer, field))
+        for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm"):
+            if getattr(layer, field) is not None:
+                put(f"{p}.{field}", getattr(layer, field))
         for e, expert in enumerate(layer.experts):
             w13, w2 = expert_page_names(i, e)
             put(w13, expert.w13)
@@ -151,6 +156,8 @@ def weights_from_arena(
                 ffn_norm=get(f"{p}.ffn_norm"),
                 router=get(f"{p}.router"),
                 experts=experts,
+                q_norm=get(f"{p}.q_norm") if spec.qk_norm else None,
+                k_norm=get(f"{p}.k_norm") if spec.qk_norm else None,
             )
         )
     lm_head = get("lm_head") if "lm_head" in layout.pages else embed

@@ -183,6 +183,11 @@ def load_layer(
     router_name = f"{p}.block_sparse_moe.gate.weight"
     if router_name not in reader:
         router_name = f"{p}.mlp.gate.weight"
+    q_norm = k_norm = None
+    if spec.qk_norm is not None:
+        q_size, k_size = spec.qk_norm_shapes()
+        q_norm = get(f"{p}.self_attn.q_norm.weight", (q_size,))
+        k_norm = get(f"{p}.self_attn.k_norm.weight", (k_size,))
     return LayerWeights(
         attn_norm=get(f"{p}.input_layernorm.weight", (d,)),
         wqkv=_convert(torch.cat([q, k, v], dim=0), dtype, device),
@@ -190,6 +195,8 @@ def load_layer(
         ffn_norm=get(f"{p}.post_attention_layernorm.weight", (d,)),
         router=get(router_name, (e, d)),
         experts=experts,
+        q_norm=q_norm,
+        k_norm=k_norm,
     )
 
 
@@ -205,9 +212,14 @@ def _load_experts(
     experts = []
     for j in range(e):
         q = f"{prefix}.block_sparse_moe.experts.{j}"
-        w1 = reader.get(f"{q}.w1.weight", (inter, d))
-        w3 = reader.get(f"{q}.w3.weight", (inter, d))
-        w2 = reader.get(f"{q}.w2.weight", (d, inter))
+        if f"{q}.w1.weight" in reader:  # Mixtral's names
+            names = (f"{q}.w1.weight", f"{q}.w3.weight", f"{q}.w2.weight")
+        else:  # OLMoE / Qwen-MoE: mlp.experts.j.{gate,up,down}_proj
+            q = f"{prefix}.mlp.experts.{j}"
+            names = (f"{q}.gate_proj.weight", f"{q}.up_proj.weight", f"{q}.down_proj.weight")
+        w1 = reader.get(names[0], (inter, d))
+        w3 = reader.get(names[1], (inter, d))
+        w2 = reader.get(names[2], (d, inter))
         experts.append(ExpertWeights(_convert(torch.cat([w1, w3], dim=0), dtype, device), _convert(w2, dtype, device)))
     return experts
 

@@ -84,6 +84,44 @@ def mixtral_config(preset: str | dict[str, Any], dtype: str = "float32") -> dict
     return config
 
 
+ARCHS = ("mixtral", "olmoe", "qwen3-moe")
+
+
+def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str = "float32") -> dict[str, Any]:
+    """config.json of `arch` with a preset's shapes (presets are written in Mixtral's field names)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    config = mixtral_config(preset, dtype)
+    if arch == "mixtral":
+        return config
+    experts = config.pop("num_local_experts")
+    config.pop("sliding_window", None)
+    if arch == "olmoe":
+        config.update(
+            architectures=["OlmoeForCausalLM"],
+            model_type="olmoe",
+            num_experts=experts,
+            norm_topk_prob=False,
+            clip_qkv=None,
+            rope_theta=10_000.0,
+        )
+    else:
+        config.update(
+            architectures=["Qwen3MoeForCausalLM"],
+            model_type="qwen3_moe",
+            num_experts=experts,
+            moe_intermediate_size=config["intermediate_size"],
+            intermediate_size=4 * config["hidden_size"],  # the dense MLP width, unused: every layer is sparse
+            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
+        )
+    return config
+
+
 def _random_state_dict(
     spec: ModelSpec, seed: int, dtype: torch.dtype, progress: bool, device: str | torch.device = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -95,9 +133,9 @@ def _random_state_dict(
     def normal(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen, device=device) * 0.02).to(dtype)
 
-    def norm_weight() -> torch.Tensor:
+    def norm_weight(size: int = d) -> torch.Tensor:
         # not all ones, so a test notices a norm weight that is dropped or misplaced
-        return (1.0 + 0.1 * torch.randn(d, generator=gen, device=device)).to(dtype)
+        return (1.0 + 0.1 * torch.randn(size, generator=gen, device=device)).to(dtype)
 
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(spec.vocab_size, d)}
     for i in tqdm(range(spec.num_layers), desc="generating layers", unit="layer", disable=not progress, leave=False):
@@ -108,12 +146,19 @@ def _random_state_dict(
         sd[f"{p}.self_attn.v_proj.weight"] = normal(spec.kv_size, d)
         sd[f"{p}.self_attn.o_proj.weight"] = normal(d, spec.q_size)
         sd[f"{p}.post_attention_layernorm.weight"] = norm_weight()
-        sd[f"{p}.block_sparse_moe.gate.weight"] = normal(spec.num_experts, d)
+        if spec.qk_norm is not None:
+            q_size, k_size = spec.qk_norm_shapes()
+            sd[f"{p}.self_attn.q_norm.weight"] = norm_weight(q_size)
+            sd[f"{p}.self_attn.k_norm.weight"] = norm_weight(k_size)
+        mixtral = spec.architecture == "MixtralForCausalLM"
+        moe = f"{p}.block_sparse_moe" if mixtral else f"{p}.mlp"
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        sd[f"{moe}.gate.weight"] = normal(spec.num_experts, d)
         for e in range(spec.num_experts):
-            q = f"{p}.block_sparse_moe.experts.{e}"
-            sd[f"{q}.w1.weight"] = normal(inter, d)
-            sd[f"{q}.w3.weight"] = normal(inter, d)
-            sd[f"{q}.w2.weight"] = normal(d, inter)
+            q = f"{moe}.experts.{e}"
+            sd[f"{q}.{names[0]}.weight"] = normal(inter, d)
+            sd[f"{q}.{names[1]}.weight"] = normal(inter, d)
+            sd[f"{q}.{names[2]}.weight"] = normal(d, inter)
     sd["model.norm.weight"] = norm_weight()
     if not spec.tie_word_embeddings:
         sd["lm_head.weight"] = normal(spec.vocab_size, d)
@@ -168,8 +213,10 @@ def write_demo_model(
     progress: bool = True,
     with_tokenizer: bool = True,
     device: str = "cpu",
+    arch: str = "mixtral",
 ) -> Path:
-    """Writes config.json, model.safetensors, tokenizer.json and generation_config.json.
+    """Writes config.json, model.safetensors, tokenizer.json and generation_config.json of `arch`
+    (mixtral, olmoe or qwen3-moe) with the preset's shapes.
 
     `device`: where the random weights are generated (see `_random_state_dict`); they are saved from
     host memory either way."""
@@ -177,7 +224,7 @@ def write_demo_model(
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = mixtral_config(preset, dtype)
+    config = demo_config(preset, arch, dtype)
     spec = ModelSpec.from_hf_config(config)
     sd = _random_state_dict(spec, seed, DTYPES[dtype], progress, device)
     if torch.device(device).type != "cpu":

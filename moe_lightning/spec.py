@@ -19,7 +19,9 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM")
+MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+QK_NORMS = (None, "full", "head")  # RMSNorm of q and k: none, over the whole projection (OLMoE), per head (Qwen3)
 
 
 class ModelSpecError(ValueError):
@@ -54,6 +56,9 @@ class ModelSpec:
     sliding_window: int | None = None
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = field(default=(2,))
+    # family differences, as data (the stage functions read them)
+    qk_norm: str | None = None  # see QK_NORMS
+    clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after the projections (OLMoE's option)
 
     def __post_init__(self) -> None:
         positive = (
@@ -91,6 +96,10 @@ class ModelSpec:
             raise ModelSpecError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ModelSpecError(f"sliding_window must be positive or null, got {self.sliding_window}")
+        if self.qk_norm not in QK_NORMS:
+            raise ModelSpecError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ModelSpecError(f"clip_qkv must be positive or null, got {self.clip_qkv!r}")
         for token_id in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
             if not 0 <= token_id < self.vocab_size:
                 raise ModelSpecError(
@@ -116,10 +125,18 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         d, v = self.hidden_size, self.vocab_size
-        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + sum(self.qk_norm_shapes())
         per_layer = attn + 2 * d + self.num_experts * d + self.num_experts * self.expert_params()
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + head
+
+    def qk_norm_shapes(self) -> tuple[int, int]:
+        """(q norm size, k norm size); (0, 0) without q/k norms."""
+        if self.qk_norm == "full":
+            return self.q_size, self.kv_size
+        if self.qk_norm == "head":
+            return self.head_dim, self.head_dim
+        return 0, 0
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -134,7 +151,7 @@ class ModelSpec:
         arch = archs[0] if archs else None
         if arch is None:
             model_type = config.get("model_type")
-            arch = {"mixtral": "MixtralForCausalLM"}.get(model_type or "")
+            arch = MODEL_TYPES.get(model_type or "")
             if arch is None:
                 raise ModelSpecError(
                     f"config.json names no 'architectures' and model_type {model_type!r} is not supported; "
@@ -144,7 +161,7 @@ class ModelSpec:
             raise ModelSpecError(
                 f"architectures[0] = {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        return _parse_mixtral(config, arch)
+        return _PARSERS[arch](config, arch)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelSpec:
@@ -189,31 +206,81 @@ def _checkpoint_dtype(config: dict[str, Any]) -> str:
     return dtype
 
 
-def _parse_mixtral(config: dict[str, Any], arch: str) -> ModelSpec:
+def _common(config: dict[str, Any], arch: str, rope_default: float, eps_default: float) -> dict[str, Any]:
+    """The fields every supported family spells the same way."""
     hidden = int(_require(config, "hidden_size"))
     heads = int(_require(config, "num_attention_heads"))
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ModelSpecError(f"hidden_act = {act!r} is not supported for {arch}; supported: 'silu'")
+    if config.get("attention_bias"):
+        raise ModelSpecError(f"attention_bias = true is not supported for {arch}")
     head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
-    return ModelSpec(
+    return dict(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=int(_require(config, "intermediate_size")),
         num_layers=int(_require(config, "num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
-        num_experts=int(_require(config, "num_local_experts")),
         top_k=int(_require(config, "num_experts_per_tok")),
         vocab_size=int(_require(config, "vocab_size")),
-        norm_topk_prob=True,  # Mixtral always renormalises its top-k weights
-        rope_theta=_rope_theta(config, 1_000_000.0),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=_rope_theta(config, rope_default),
+        rms_norm_eps=float(config.get("rms_norm_eps", eps_default)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         dtype=_checkpoint_dtype(config),
         max_position_embeddings=int(config.get("max_position_embeddings", 32768)),
-        sliding_window=config.get("sliding_window"),
         bos_token_id=config.get("bos_token_id"),
+    )
+
+
+def _parse_mixtral(config: dict[str, Any], arch: str) -> ModelSpec:
+    return ModelSpec(
+        **_common(config, arch, 1_000_000.0, 1e-5),
+        intermediate_size=int(_require(config, "intermediate_size")),
+        num_experts=int(_require(config, "num_local_experts")),
+        norm_topk_prob=True,  # Mixtral always renormalises its top-k weights
+        sliding_window=config.get("sliding_window"),
         eos_token_ids=_eos_ids(config.get("eos_token_id", 2)),
     )
+
+
+def _parse_olmoe(config: dict[str, Any], arch: str) -> ModelSpec:
+    clip = config.get("clip_qkv")
+    return ModelSpec(
+        **_common(config, arch, 10_000.0, 1e-5),
+        intermediate_size=int(_require(config, "intermediate_size")),  # OLMoE's experts are this wide
+        num_experts=int(config.get("num_experts") or _require(config, "num_local_experts")),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        qk_norm="full",
+        clip_qkv=None if clip is None else float(clip),
+    )
+
+
+def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+    dense = config.get("mlp_only_layers") or []
+    step = int(config.get("decoder_sparse_step", 1))
+    if dense or step != 1:
+        raise ModelSpecError(
+            f"{arch} with dense decoder layers (mlp_only_layers = {dense}, decoder_sparse_step = {step}) "
+            "is not supported yet; supported: every layer sparse (mlp_only_layers = [], decoder_sparse_step = 1)"
+        )
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    return ModelSpec(
+        **_common(config, arch, 10_000.0, 1e-6),
+        intermediate_size=int(_require(config, "moe_intermediate_size")),
+        # released configs say num_experts; transformers 5 writes num_local_experts
+        num_experts=int(config.get("num_experts") or _require(config, "num_local_experts")),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sliding_window=window,
+        eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        qk_norm="head",
+    )
+
+
+_PARSERS = {
+    "MixtralForCausalLM": _parse_mixtral,
+    "OlmoeForCausalLM": _parse_olmoe,
+    "Qwen3MoeForCausalLM": _parse_qwen3_moe,
+}

@@ -31,9 +31,12 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # (D,)
     router: torch.Tensor  # (E, D)
     experts: Sequence[ExpertWeights]  # E entries
+    q_norm: torch.Tensor | None = None  # (H * Hd,) over the projection (OLMoE) or (Hd,) per head (Qwen3)
+    k_norm: torch.Tensor | None = None  # (K * Hd,) or (Hd,)
 
     def dense_tensors(self) -> Iterator[torch.Tensor]:
         yield from (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.router)
+        yield from (t for t in (self.q_norm, self.k_norm) if t is not None)
 
 
 @dataclass(slots=True)

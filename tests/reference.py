@@ -7,14 +7,21 @@ from typing import Any
 
 import torch
 
+FAMILIES = {  # our name -> (transformers config class, model class)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 
-def save_hf_mixtral(out: Path, seed: int = 0, **overrides: Any) -> Path:
-    """Random-weight MixtralForCausalLM saved with transformers' own save_pretrained."""
-    from transformers import MixtralConfig, MixtralForCausalLM
 
+def save_hf(family: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
+    """A random-weight model of `family` built with transformers' own config and model classes and
+    saved with its save_pretrained."""
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[family])
     torch.manual_seed(seed)
-    config = MixtralConfig(**overrides)
-    model = MixtralForCausalLM(config).eval()
+    model = model_cls(config_cls(**overrides)).eval()
     with torch.no_grad():  # HF initialises norms to ones; perturb them so misplaced norms show
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -23,10 +30,14 @@ def save_hf_mixtral(out: Path, seed: int = 0, **overrides: Any) -> Path:
     return out
 
 
-def load_hf(model_dir: Path) -> Any:
-    from transformers import MixtralForCausalLM
+def save_hf_mixtral(out: Path, seed: int = 0, **overrides: Any) -> Path:
+    return save_hf("mixtral", out, seed, **overrides)
 
-    return MixtralForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+def load_hf(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 @torch.no_grad()

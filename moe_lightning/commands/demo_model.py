@@ -15,12 +15,13 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic by seed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--arch", default="mixtral", choices=["mixtral", "olmoe", "qwen3-moe"], help="model family")
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.demo_model import write_demo_model
 
     t0 = time.perf_counter()
-    out = write_demo_model(args.out, args.preset, seed=args.seed, dtype=args.dtype)
+    out = write_demo_model(args.out, args.preset, seed=args.seed, dtype=args.dtype, arch=args.arch)
     sys.stderr.write(f"wrote {args.preset} demo model to {out} in {time.perf_counter() - t0:.1f} s\n")
     return 0

@@ -24,8 +24,17 @@ def pre_attention(
     x = rms_norm(hidden, layer.attn_norm, spec.rms_norm_eps)  # (T, D)
     qkv = linear(x, layer.wqkv)  # (T, (H + 2K) * Hd)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    if spec.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+        q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)  # (T, H * Hd)
+        k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)  # (T, K * Hd)
+    if spec.clip_qkv is not None:
+        c = spec.clip_qkv
+        q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
     q = q.reshape(t, spec.num_heads, spec.head_dim)  # (T, H, Hd)
     k = k.reshape(t, spec.num_kv_heads, spec.head_dim)  # (T, K, Hd)
     v = v.reshape(t, spec.num_kv_heads, spec.head_dim)  # (T, K, Hd)
+    if spec.qk_norm == "head":  # Qwen3: per head, over Hd
+        q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
+        k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
     cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, hidden.dtype)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()

@@ -1,0 +1,205 @@
+"""More MoE families, expressed as data (ModelSpec fields, weight names) plus small stage variants,
+exact against transformers' own model class: OLMoE (q/k RMSNorm over the projection, optional
+clip_qkv, top-k weights not renormalised) and Qwen3-MoE (q/k RMSNorm per head, norm_topk_prob).
+In process: a ragged batch, prefill + 16 greedy decode steps, logits within 1e-4 x max(1, |logit|)
+at every step. Through the whole multi-process stack, with experts streamed: identical tokens."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lightning.checkpoint import load_model_weights
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.engine import InProcessEngine
+from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.request import GenerationRequest
+from moe_lightning.spec import ModelSpec
+
+from reference import device_budget, hf_greedy, load_hf, save_hf
+
+STEPS = 17  # the prefill's token + 16 decode steps
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+CONFIGS = {
+    "olmoe_gqa_top2": (
+        "olmoe",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            max_position_embeddings=256,
+            rope_parameters=ROPE,
+            eos_token_id=None,
+            pad_token_id=0,
+            bos_token_id=1,
+        ),
+    ),
+    "olmoe_mha_clip_norm": (  # clip_qkv and renormalised top-k, multi-head attention
+        "olmoe",
+        dict(
+            vocab_size=200,
+            hidden_size=48,
+            intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            num_experts=6,
+            num_experts_per_tok=3,
+            clip_qkv=0.05,
+            norm_topk_prob=True,
+            max_position_embeddings=256,
+            rope_parameters=ROPE,
+            eos_token_id=None,
+            pad_token_id=0,
+            bos_token_id=1,
+        ),
+    ),
+    "qwen3_moe_head_dim": (  # head_dim != hidden / heads, renormalised top-k
+        "qwen3_moe",
+        dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=96,
+            moe_intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            max_position_embeddings=256,
+            rope_parameters=ROPE,
+            eos_token_id=None,
+            bos_token_id=1,
+        ),
+    ),
+    "qwen3_moe_top4_unnormalised": (
+        "qwen3_moe",
+        dict(
+            vocab_size=300,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            num_experts=12,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            max_position_embeddings=256,
+            rope_parameters=ROPE,
+            eos_token_id=None,
+            bos_token_id=1,
+        ),
+    ),
+}
+PROMPTS = [
+    [1, 17, 42, 99, 7, 3, 150, 11, 5, 8, 13, 21, 34],
+    [1, 190],
+    [1, 5, 6, 7, 8, 9, 10],
+    [1, 66, 77, 88, 99, 111, 122, 133, 144, 155, 166, 177, 188, 199, 20, 30, 40, 50, 60, 70],
+    [1, 3, 3, 3],
+]
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    family, overrides = CONFIGS[request.param]
+    return save_hf(family, tmp_path_factory.mktemp(request.param), seed=3, **overrides)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(family_model: Path) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+    hf = load_hf(family_model)
+    return {i: hf_greedy(hf, p, STEPS) for i, p in enumerate(PROMPTS)}
+
+
+def test_spec_reads_the_family(family_model: Path) -> None:
+    spec = ModelSpec.from_pretrained(family_model)
+    assert spec.qk_norm == ("full" if spec.architecture == "OlmoeForCausalLM" else "head")
+
+
+def test_ragged_batch_matches_transformers(family_model: Path, hf_reference: dict) -> None:
+    spec = ModelSpec.from_pretrained(family_model)
+    engine = InProcessEngine(spec, load_model_weights(family_model, spec, progress=False), block_size=4)
+    ours: dict[int, list[torch.Tensor]] = {}
+
+    def keep(step: int, idx: list[int], logits: torch.Tensor) -> None:
+        for i, row in zip(idx, logits, strict=True):
+            ours.setdefault(i, []).append(row.clone())
+
+    results, _ = engine.generate(
+        [GenerationRequest(p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS], on_logits=keep
+    )
+    for i in range(len(PROMPTS)):
+        ref_tokens, ref_logits = hf_reference[i]
+        assert results[i].token_ids == ref_tokens, f"prompt {i}: tokens differ"
+        for step, (a, b) in enumerate(zip(ours[i], ref_logits, strict=True)):
+            tol = 1e-4 * max(1.0, b.abs().max().item())
+            assert (a - b).abs().max().item() <= tol, f"prompt {i} step {step}"
+
+
+def test_the_stack_with_streamed_experts_matches_transformers(
+    family_model: Path, hf_reference: dict, tmp_path: Path
+) -> None:
+    spec = ModelSpec.from_pretrained(family_model)
+    s = Stack(
+        StackConfig(
+            model=family_model,
+            run_id=f"fam{os.getpid()}{family_model.name[:6]}",
+            port=0,
+            log_dir=tmp_path,
+            kv_cache_memory="16MiB",
+            max_batch_size=8,
+            micro_batch_size=2,
+            device_memory=str(device_budget(family_model, spec.num_experts + 1)),  # one layer + a page
+            experts_placement="gpu",
+        )
+    )
+    s.start(timeout=120)
+    try:
+        with GenerationClient(s.api_address, timeout=120) as c:
+            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS])
+    finally:
+        s.stop()
+    assert [d.token_ids for d in done] == [hf_reference[i][0] for i in range(len(PROMPTS))]
+    assert s.leaked_segments() == []
+
+
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3-moe"])
+def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
+    """`make-demo-model --arch` needs no transformers to write, and transformers loads what it wrote
+    with the right class and computes the same logits we do."""
+    from moe_lightning.demo_model import write_demo_model
+
+    out = write_demo_model(tmp_path / arch, "tiny", seed=5, progress=False, arch=arch)
+    spec = ModelSpec.from_pretrained(out)
+    hf = load_hf(out)
+    assert type(hf).__name__ == spec.architecture
+    engine = InProcessEngine(spec, load_model_weights(out, spec, progress=False))
+    ours: list[torch.Tensor] = []
+    [result], _ = engine.generate(
+        [GenerationRequest(PROMPTS[0], max_new_tokens=6, ignore_eos=True)],
+        on_logits=lambda step, idx, logits: ours.append(logits[0].clone()),
+    )
+    ref_tokens, ref_logits = hf_greedy(hf, PROMPTS[0], 6)
+    assert result.token_ids == ref_tokens
+    for a, b in zip(ours, ref_logits, strict=True):
+        assert (a - b).abs().max().item() <= 1e-4 * max(1.0, b.abs().max().item())
+
+
+def test_plan_presets_have_the_real_sizes() -> None:
+    from moe_lightning.hrm.archs import ARCHS
+
+    assert round(ARCHS["olmoe-1b-7b"].num_parameters() / 1e9, 1) == 6.9  # OLMoE-1B-7B
+    assert round(ARCHS["qwen3-30b-a3b"].num_parameters() / 1e9, 1) == 30.5  # Qwen3-30B-A3B
