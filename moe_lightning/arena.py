@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from moe_lightning.checkpoint import INDEX_FILE, CheckpointReader, MixtralNames, load_layer
+from moe_lightning.checkpoint import INDEX_FILE, CheckpointReader, load_layer, top_names
 from moe_lightning.spec import DTYPES, ModelSpec
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 
@@ -104,10 +104,11 @@ def fill_arena(
         view(arena, layout.pages[name]).copy_(t)
 
     d, v = spec.hidden_size, spec.vocab_size
-    put("embed", reader.get(MixtralNames.embed, (v, d)))
+    names = top_names(spec)
+    put("embed", reader.get(names.embed, (v, d)))
     if "lm_head" in layout.pages:
-        put("lm_head", reader.get(MixtralNames.lm_head, (v, d)))
-    put("final_norm", reader.get(MixtralNames.final_norm, (d,)))
+        put("lm_head", reader.get(names.lm_head, (v, d)))
+    put("final_norm", reader.get(names.final_norm, (d,)))
     for i in tqdm(range(spec.num_layers), desc="converting layers", unit="layer", disable=not progress, leave=False):
         layer = load_layer(reader, spec, i, dtype, "cpu")
         p = f"layers.{i}"

@@ -153,23 +153,31 @@ def _convert(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) ->
     return t.to(device=device, dtype=dtype).contiguous()
 
 
-class MixtralNames:
-    """HF names of Mixtral tensors; released checkpoints and transformers' save_pretrained use these."""
+@dataclass(frozen=True, slots=True)
+class TopNames:
+    """HF names of the tensors outside the decoder layers (released checkpoints and transformers'
+    save_pretrained use these)."""
 
-    embed = "model.embed_tokens.weight"
-    final_norm = "model.norm.weight"
-    lm_head = "lm_head.weight"
+    embed: str
+    final_norm: str
+    lm_head: str = "lm_head.weight"
 
-    @staticmethod
-    def layer(i: int) -> str:
-        return f"model.layers.{i}"
+
+MixtralNames = TopNames("model.embed_tokens.weight", "model.norm.weight")  # also OLMoE and Qwen-MoE
+DbrxNames = TopNames("transformer.wte.weight", "transformer.norm_f.weight")
+
+
+def top_names(spec: ModelSpec) -> TopNames:
+    return DbrxNames if spec.architecture == "DbrxForCausalLM" else MixtralNames
 
 
 def load_layer(
     reader: CheckpointReader, spec: ModelSpec, i: int, dtype: torch.dtype, device: torch.device | str
 ) -> LayerWeights:
+    if spec.architecture == "DbrxForCausalLM":
+        return _load_dbrx_layer(reader, spec, i, dtype, device)
     d, e = spec.hidden_size, spec.num_experts
-    p = MixtralNames.layer(i)
+    p = f"model.layers.{i}"
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return _convert(reader.get(name, shape), dtype, device)
@@ -197,6 +205,35 @@ def load_layer(
         experts=experts,
         q_norm=q_norm,
         k_norm=k_norm,
+    )
+
+
+def _load_dbrx_layer(
+    reader: CheckpointReader, spec: ModelSpec, i: int, dtype: torch.dtype, device: torch.device | str
+) -> LayerWeights:
+    """DBRX: fused Wqkv (our layout already), LayerNorms without bias, and every expert of a layer in
+    three (E * I, D) matrices: w1 (gate), v1 (up) and w2 (down, stored transposed)."""
+    d, e, inter = spec.hidden_size, spec.num_experts, spec.intermediate_size
+    p = f"transformer.blocks.{i}"
+    a = f"{p}.norm_attn_norm"
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return _convert(reader.get(name, shape), dtype, device)
+
+    w1 = reader.get(f"{p}.ffn.experts.mlp.w1", (e * inter, d)).view(e, inter, d)
+    v1 = reader.get(f"{p}.ffn.experts.mlp.v1", (e * inter, d)).view(e, inter, d)
+    w2 = reader.get(f"{p}.ffn.experts.mlp.w2", (e * inter, d)).view(e, inter, d)
+    experts = [
+        ExpertWeights(_convert(torch.cat([w1[j], v1[j]], dim=0), dtype, device), _convert(w2[j].T, dtype, device))
+        for j in range(e)
+    ]
+    return LayerWeights(
+        attn_norm=get(f"{a}.norm_1.weight", (d,)),
+        wqkv=get(f"{a}.attn.Wqkv.weight", (spec.q_size + 2 * spec.kv_size, d)),
+        wo=get(f"{a}.attn.out_proj.weight", (d, spec.q_size)),
+        ffn_norm=get(f"{a}.norm_2.weight", (d,)),
+        router=get(f"{p}.ffn.router.layer.weight", (e, d)),
+        experts=experts,
     )
 
 
@@ -236,13 +273,14 @@ def load_model_weights(
     """Loads (a subset of) the model into our layout, converting to `dtype` on `device`."""
     reader = CheckpointReader(model_dir)
     d, v = spec.hidden_size, spec.vocab_size
-    embed = _convert(reader.get(MixtralNames.embed, (v, d)), dtype, device)
-    if spec.tie_word_embeddings or MixtralNames.lm_head not in reader:
+    names = top_names(spec)
+    embed = _convert(reader.get(names.embed, (v, d)), dtype, device)
+    if spec.tie_word_embeddings or names.lm_head not in reader:
         if not spec.tie_word_embeddings:
-            reader.entry(MixtralNames.lm_head)  # raises: untied model without lm_head
+            reader.entry(names.lm_head)  # raises: untied model without lm_head
         lm_head = embed
     else:
-        lm_head = _convert(reader.get(MixtralNames.lm_head, (v, d)), dtype, device)
+        lm_head = _convert(reader.get(names.lm_head, (v, d)), dtype, device)
     wanted = list(range(spec.num_layers)) if layers is None else list(layers)
     loaded = []
     bar = tqdm(wanted, desc="loading layers", unit="layer", disable=not progress, leave=False)
@@ -253,6 +291,6 @@ def load_model_weights(
     return ModelWeights(
         embed=embed,
         layers=loaded,
-        final_norm=_convert(reader.get(MixtralNames.final_norm, (d,)), dtype, device),
+        final_norm=_convert(reader.get(names.final_norm, (d,)), dtype, device),
         lm_head=lm_head,
     )

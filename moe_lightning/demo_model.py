@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,7 @@ def mixtral_config(preset: str | dict[str, Any], dtype: str = "float32") -> dict
     return config
 
 
-ARCHS = ("mixtral", "olmoe", "qwen3-moe")
+ARCHS = ("mixtral", "olmoe", "qwen3-moe", "dbrx")
 
 
 def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str = "float32") -> dict[str, Any]:
@@ -96,6 +97,31 @@ def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str 
         return config
     experts = config.pop("num_local_experts")
     config.pop("sliding_window", None)
+    if arch == "dbrx":
+        theta = 500_000.0
+        return {
+            "architectures": ["DbrxForCausalLM"],
+            "model_type": "dbrx",
+            "d_model": config["hidden_size"],
+            "n_heads": config["num_attention_heads"],
+            "n_layers": config["num_hidden_layers"],
+            "max_seq_len": config["max_position_embeddings"],
+            "vocab_size": config["vocab_size"],
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "dtype": dtype,
+            # both spellings, equal: transformers 5 reads rope_parameters, released configs attn_config
+            "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+            "attn_config": {"kv_n_heads": config["num_key_value_heads"], "clip_qkv": 8.0, "rope_theta": theta},
+            "ffn_config": {
+                "ffn_hidden_size": config["intermediate_size"],
+                "moe_num_experts": experts,
+                "moe_top_k": config["num_experts_per_tok"],
+                "moe_normalize_expert_weights": 1.0,
+                "ffn_act_fn": {"name": "silu"},
+            },
+        }
     if arch == "olmoe":
         config.update(
             architectures=["OlmoeForCausalLM"],
@@ -137,6 +163,8 @@ def _random_state_dict(
         # not all ones, so a test notices a norm weight that is dropped or misplaced
         return (1.0 + 0.1 * torch.randn(size, generator=gen, device=device)).to(dtype)
 
+    if spec.architecture == "DbrxForCausalLM":
+        return _random_dbrx_state_dict(spec, normal, norm_weight, progress)
     sd: dict[str, torch.Tensor] = {"model.embed_tokens.weight": normal(spec.vocab_size, d)}
     for i in tqdm(range(spec.num_layers), desc="generating layers", unit="layer", disable=not progress, leave=False):
         p = f"model.layers.{i}"
@@ -162,6 +190,27 @@ def _random_state_dict(
     sd["model.norm.weight"] = norm_weight()
     if not spec.tie_word_embeddings:
         sd["lm_head.weight"] = normal(spec.vocab_size, d)
+    return sd
+
+
+def _random_dbrx_state_dict(
+    spec: ModelSpec, normal: Callable[..., torch.Tensor], norm_weight: Callable[[], torch.Tensor], progress: bool
+) -> dict[str, torch.Tensor]:
+    """DBRX's names and layout: fused Wqkv, every expert of a layer in (E * I, D) blocks."""
+    d, inter, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    sd: dict[str, torch.Tensor] = {"transformer.wte.weight": normal(spec.vocab_size, d)}
+    for i in tqdm(range(spec.num_layers), desc="generating layers", unit="layer", disable=not progress, leave=False):
+        p = f"transformer.blocks.{i}"
+        a = f"{p}.norm_attn_norm"
+        sd[f"{a}.norm_1.weight"] = norm_weight()
+        sd[f"{a}.attn.Wqkv.weight"] = normal(spec.q_size + 2 * spec.kv_size, d)
+        sd[f"{a}.attn.out_proj.weight"] = normal(d, spec.q_size)
+        sd[f"{a}.norm_2.weight"] = norm_weight()
+        sd[f"{p}.ffn.router.layer.weight"] = normal(e, d)
+        for w in ("w1", "v1", "w2"):
+            sd[f"{p}.ffn.experts.mlp.{w}"] = normal(e * inter, d)
+    sd["transformer.norm_f.weight"] = norm_weight()
+    sd["lm_head.weight"] = normal(spec.vocab_size, d)
     return sd
 
 

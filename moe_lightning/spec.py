@@ -19,8 +19,14 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM")
-MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM")
+MODEL_TYPES = {
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "dbrx": "DbrxForCausalLM",
+}
+NORMS = ("rms", "layer")  # RMSNorm, or LayerNorm without bias (DBRX)
 QK_NORMS = (None, "full", "head")  # RMSNorm of q and k: none, over the whole projection (OLMoE), per head (Qwen3)
 
 
@@ -58,7 +64,9 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = field(default=(2,))
     # family differences, as data (the stage functions read them)
     qk_norm: str | None = None  # see QK_NORMS
-    clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after the projections (OLMoE's option)
+    clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after the projections (OLMoE, DBRX)
+    norm: str = "rms"  # the decoder's norms (see NORMS); q/k norms are always RMSNorm
+    topk_norm_p: float = 1.0  # with norm_topk_prob: divide the top-k weights by their L_p norm (DBRX's p)
 
     def __post_init__(self) -> None:
         positive = (
@@ -98,6 +106,10 @@ class ModelSpec:
             raise ModelSpecError(f"sliding_window must be positive or null, got {self.sliding_window}")
         if self.qk_norm not in QK_NORMS:
             raise ModelSpecError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
+        if self.norm not in NORMS:
+            raise ModelSpecError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if not self.topk_norm_p > 0:
+            raise ModelSpecError(f"topk_norm_p must be positive, got {self.topk_norm_p!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
             raise ModelSpecError(f"clip_qkv must be positive or null, got {self.clip_qkv!r}")
         for token_id in (*self.eos_token_ids, *(() if self.bos_token_id is None else (self.bos_token_id,))):
@@ -279,7 +291,45 @@ def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
     )
 
 
+def _parse_dbrx(config: dict[str, Any], arch: str) -> ModelSpec:
+    attn = config.get("attn_config") or {}
+    ffn = config.get("ffn_config") or {}
+    act = (ffn.get("ffn_act_fn") or {}).get("name", "silu")
+    if act != "silu":
+        raise ModelSpecError(f"ffn_config.ffn_act_fn = {act!r} is not supported for {arch}; supported: 'silu'")
+    hidden = int(_require(config, "d_model"))
+    heads = int(_require(config, "n_heads"))
+    norm_p = ffn.get("moe_normalize_expert_weights", 1.0)
+    clip = attn.get("clip_qkv")
+    return ModelSpec(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=int(_require(ffn, "ffn_hidden_size")),
+        num_layers=int(_require(config, "n_layers")),
+        num_heads=heads,
+        num_kv_heads=int(attn.get("kv_n_heads") or heads),
+        head_dim=hidden // heads if heads else 0,
+        num_experts=int(_require(ffn, "moe_num_experts")),
+        top_k=int(_require(ffn, "moe_top_k")),
+        vocab_size=int(_require(config, "vocab_size")),
+        norm_topk_prob=norm_p is not None,
+        topk_norm_p=float(norm_p) if norm_p is not None else 1.0,
+        # transformers 5 writes a top-level rope_parameters (and uses only that); released DBRX
+        # configs carry attn_config.rope_theta (500000), which transformers 5.24 ignores
+        rope_theta=_rope_theta(config, float(attn.get("rope_theta", 10_000.0))),
+        rms_norm_eps=1e-5,  # nn.LayerNorm's default, which DBRX uses
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        dtype=_checkpoint_dtype(config),
+        max_position_embeddings=int(config.get("max_seq_len", 2048)),
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        clip_qkv=None if clip is None else float(clip),
+        norm="layer",
+    )
+
+
 _PARSERS = {
+    "DbrxForCausalLM": _parse_dbrx,
     "MixtralForCausalLM": _parse_mixtral,
     "OlmoeForCausalLM": _parse_olmoe,
     "Qwen3MoeForCausalLM": _parse_qwen3_moe,

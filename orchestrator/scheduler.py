@@ -120,6 +120,11 @@ class Scheduler:
 
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None = None) -> Ticket:
         request.validate(self.spec)
+        if request.stop and self.tokenizer is None:
+            raise InvalidRequestError(
+                "stop strings need the model's tokenizer.json to decode the output, and this model has none: "
+                "send no stop strings (or serve a checkpoint with a tokenizer)"
+            )
         if len(request.prompt_ids) > self.config.max_prefill_tokens:
             raise InvalidRequestError(
                 f"prompt has {len(request.prompt_ids)} tokens; this server accepts at most "

@@ -11,6 +11,7 @@ FAMILIES = {  # our name -> (transformers config class, model class)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "dbrx": ("DbrxConfig", "DbrxForCausalLM"),
 }
 
 
@@ -24,7 +25,7 @@ def save_hf(family: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
     model = model_cls(config_cls(**overrides)).eval()
     with torch.no_grad():  # HF initialises norms to ones; perturb them so misplaced norms show
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name and p.dim() == 1:  # also DBRX's norm_1 / norm_2 / norm_f
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     return out

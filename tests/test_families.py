@@ -1,6 +1,8 @@
 """More MoE families, expressed as data (ModelSpec fields, weight names) plus small stage variants,
 exact against transformers' own model class: OLMoE (q/k RMSNorm over the projection, optional
-clip_qkv, top-k weights not renormalised) and Qwen3-MoE (q/k RMSNorm per head, norm_topk_prob).
+clip_qkv, top-k weights not renormalised), Qwen3-MoE (q/k RMSNorm per head, norm_topk_prob) and DBRX
+(fused Wqkv with clip_qkv, LayerNorm without bias, experts stored as (E * I, D) blocks, top-k weights
+divided by their L_p norm).
 In process: a ragged batch, prefill + 16 greedy decode steps, logits within 1e-4 x max(1, |logit|)
 at every step. Through the whole multi-process stack, with experts streamed: identical tokens."""
 
@@ -103,6 +105,35 @@ CONFIGS = {
         ),
     ),
 }
+CONFIGS["dbrx_gqa_clip_top2"] = (  # fused Wqkv clipped, LayerNorm without bias, experts in (E*I, D) blocks
+    "dbrx",
+    dict(
+        vocab_size=256,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        max_seq_len=256,
+        eos_token_id=None,
+        bos_token_id=1,
+        attn_config={"kv_n_heads": 2, "clip_qkv": 0.08, "rope_theta": 10000},
+        ffn_config={"ffn_hidden_size": 40, "moe_num_experts": 8, "moe_top_k": 2},
+    ),
+)
+CONFIGS["dbrx_mha_top4_p2"] = (  # 16 experts top-4 as DBRX, top-k weights divided by their L2 norm
+    "dbrx",
+    dict(
+        vocab_size=200,
+        d_model=48,
+        n_layers=2,
+        n_heads=3,
+        max_seq_len=256,
+        eos_token_id=None,
+        bos_token_id=1,
+        # clip_qkv 8 as dbrx-base (transformers 5.24's DBRX cannot run without a clip value)
+        attn_config={"kv_n_heads": 3, "clip_qkv": 8.0, "rope_theta": 500000},
+        ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 16, "moe_top_k": 4, "moe_normalize_expert_weights": 2.0},
+    ),
+)
 PROMPTS = [
     [1, 17, 42, 99, 7, 3, 150, 11, 5, 8, 13, 21, 34],
     [1, 190],
@@ -126,7 +157,9 @@ def hf_reference(family_model: Path) -> dict[int, tuple[list[int], list[torch.Te
 
 def test_spec_reads_the_family(family_model: Path) -> None:
     spec = ModelSpec.from_pretrained(family_model)
-    assert spec.qk_norm == ("full" if spec.architecture == "OlmoeForCausalLM" else "head")
+    qk_norm = {"OlmoeForCausalLM": "full", "Qwen3MoeForCausalLM": "head", "DbrxForCausalLM": None}
+    assert spec.qk_norm == qk_norm[spec.architecture]
+    assert spec.norm == ("layer" if spec.architecture == "DbrxForCausalLM" else "rms")
 
 
 def test_ragged_batch_matches_transformers(family_model: Path, hf_reference: dict) -> None:
@@ -176,7 +209,7 @@ def test_the_stack_with_streamed_experts_matches_transformers(
     assert s.leaked_segments() == []
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3-moe"])
+@pytest.mark.parametrize("arch", ["olmoe", "qwen3-moe", "dbrx"])
 def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
     """`make-demo-model --arch` needs no transformers to write, and transformers loads what it wrote
     with the right class and computes the same logits we do."""

@@ -119,6 +119,7 @@ def test_model_info_and_metadata(client: GenerationClient, hf_dir: Path) -> None
         (Prompt(token_ids=[1], top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
         (Prompt(token_ids=[1], temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "temperature must be"),
         (Prompt(text="hello"), grpc.StatusCode.INVALID_ARGUMENT, "no tokenizer"),
+        (Prompt(token_ids=[1], stop=["0"]), grpc.StatusCode.INVALID_ARGUMENT, "stop strings need"),  # hypothesis
         (Prompt(token_ids=list(range(1, 60))), grpc.StatusCode.INVALID_ARGUMENT, "at most 40"),
     ],
 )

@@ -11,13 +11,18 @@ from moe_lightning.stages.linear import linear
 from moe_lightning.weights import ExpertWeights
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (T, D), router: (E, D) -> weights (T, A) in x's dtype, expert ids (T, A)."""
+def route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (T, D), router: (E, D) -> weights (T, A) in x's dtype, expert ids (T, A).
+
+    `normalize`: divide the top-k weights by their L_p norm (p = 1: they sum to 1; DBRX sets its p)."""
     logits = linear(x, router)  # (T, E)
     probs = torch.softmax(logits.float(), dim=-1)  # (T, E) in fp32, as the reference
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, A)
     if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        norm = weights.sum(dim=-1, keepdim=True) if p == 1.0 else torch.norm(weights, p=p, dim=-1, keepdim=True)
+        weights = weights / norm
     return weights.to(x.dtype), ids
 
 

@@ -9,7 +9,7 @@ import torch
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.linear import linear
 from moe_lightning.stages.moe import experts_forward, route
-from moe_lightning.stages.norm import rms_norm
+from moe_lightning.stages.norm import norm
 from moe_lightning.weights import ExpertWeights, LayerWeights
 
 
@@ -26,7 +26,7 @@ def post_attention(
     caller can count routing for hot-expert residency.
     """
     h = residual + linear(attn_out, layer.wo)  # (T, D)
-    x = rms_norm(h, layer.ffn_norm, spec.rms_norm_eps)  # (T, D)
-    weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob)  # (T, A) each
+    x = norm(spec, h, layer.ffn_norm)  # (T, D)
+    weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
     moe = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D)
     return h + moe, ids

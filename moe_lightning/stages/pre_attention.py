@@ -6,7 +6,7 @@ import torch
 
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.linear import linear
-from moe_lightning.stages.norm import rms_norm
+from moe_lightning.stages.norm import norm, rms_norm
 from moe_lightning.stages.rope import apply_rope, rope_cos_sin
 from moe_lightning.weights import LayerWeights
 
@@ -21,7 +21,7 @@ def pre_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hidden: (T, D) residual stream, positions: (T,) -> q (T, H, Hd), k (T, K, Hd), v (T, K, Hd)."""
     t = hidden.shape[0]
-    x = rms_norm(hidden, layer.attn_norm, spec.rms_norm_eps)  # (T, D)
+    x = norm(spec, hidden, layer.attn_norm)  # (T, D)
     qkv = linear(x, layer.wqkv)  # (T, (H + 2K) * Hd)
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     if spec.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
