@@ -65,6 +65,12 @@ def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
             q_norm, k_norm = spec.qk_norm_shapes()
             yield f"{p}.q_norm", (q_norm,)
             yield f"{p}.k_norm", (k_norm,)
+        if spec.qkv_bias:
+            yield f"{p}.wqkv_bias", (spec.q_size + 2 * spec.kv_size,)
+        if spec.shared_expert_size:
+            yield f"{p}.shared.w13", (2 * spec.shared_expert_size, d)
+            yield f"{p}.shared.w2", (d, spec.shared_expert_size)
+            yield f"{p}.shared_gate", (1, d)
         yield f"{p}.ffn_norm", (d,)
         yield f"{p}.router", (spec.num_experts, d)
         for e in range(spec.num_experts):
@@ -112,9 +118,12 @@ def fill_arena(
     for i in tqdm(range(spec.num_layers), desc="converting layers", unit="layer", disable=not progress, leave=False):
         layer = load_layer(reader, spec, i, dtype, "cpu")
         p = f"layers.{i}"
-        for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm"):
+        for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm", "wqkv_bias", "shared_gate"):
             if getattr(layer, field) is not None:
                 put(f"{p}.{field}", getattr(layer, field))
+        if layer.shared is not None:
+            put(f"{p}.shared.w13", layer.shared.w13)
+            put(f"{p}.shared.w2", layer.shared.w2)
         for e, expert in enumerate(layer.experts):
             w13, w2 = expert_page_names(i, e)
             put(w13, expert.w13)
@@ -159,6 +168,11 @@ def weights_from_arena(
                 experts=experts,
                 q_norm=get(f"{p}.q_norm") if spec.qk_norm else None,
                 k_norm=get(f"{p}.k_norm") if spec.qk_norm else None,
+                wqkv_bias=get(f"{p}.wqkv_bias") if spec.qkv_bias else None,
+                shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2"))
+                if spec.shared_expert_size
+                else None,
+                shared_gate=get(f"{p}.shared_gate") if spec.shared_expert_size else None,
             )
         )
     lm_head = get("lm_head") if "lm_head" in layout.pages else embed

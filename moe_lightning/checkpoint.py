@@ -191,6 +191,24 @@ def load_layer(
     router_name = f"{p}.block_sparse_moe.gate.weight"
     if router_name not in reader:
         router_name = f"{p}.mlp.gate.weight"
+    bias = shared = shared_gate = None
+    if spec.qkv_bias:
+        bias = torch.cat(
+            [
+                reader.get(f"{p}.self_attn.q_proj.bias", (spec.q_size,)),
+                reader.get(f"{p}.self_attn.k_proj.bias", (spec.kv_size,)),
+                reader.get(f"{p}.self_attn.v_proj.bias", (spec.kv_size,)),
+            ]
+        )
+        bias = _convert(bias, dtype, device)
+    if spec.shared_expert_size:
+        se, inter = f"{p}.mlp.shared_expert", spec.shared_expert_size
+        w1 = reader.get(f"{se}.gate_proj.weight", (inter, d))
+        w3 = reader.get(f"{se}.up_proj.weight", (inter, d))
+        shared = ExpertWeights(
+            _convert(torch.cat([w1, w3], dim=0), dtype, device), get(f"{se}.down_proj.weight", (d, inter))
+        )
+        shared_gate = get(f"{p}.mlp.shared_expert_gate.weight", (1, d))
     q_norm = k_norm = None
     if spec.qk_norm is not None:
         q_size, k_size = spec.qk_norm_shapes()
@@ -205,6 +223,9 @@ def load_layer(
         experts=experts,
         q_norm=q_norm,
         k_norm=k_norm,
+        wqkv_bias=bias,
+        shared=shared,
+        shared_gate=shared_gate,
     )
 
 

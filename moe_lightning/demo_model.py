@@ -85,7 +85,7 @@ def mixtral_config(preset: str | dict[str, Any], dtype: str = "float32") -> dict
     return config
 
 
-ARCHS = ("mixtral", "olmoe", "qwen3-moe", "dbrx")
+ARCHS = ("mixtral", "olmoe", "qwen2-moe", "qwen3-moe", "dbrx")
 
 
 def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str = "float32") -> dict[str, Any]:
@@ -130,6 +130,21 @@ def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str 
             norm_topk_prob=False,
             clip_qkv=None,
             rope_theta=10_000.0,
+        )
+    elif arch == "qwen2-moe":
+        config.update(
+            architectures=["Qwen2MoeForCausalLM"],
+            model_type="qwen2_moe",
+            num_experts=experts,
+            moe_intermediate_size=config["intermediate_size"],
+            shared_expert_intermediate_size=2 * config["intermediate_size"],
+            intermediate_size=4 * config["hidden_size"],  # the dense MLP width, unused: every layer is sparse
+            qkv_bias=True,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            rms_norm_eps=1e-6,
+            use_sliding_window=False,
         )
     else:
         config.update(
@@ -178,6 +193,15 @@ def _random_state_dict(
             q_size, k_size = spec.qk_norm_shapes()
             sd[f"{p}.self_attn.q_norm.weight"] = norm_weight(q_size)
             sd[f"{p}.self_attn.k_norm.weight"] = norm_weight(k_size)
+        if spec.qkv_bias:
+            for proj, size in (("q_proj", spec.q_size), ("k_proj", spec.kv_size), ("v_proj", spec.kv_size)):
+                sd[f"{p}.self_attn.{proj}.bias"] = normal(size)
+        if spec.shared_expert_size:
+            se = f"{p}.mlp.shared_expert"
+            sd[f"{se}.gate_proj.weight"] = normal(spec.shared_expert_size, d)
+            sd[f"{se}.up_proj.weight"] = normal(spec.shared_expert_size, d)
+            sd[f"{se}.down_proj.weight"] = normal(d, spec.shared_expert_size)
+            sd[f"{p}.mlp.shared_expert_gate.weight"] = normal(1, d)
         mixtral = spec.architecture == "MixtralForCausalLM"
         moe = f"{p}.block_sparse_moe" if mixtral else f"{p}.mlp"
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")

@@ -19,10 +19,17 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
-SUPPORTED_ARCHITECTURES = ("MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM", "DbrxForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "OlmoeForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "DbrxForCausalLM",
+)
 MODEL_TYPES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "dbrx": "DbrxForCausalLM",
 }
@@ -67,6 +74,8 @@ class ModelSpec:
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] after the projections (OLMoE, DBRX)
     norm: str = "rms"  # the decoder's norms (see NORMS); q/k norms are always RMSNorm
     topk_norm_p: float = 1.0  # with norm_topk_prob: divide the top-k weights by their L_p norm (DBRX's p)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
+    shared_expert_size: int = 0  # intermediate width of an always-on shared expert with a sigmoid gate; 0: none
 
     def __post_init__(self) -> None:
         positive = (
@@ -108,6 +117,8 @@ class ModelSpec:
             raise ModelSpecError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.norm not in NORMS:
             raise ModelSpecError(f"norm must be one of {NORMS}, got {self.norm!r}")
+        if self.shared_expert_size < 0:
+            raise ModelSpecError(f"shared_expert_size must be >= 0, got {self.shared_expert_size!r}")
         if not self.topk_norm_p > 0:
             raise ModelSpecError(f"topk_norm_p must be positive, got {self.topk_norm_p!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -138,7 +149,9 @@ class ModelSpec:
     def num_parameters(self) -> int:
         d, v = self.hidden_size, self.vocab_size
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + sum(self.qk_norm_shapes())
-        per_layer = attn + 2 * d + self.num_experts * d + self.num_experts * self.expert_params()
+        attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
+        shared = 3 * d * self.shared_expert_size + (d if self.shared_expert_size else 0)
+        per_layer = attn + 2 * d + self.num_experts * d + self.num_experts * self.expert_params() + shared
         head = 0 if self.tie_word_embeddings else v * d
         return v * d + self.num_layers * per_layer + d + head
 
@@ -270,7 +283,7 @@ def _parse_olmoe(config: dict[str, Any], arch: str) -> ModelSpec:
     )
 
 
-def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+def _only_sparse_layers(config: dict[str, Any], arch: str) -> None:
     dense = config.get("mlp_only_layers") or []
     step = int(config.get("decoder_sparse_step", 1))
     if dense or step != 1:
@@ -278,6 +291,25 @@ def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
             f"{arch} with dense decoder layers (mlp_only_layers = {dense}, decoder_sparse_step = {step}) "
             "is not supported yet; supported: every layer sparse (mlp_only_layers = [], decoder_sparse_step = 1)"
         )
+
+
+def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+    _only_sparse_layers(config, arch)
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    return ModelSpec(
+        **_common(config, arch, 10_000.0, 1e-6),
+        intermediate_size=int(_require(config, "moe_intermediate_size")),
+        num_experts=int(config.get("num_experts") or _require(config, "num_local_experts")),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sliding_window=window,
+        eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        qkv_bias=bool(config.get("qkv_bias", True)),  # Qwen1.5/2-MoE checkpoints always have them
+        shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+    _only_sparse_layers(config, arch)
     window = config.get("sliding_window") if config.get("use_sliding_window") else None
     return ModelSpec(
         **_common(config, arch, 10_000.0, 1e-6),
@@ -332,5 +364,6 @@ _PARSERS = {
     "DbrxForCausalLM": _parse_dbrx,
     "MixtralForCausalLM": _parse_mixtral,
     "OlmoeForCausalLM": _parse_olmoe,
+    "Qwen2MoeForCausalLM": _parse_qwen2_moe,
     "Qwen3MoeForCausalLM": _parse_qwen3_moe,
 }

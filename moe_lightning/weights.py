@@ -33,10 +33,15 @@ class LayerWeights:
     experts: Sequence[ExpertWeights]  # E entries
     q_norm: torch.Tensor | None = None  # (H * Hd,) over the projection (OLMoE) or (Hd,) per head (Qwen3)
     k_norm: torch.Tensor | None = None  # (K * Hd,) or (Hd,)
+    wqkv_bias: torch.Tensor | None = None  # ((H + 2K) * Hd,) (Qwen2-MoE)
+    shared: ExpertWeights | None = None  # an always-on expert (2Is, D) / (D, Is) (Qwen2-MoE)
+    shared_gate: torch.Tensor | None = None  # (1, D): sigmoid gate of the shared expert
 
     def dense_tensors(self) -> Iterator[torch.Tensor]:
         yield from (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.router)
-        yield from (t for t in (self.q_norm, self.k_norm) if t is not None)
+        yield from (t for t in (self.q_norm, self.k_norm, self.wqkv_bias, self.shared_gate) if t is not None)
+        if self.shared is not None:
+            yield from self.shared.tensors()
 
 
 @dataclass(slots=True)

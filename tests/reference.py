@@ -10,6 +10,7 @@ import torch
 FAMILIES = {  # our name -> (transformers config class, model class)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "dbrx": ("DbrxConfig", "DbrxForCausalLM"),
 }

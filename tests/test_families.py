@@ -134,6 +134,46 @@ CONFIGS["dbrx_mha_top4_p2"] = (  # 16 experts top-4 as DBRX, top-k weights divid
         ffn_config={"ffn_hidden_size": 24, "moe_num_experts": 16, "moe_top_k": 4, "moe_normalize_expert_weights": 2.0},
     ),
 )
+CONFIGS["qwen2_moe_shared_gqa"] = (  # QKV bias, a shared expert with its sigmoid gate, top-k not renormalised
+    "qwen2_moe",
+    dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        max_position_embeddings=256,
+        rope_parameters=ROPE,
+        eos_token_id=None,
+        bos_token_id=1,
+    ),
+)
+CONFIGS["qwen2_moe_top4_norm"] = (  # multi-head, 10 experts top-4 renormalised, a narrow shared expert
+    "qwen2_moe",
+    dict(
+        vocab_size=200,
+        hidden_size=48,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        num_experts=10,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        max_position_embeddings=256,
+        rope_parameters=ROPE,
+        eos_token_id=None,
+        bos_token_id=1,
+    ),
+)
 PROMPTS = [
     [1, 17, 42, 99, 7, 3, 150, 11, 5, 8, 13, 21, 34],
     [1, 190],
@@ -158,6 +198,9 @@ def hf_reference(family_model: Path) -> dict[int, tuple[list[int], list[torch.Te
 def test_spec_reads_the_family(family_model: Path) -> None:
     spec = ModelSpec.from_pretrained(family_model)
     qk_norm = {"OlmoeForCausalLM": "full", "Qwen3MoeForCausalLM": "head", "DbrxForCausalLM": None}
+    qk_norm["Qwen2MoeForCausalLM"] = None
+    assert spec.qkv_bias == (spec.architecture == "Qwen2MoeForCausalLM")
+    assert (spec.shared_expert_size > 0) == (spec.architecture == "Qwen2MoeForCausalLM")
     assert spec.qk_norm == qk_norm[spec.architecture]
     assert spec.norm == ("layer" if spec.architecture == "DbrxForCausalLM" else "rms")
 
@@ -209,7 +252,7 @@ def test_the_stack_with_streamed_experts_matches_transformers(
     assert s.leaked_segments() == []
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen3-moe", "dbrx"])
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2-moe", "qwen3-moe", "dbrx"])
 def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
     """`make-demo-model --arch` needs no transformers to write, and transformers loads what it wrote
     with the right class and computes the same logits we do."""
@@ -236,3 +279,4 @@ def test_plan_presets_have_the_real_sizes() -> None:
 
     assert round(ARCHS["olmoe-1b-7b"].num_parameters() / 1e9, 1) == 6.9  # OLMoE-1B-7B
     assert round(ARCHS["qwen3-30b-a3b"].num_parameters() / 1e9, 1) == 30.5  # Qwen3-30B-A3B
+    assert round(ARCHS["qwen1.5-moe-a2.7b"].num_parameters() / 1e9, 1) == 14.3  # Qwen1.5-MoE-A2.7B

@@ -15,7 +15,9 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="weights and tokenizer are deterministic by seed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--arch", default="mixtral", choices=["mixtral", "olmoe", "qwen3-moe", "dbrx"], help="model family")
+    p.add_argument(
+        "--arch", default="mixtral", choices=["mixtral", "olmoe", "qwen2-moe", "qwen3-moe", "dbrx"], help="model family"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

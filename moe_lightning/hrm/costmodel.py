@@ -105,7 +105,8 @@ def weight_bytes(spec: ModelSpec, b: int) -> dict[str, float]:
     return {
         "expert": 3 * h1 * h2 * b,  # one expert
         "layer_experts": 3 * h1 * h2 * e * b,  # W_l
-        "layer_dense": (attn + e * h1 + 2 * h1) * b,
+        # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device
+        "layer_dense": (attn + e * h1 + 2 * h1 + 3 * h1 * spec.shared_expert_size) * b,
         "embed_head": spec.vocab_size * h1 * b * (1 if spec.tie_word_embeddings else 2) + h1 * b,
     }
 
@@ -136,6 +137,7 @@ def estimate(
 
     # --- device: dense projections, router, (experts), (attention), head amortised per layer -----
     dense_flops = 2 * n * (h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1 + h1 * spec.num_experts)
+    dense_flops += 2 * n * 3 * h1 * spec.shared_expert_size
     dense_bytes = n_ub * w["layer_dense"]  # every micro-batch re-reads the dense weights
     stages: dict[str, float] = {}
     stage_work: dict[str, tuple[float, float]] = {}  # (flops, bytes) per compute stage, for the roofline plot

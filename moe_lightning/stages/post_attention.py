@@ -8,7 +8,7 @@ import torch
 
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.linear import linear
-from moe_lightning.stages.moe import experts_forward, route
+from moe_lightning.stages.moe import expert_ffn, experts_forward, route
 from moe_lightning.stages.norm import norm
 from moe_lightning.weights import ExpertWeights, LayerWeights
 
@@ -29,4 +29,7 @@ def post_attention(
     x = norm(spec, h, layer.ffn_norm)  # (T, D)
     weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
     moe = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D)
+    if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate
+        assert layer.shared_gate is not None
+        moe = moe + torch.sigmoid(linear(x, layer.shared_gate)) * expert_ffn(layer.shared, x)  # (T, D)
     return h + moe, ids

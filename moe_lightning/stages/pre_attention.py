@@ -23,6 +23,8 @@ def pre_attention(
     t = hidden.shape[0]
     x = norm(spec, hidden, layer.attn_norm)  # (T, D)
     qkv = linear(x, layer.wqkv)  # (T, (H + 2K) * Hd)
+    if layer.wqkv_bias is not None:
+        qkv = qkv + layer.wqkv_bias
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     if spec.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
         q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)  # (T, H * Hd)
