@@ -33,9 +33,12 @@ class Prompt:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""
+    logprobs: int = 0  # top log-probabilities per generated token (0..20)
 
     def to_pb(self) -> generation_pb2.GenerationInput:
-        m = generation_pb2.GenerationInput(stop=self.stop, ignore_eos=self.ignore_eos, request_id=self.request_id)
+        m = generation_pb2.GenerationInput(
+            stop=self.stop, ignore_eos=self.ignore_eos, request_id=self.request_id, logprobs=self.logprobs
+        )
         if self.token_ids is not None:
             m.token_ids.ids.extend(self.token_ids)
         elif self.text is not None:
@@ -58,6 +61,8 @@ class Completion:
     queue_seconds: float
     time_to_first_token_seconds: float
     total_seconds: float
+    # per generated token, when asked: {"token_id", "logprob", "top_token_ids", "top_logprobs"}
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def from_pb(cls, m: generation_pb2.GenerationOutput) -> Completion:
@@ -71,10 +76,22 @@ class Completion:
             m.timings.queue_ns / 1e9,
             m.timings.time_to_first_token_ns / 1e9,
             m.timings.total_ns / 1e9,
+            [
+                {
+                    "token_id": t.token_id,
+                    "logprob": t.logprob,
+                    "top_token_ids": list(t.top_token_ids),
+                    "top_logprobs": list(t.top_logprobs),
+                }
+                for t in m.logprobs
+            ],
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        if not out["logprobs"]:
+            del out["logprobs"]  # keeps job outputs' columns as they were when nobody asked
+        return out
 
 
 class GenerationClient:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_lightning.sampling import SamplingParams
+from moe_lightning.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -37,3 +37,4 @@ class StepOutput:
     seq_ids: list[int]
     token_ids: list[int]
     timings_ns: dict[str, int]
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq id -> this step's (if asked)

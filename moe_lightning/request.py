@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from moe_lightning.sampling import SamplingParams
+from moe_lightning.sampling import SamplingParams, TokenLogprobs
 from moe_lightning.spec import ModelSpec
 
 FINISH_EOS = "eos"
@@ -52,6 +52,7 @@ class GenerationResult:
     text: str | None
     finish_reason: str
     prompt_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, when asked
 
     @property
     def completion_tokens(self) -> int:

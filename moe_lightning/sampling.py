@@ -9,6 +9,25 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """log_softmax of the raw logits at one generated position."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """logits: (V,) raw, fp32."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(lp, min(top, lp.shape[-1]))
+    return TokenLogprobs(token, float(lp[token]), ids.tolist(), values.tolist())
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -16,6 +35,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     seed: int | None = None  # fixes the request's random stream; None draws one
+    logprobs: int = 0  # return the top this-many log-probabilities at each generated position
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -24,6 +44,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = disabled), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:

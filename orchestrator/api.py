@@ -13,8 +13,8 @@ import structlog
 from moe_lightning import __version__
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
-from moe_lightning.sampling import SamplingParams
-from moe_lightning.service.convert import model_info_to_pb
+from moe_lightning.sampling import MAX_LOGPROBS, SamplingParams
+from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
 from moe_lightning.service.errors import NotReadyError
 from orchestrator.scheduler import Scheduler, StreamSink, Ticket
 
@@ -62,7 +62,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
         if top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0 (0 = disabled), got {top_k}")
-        sampling = SamplingParams(temperature, top_k, top_p, m.seed if m.HasField("seed") else None)
+        if m.logprobs > MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {m.logprobs}")
+        sampling = SamplingParams(temperature, top_k, top_p, m.seed if m.HasField("seed") else None, m.logprobs)
         return GenerationRequest(
             prompt_ids=prompt,
             max_new_tokens=max_new,
@@ -86,6 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 time_to_first_token_ns=int((t.first_token - t.arrival) * 1e9),
                 total_ns=int((t.finished - t.arrival) * 1e9),
             ),
+            logprobs=[logprobs_to_pb(lp) for lp in r.logprobs],
         )
 
     def _submit(

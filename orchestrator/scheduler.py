@@ -23,6 +23,7 @@ from moe_lightning.batching import balance
 from moe_lightning.hrm.costmodel import Policy
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
+from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.errors import (
     ResourceExhaustedError,
     ServiceError,
@@ -54,6 +55,7 @@ class Ticket:
     first_token: float = 0.0
     finished: float = 0.0
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     prefilled: bool = False
     cancelled: bool = False
     result: GenerationResult | None = None
@@ -338,6 +340,8 @@ class Scheduler:
                     continue
                 token = by_seq[t.seq_id]
                 t.output.append(token)
+                if t.seq_id in out.logprobs:
+                    t.logprobs.append(out.logprobs[t.seq_id])
                 if not t.first_token:
                     t.first_token = now
                     metrics.TTFT.observe(now - t.arrival)
@@ -368,7 +372,9 @@ class Scheduler:
         if reason == "cancelled":
             self._fail(t, ServiceError("the request was cancelled", grpc.StatusCode.CANCELLED))
             return
-        t.result = GenerationResult(t.output, t.checker.final_text(t.output), reason, len(t.request.prompt_ids))
+        t.result = GenerationResult(
+            t.output, t.checker.final_text(t.output), reason, len(t.request.prompt_ids), t.logprobs[: len(t.output)]
+        )
         metrics.REQUESTS.labels(reason).inc()
         metrics.E2E.observe(t.finished - t.arrival)
         if len(t.output) > 1:

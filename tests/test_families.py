@@ -245,10 +245,23 @@ def test_the_stack_with_streamed_experts_matches_transformers(
     s.start(timeout=120)
     try:
         with GenerationClient(s.api_address, timeout=120) as c:
-            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS])
+            done = c.batch_generate(
+                [Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True, logprobs=20) for p in PROMPTS]
+            )
     finally:
         s.stop()
     assert [d.token_ids for d in done] == [hf_reference[i][0] for i in range(len(PROMPTS))]
+    # the logits through the stack: the top-20 log-probabilities at every step of prefill + 16 decode
+    # steps, against log_softmax of transformers' logits, within 1e-4 x max(1, max|logit|)
+    for i, d in enumerate(done):
+        assert len(d.logprobs) == STEPS
+        for step, (ours, ref) in enumerate(zip(d.logprobs, hf_reference[i][1], strict=True)):
+            ref_lp = torch.log_softmax(ref, dim=-1)
+            tol = 1e-4 * max(1.0, ref.abs().max().item())
+            got = torch.tensor(ours["top_logprobs"])
+            assert ours["top_token_ids"][0] == int(ref.argmax()) and len(got) == 20
+            assert (got - ref_lp[ours["top_token_ids"]]).abs().max().item() <= tol, f"prompt {i} step {step}"
+            assert abs(ours["logprob"] - ref_lp[ours["token_id"]].item()) <= tol
     assert s.leaked_segments() == []
 
 

@@ -77,6 +77,7 @@ requests = st.fixed_dictionaries(
         "seed": st.none() | st.integers(0, 2**63 - 1),
         "stop": st.lists(st.text(max_size=12), max_size=20),
         "ignore_eos": st.booleans(),
+        "logprobs": st.integers(0, 40),  # above 20 is refused
     }
 )
 
@@ -92,6 +93,7 @@ def test_random_requests_get_a_result_or_a_documented_status(stack: Stack, req: 
             assert exc.details(), "a rejection must say why"
         else:
             assert 1 <= len(out.token_ids) <= req["max_new_tokens"]
+            assert len(out.logprobs) == (len(out.token_ids) if req["logprobs"] else 0)
     assert _healthy(stack)
 
 

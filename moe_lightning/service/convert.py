@@ -10,7 +10,7 @@ from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.arena import ArenaLayout, Page
 from moe_lightning.hrm.calibrate import Measurements
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
-from moe_lightning.sampling import SamplingParams
+from moe_lightning.sampling import SamplingParams, TokenLogprobs
 from moe_lightning.spec import ModelSpec
 
 DTYPE_TO_PB = {
@@ -62,11 +62,23 @@ def layout_from_pb(pages: list[common_pb2.TensorDescriptor], total_bytes: int) -
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
-    return common_pb2.SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)
+    return common_pb2.SamplingParams(
+        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed, logprobs=p.logprobs
+    )
 
 
 def sampling_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(m.temperature, m.top_k, m.top_p, m.seed if m.HasField("seed") else None)
+    return SamplingParams(m.temperature, m.top_k, m.top_p, m.seed if m.HasField("seed") else None, m.logprobs)
+
+
+def logprobs_to_pb(t: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    return common_pb2.TokenLogprobs(
+        token_id=t.token_id, logprob=t.logprob, top_token_ids=t.top_token_ids, top_logprobs=t.top_logprobs
+    )
+
+
+def logprobs_from_pb(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(m.token_id, m.logprob, list(m.top_token_ids), list(m.top_logprobs))
 
 
 def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
@@ -115,12 +127,17 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
 
 def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
     return gpu_expert_pb2.StepResponse(
-        seq_ids=out.seq_ids, token_ids=out.token_ids, timings=common_pb2.StageTimings(duration_ns=out.timings_ns)
+        seq_ids=out.seq_ids,
+        token_ids=out.token_ids,
+        timings=common_pb2.StageTimings(duration_ns=out.timings_ns),
+        logprob_seq_ids=list(out.logprobs),
+        logprobs=[logprobs_to_pb(t) for t in out.logprobs.values()],
     )
 
 
 def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
-    return StepOutput(list(m.seq_ids), list(m.token_ids), dict(m.timings.duration_ns))
+    logprobs = {s: logprobs_from_pb(t) for s, t in zip(m.logprob_seq_ids, m.logprobs, strict=True)}
+    return StepOutput(list(m.seq_ids), list(m.token_ids), dict(m.timings.duration_ns), logprobs)
 
 
 def measurements_to_pb(m: Measurements) -> common_pb2.HardwareMeasurements:

@@ -17,7 +17,7 @@ from prometheus_client import Counter
 
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
-from moe_lightning.sampling import SamplingParams, sample
+from moe_lightning.sampling import SamplingParams, sample, token_logprobs
 from moe_lightning.service.errors import NotReadyError, ServiceError
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
@@ -196,6 +196,11 @@ class ExpertRunner:
         works = [w for st in states for w in st.works]
         chosen = [self.samplers[w.seq_id] for w in works]
         tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
+        logprobs = {
+            w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
+            for b, (w, c) in enumerate(zip(works, chosen, strict=True))
+            if c[0].logprobs
+        }
         timings["head"] = time.perf_counter_ns() - t0
         self.timeline.record("device", "head", plan.step_id, -1, -1, t0)
         timings["step"] = time.perf_counter_ns() - t_start
@@ -212,7 +217,7 @@ class ExpertRunner:
                 self.export_routing()
             if self.residency_interval and self._decode_steps % self.residency_interval == 0:
                 self.rebalance()
-        return StepOutput([w.seq_id for w in works], tokens, timings)
+        return StepOutput([w.seq_id for w in works], tokens, timings, logprobs)
 
     def _send(
         self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: _MicroBatchState, timings: dict[str, int]

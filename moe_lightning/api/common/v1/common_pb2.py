@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(moe_lightning/api/common/v1/common.proto\x12\x1bmoe_lightning.api.common.v1\"\x92\x01\n\x10TensorDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x31\n\x05\x64type\x18\x05 \x01(\x0e\x32\".moe_lightning.api.common.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\x03\"\xc7\x02\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x19\n\x11intermediate_size\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0bnum_experts\x18\x08 \x01(\r\x12\r\n\x05top_k\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x0b \x01(\r\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x16\n\x0enum_parameters\x18\r \x01(\x04\x12\x11\n\tspec_json\x18\x0e \x01(\t\x12\x12\n\nmodel_path\x18\x0f \x01(\t\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x91\x01\n\x0cStageTimings\x12N\n\x0b\x64uration_ns\x18\x01 \x03(\x0b\x32\x39.moe_lightning.api.common.v1.StageTimings.DurationNsEntry\x1a\x31\n\x0f\x44urationNsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xda\x01\n\x14HardwareMeasurements\x12\x14\n\x0cmatmul_flops\x18\x01 \x01(\x01\x12\x1f\n\x17weight_stream_bandwidth\x18\x02 \x01(\x01\x12\x1b\n\x13\x61ttention_bandwidth\x18\x03 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x01\x12\x15\n\rh2d_bandwidth\x18\x05 \x01(\x01\x12\x15\n\rd2h_bandwidth\x18\x06 \x01(\x01\x12\x1a\n\x12shared_host_device\x18\x07 \x01(\x08\x12\x0e\n\x06source\x18\x08 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(moe_lightning/api/common/v1/common.proto\x12\x1bmoe_lightning.api.common.v1\"\x92\x01\n\x10TensorDescriptor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06region\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\x31\n\x05\x64type\x18\x05 \x01(\x0e\x32\".moe_lightning.api.common.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\x03\"\xc7\x02\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x19\n\x11intermediate_size\x18\x04 \x01(\r\x12\x11\n\tnum_heads\x18\x05 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x06 \x01(\r\x12\x10\n\x08head_dim\x18\x07 \x01(\r\x12\x13\n\x0bnum_experts\x18\x08 \x01(\r\x12\r\n\x05top_k\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x0b \x01(\r\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x16\n\x0enum_parameters\x18\r \x01(\x04\x12\x11\n\tspec_json\x18\x0e \x01(\t\x12\x12\n\nmodel_path\x18\x0f \x01(\t\"q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\x05 \x01(\rB\x07\n\x05_seed\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x91\x01\n\x0cStageTimings\x12N\n\x0b\x64uration_ns\x18\x01 \x03(\x0b\x32\x39.moe_lightning.api.common.v1.StageTimings.DurationNsEntry\x1a\x31\n\x0f\x44urationNsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xda\x01\n\x14HardwareMeasurements\x12\x14\n\x0cmatmul_flops\x18\x01 \x01(\x01\x12\x1f\n\x17weight_stream_bandwidth\x18\x02 \x01(\x01\x12\x1b\n\x13\x61ttention_bandwidth\x18\x03 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x04 \x01(\x01\x12\x15\n\rh2d_bandwidth\x18\x05 \x01(\x01\x12\x15\n\rd2h_bandwidth\x18\x06 \x01(\x01\x12\x1a\n\x12shared_host_device\x18\x07 \x01(\x08\x12\x0e\n\x06source\x18\x08 \x01(\t*z\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_INT64\x10\x04\x12\x0f\n\x0b\x44TYPE_INT32\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STAGETIMINGS_DURATIONNSENTRY']._loaded_options = None
   _globals['_STAGETIMINGS_DURATIONNSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=1018
-  _globals['_DTYPE']._serialized_end=1140
+  _globals['_DTYPE']._serialized_start=1133
+  _globals['_DTYPE']._serialized_end=1255
   _globals['_TENSORDESCRIPTOR']._serialized_start=74
   _globals['_TENSORDESCRIPTOR']._serialized_end=220
   _globals['_MODELINFO']._serialized_start=223
   _globals['_MODELINFO']._serialized_end=550
   _globals['_SAMPLINGPARAMS']._serialized_start=552
-  _globals['_SAMPLINGPARAMS']._serialized_end=647
-  _globals['_STAGETIMINGS']._serialized_start=650
-  _globals['_STAGETIMINGS']._serialized_end=795
-  _globals['_STAGETIMINGS_DURATIONNSENTRY']._serialized_start=746
-  _globals['_STAGETIMINGS_DURATIONNSENTRY']._serialized_end=795
-  _globals['_HARDWAREMEASUREMENTS']._serialized_start=798
-  _globals['_HARDWAREMEASUREMENTS']._serialized_end=1016
+  _globals['_SAMPLINGPARAMS']._serialized_end=665
+  _globals['_TOKENLOGPROBS']._serialized_start=667
+  _globals['_TOKENLOGPROBS']._serialized_end=762
+  _globals['_STAGETIMINGS']._serialized_start=765
+  _globals['_STAGETIMINGS']._serialized_end=910
+  _globals['_STAGETIMINGS_DURATIONNSENTRY']._serialized_start=861
+  _globals['_STAGETIMINGS_DURATIONNSENTRY']._serialized_end=910
+  _globals['_HARDWAREMEASUREMENTS']._serialized_start=913
+  _globals['_HARDWAREMEASUREMENTS']._serialized_end=1131
 # @@protoc_insertion_point(module_scope)
