@@ -283,7 +283,8 @@ def _parse_olmoe(config: dict[str, Any], arch: str) -> ModelSpec:
     )
 
 
-def _only_sparse_layers(config: dict[str, Any], arch: str) -> None:
+def _qwen_moe(config: dict[str, Any], arch: str, **family: Any) -> ModelSpec:
+    """What Qwen2-MoE and Qwen3-MoE share; `family` adds their differences."""
     dense = config.get("mlp_only_layers") or []
     step = int(config.get("decoder_sparse_step", 1))
     if dense or step != 1:
@@ -291,36 +292,29 @@ def _only_sparse_layers(config: dict[str, Any], arch: str) -> None:
             f"{arch} with dense decoder layers (mlp_only_layers = {dense}, decoder_sparse_step = {step}) "
             "is not supported yet; supported: every layer sparse (mlp_only_layers = [], decoder_sparse_step = 1)"
         )
-
-
-def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> ModelSpec:
-    _only_sparse_layers(config, arch)
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
-    return ModelSpec(
-        **_common(config, arch, 10_000.0, 1e-6),
-        intermediate_size=int(_require(config, "moe_intermediate_size")),
-        num_experts=int(config.get("num_experts") or _require(config, "num_local_experts")),
-        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        sliding_window=window,
-        eos_token_ids=_eos_ids(config.get("eos_token_id")),
-        qkv_bias=bool(config.get("qkv_bias", True)),  # Qwen1.5/2-MoE checkpoints always have them
-        shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
-    )
-
-
-def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
-    _only_sparse_layers(config, arch)
-    window = config.get("sliding_window") if config.get("use_sliding_window") else None
     return ModelSpec(
         **_common(config, arch, 10_000.0, 1e-6),
         intermediate_size=int(_require(config, "moe_intermediate_size")),
         # released configs say num_experts; transformers 5 writes num_local_experts
         num_experts=int(config.get("num_experts") or _require(config, "num_local_experts")),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-        sliding_window=window,
+        sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
         eos_token_ids=_eos_ids(config.get("eos_token_id")),
-        qk_norm="head",
+        **family,
     )
+
+
+def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+    return _qwen_moe(
+        config,
+        arch,
+        qkv_bias=bool(config.get("qkv_bias", True)),  # Qwen1.5/2-MoE checkpoints always have them
+        shared_expert_size=int(config.get("shared_expert_intermediate_size") or 0),
+    )
+
+
+def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+    return _qwen_moe(config, arch, qk_norm="head")
 
 
 def _parse_dbrx(config: dict[str, Any], arch: str) -> ModelSpec:
