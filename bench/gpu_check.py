@@ -108,14 +108,16 @@ def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budg
     from services.gpu_expert.residency import DeviceBudgetError, plan_residency
 
     layout = ArenaLayout.for_spec(spec, dtype)
-    w13, w2 = (layout.pages[n] for n in expert_page_names(0, 0))
+    w13, w2 = (layout.pages[n] for n in expert_page_names(spec.experts_per_layer.index(spec.num_experts), 0))
     expert = w13.nbytes + w2.nbytes
-    total = spec.num_layers * spec.num_experts
+    total = spec.total_experts
     dense = layout.total_bytes - total * expert
     target = round(resident_fraction * total)
     for slots in range(total + 1):  # at slots == total everything fits, so this always returns
         try:
-            plan = plan_residency(spec.num_layers, spec.num_experts, expert, dense, dense + slots * expert)
+            plan = plan_residency(
+                spec.num_layers, spec.num_experts, expert, dense, dense + slots * expert, dense_layers=spec.dense_layers
+            )
         except DeviceBudgetError:
             continue
         resident = sum(len(r) for r in plan.resident)

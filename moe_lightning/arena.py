@@ -19,7 +19,7 @@ from moe_lightning.spec import DTYPES, ModelSpec
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 
 PAGE_ALIGN = 4096
-LAYOUT_VERSION = 1  # bump when the page set or order changes: invalidates on-disk copies
+LAYOUT_VERSION = 2  # bump when the page set or order changes: invalidates on-disk copies
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,11 +67,15 @@ def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{p}.k_norm", (k_norm,)
         if spec.qkv_bias:
             yield f"{p}.wqkv_bias", (spec.q_size + 2 * spec.kv_size,)
-        if spec.shared_expert_size:
+        if spec.shared_expert_size and spec.is_sparse(i):  # part of the sparse block, not of a dense layer
             yield f"{p}.shared.w13", (2 * spec.shared_expert_size, d)
             yield f"{p}.shared.w2", (d, spec.shared_expert_size)
             yield f"{p}.shared_gate", (1, d)
         yield f"{p}.ffn_norm", (d,)
+        if not spec.is_sparse(i):
+            yield f"{p}.mlp.w13", (2 * spec.dense_intermediate_size, d)
+            yield f"{p}.mlp.w2", (d, spec.dense_intermediate_size)
+            continue
         yield f"{p}.router", (spec.num_experts, d)
         for e in range(spec.num_experts):
             yield f"{p}.experts.{e}.w13", (2 * inter, d)
@@ -121,9 +125,10 @@ def fill_arena(
         for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm", "wqkv_bias", "shared_gate"):
             if getattr(layer, field) is not None:
                 put(f"{p}.{field}", getattr(layer, field))
-        if layer.shared is not None:
-            put(f"{p}.shared.w13", layer.shared.w13)
-            put(f"{p}.shared.w2", layer.shared.w2)
+        for kind, mlp in (("shared", layer.shared), ("mlp", layer.mlp)):
+            if mlp is not None:
+                put(f"{p}.{kind}.w13", mlp.w13)
+                put(f"{p}.{kind}.w2", mlp.w2)
         for e, expert in enumerate(layer.experts):
             w13, w2 = expert_page_names(i, e)
             put(w13, expert.w13)
@@ -156,23 +161,25 @@ def weights_from_arena(
     for i in range(spec.num_layers):
         p = f"layers.{i}"
         experts = [
-            ExpertWeights(*(get(n, experts_on_host) for n in expert_page_names(i, e))) for e in range(spec.num_experts)
+            ExpertWeights(*(get(n, experts_on_host) for n in expert_page_names(i, e)))
+            for e in range(spec.experts_in(i))
         ]
+        sparse = spec.is_sparse(i)
+        shared = sparse and spec.shared_expert_size > 0
         layers.append(
             LayerWeights(
                 attn_norm=get(f"{p}.attn_norm"),
                 wqkv=get(f"{p}.wqkv"),
                 wo=get(f"{p}.wo"),
                 ffn_norm=get(f"{p}.ffn_norm"),
-                router=get(f"{p}.router"),
+                router=get(f"{p}.router") if sparse else None,
                 experts=experts,
                 q_norm=get(f"{p}.q_norm") if spec.qk_norm else None,
                 k_norm=get(f"{p}.k_norm") if spec.qk_norm else None,
                 wqkv_bias=get(f"{p}.wqkv_bias") if spec.qkv_bias else None,
-                shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2"))
-                if spec.shared_expert_size
-                else None,
-                shared_gate=get(f"{p}.shared_gate") if spec.shared_expert_size else None,
+                shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2")) if shared else None,
+                shared_gate=get(f"{p}.shared_gate") if shared else None,
+                mlp=None if sparse else ExpertWeights(get(f"{p}.mlp.w13"), get(f"{p}.mlp.w2")),
             )
         )
     lm_head = get("lm_head") if "lm_head" in layout.pages else embed

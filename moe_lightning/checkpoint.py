@@ -185,12 +185,18 @@ def load_layer(
     q = reader.get(f"{p}.self_attn.q_proj.weight", (spec.q_size, d))
     k = reader.get(f"{p}.self_attn.k_proj.weight", (spec.kv_size, d))
     v = reader.get(f"{p}.self_attn.v_proj.weight", (spec.kv_size, d))
-    experts = _load_experts(reader, spec, p, dtype, device)
-    if len(experts) != e:
-        raise CheckpointError(f"layer {i}: found {len(experts)} experts, config says {e}")
-    router_name = f"{p}.block_sparse_moe.gate.weight"
-    if router_name not in reader:
-        router_name = f"{p}.mlp.gate.weight"
+    router = mlp = None
+    experts: list[ExpertWeights] = []
+    if spec.is_sparse(i):
+        experts = _load_experts(reader, spec, p, dtype, device)
+        if len(experts) != e:
+            raise CheckpointError(f"layer {i}: found {len(experts)} experts, config says {e}")
+        router_name = f"{p}.block_sparse_moe.gate.weight"
+        if router_name not in reader:
+            router_name = f"{p}.mlp.gate.weight"
+        router = get(router_name, (e, d))
+    else:  # a dense layer (Qwen-MoE): one SwiGLU MLP
+        mlp = _load_mlp(reader, f"{p}.mlp", d, spec.dense_intermediate_size, dtype, device)
     bias = shared = shared_gate = None
     if spec.qkv_bias:
         bias = torch.cat(
@@ -201,13 +207,8 @@ def load_layer(
             ]
         )
         bias = _convert(bias, dtype, device)
-    if spec.shared_expert_size:
-        se, inter = f"{p}.mlp.shared_expert", spec.shared_expert_size
-        w1 = reader.get(f"{se}.gate_proj.weight", (inter, d))
-        w3 = reader.get(f"{se}.up_proj.weight", (inter, d))
-        shared = ExpertWeights(
-            _convert(torch.cat([w1, w3], dim=0), dtype, device), get(f"{se}.down_proj.weight", (d, inter))
-        )
+    if spec.shared_expert_size and spec.is_sparse(i):
+        shared = _load_mlp(reader, f"{p}.mlp.shared_expert", d, spec.shared_expert_size, dtype, device)
         shared_gate = get(f"{p}.mlp.shared_expert_gate.weight", (1, d))
     q_norm = k_norm = None
     if spec.qk_norm is not None:
@@ -219,14 +220,25 @@ def load_layer(
         wqkv=_convert(torch.cat([q, k, v], dim=0), dtype, device),
         wo=get(f"{p}.self_attn.o_proj.weight", (d, spec.q_size)),
         ffn_norm=get(f"{p}.post_attention_layernorm.weight", (d,)),
-        router=get(router_name, (e, d)),
+        router=router,
         experts=experts,
         q_norm=q_norm,
         k_norm=k_norm,
         wqkv_bias=bias,
         shared=shared,
         shared_gate=shared_gate,
+        mlp=mlp,
     )
+
+
+def _load_mlp(
+    reader: CheckpointReader, prefix: str, d: int, inter: int, dtype: torch.dtype, device: torch.device | str
+) -> ExpertWeights:
+    """A SwiGLU MLP stored as {gate,up,down}_proj (Qwen-MoE's shared expert and dense layers)."""
+    w1 = reader.get(f"{prefix}.gate_proj.weight", (inter, d))
+    w3 = reader.get(f"{prefix}.up_proj.weight", (inter, d))
+    w2 = reader.get(f"{prefix}.down_proj.weight", (d, inter))
+    return ExpertWeights(_convert(torch.cat([w1, w3], dim=0), dtype, device), _convert(w2, dtype, device))
 
 
 def _load_dbrx_layer(

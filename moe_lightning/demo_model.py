@@ -138,11 +138,12 @@ def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str 
             num_experts=experts,
             moe_intermediate_size=config["intermediate_size"],
             shared_expert_intermediate_size=2 * config["intermediate_size"],
-            intermediate_size=4 * config["hidden_size"],  # the dense MLP width, unused: every layer is sparse
+            intermediate_size=4 * config["hidden_size"],  # the dense layers' MLP width
             qkv_bias=True,
             norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            # a preset may make some layers dense; by default every layer is sparse
+            decoder_sparse_step=config.get("decoder_sparse_step", 1),
+            mlp_only_layers=config.get("mlp_only_layers", []),
             rms_norm_eps=1e-6,
             use_sliding_window=False,
         )
@@ -152,11 +153,11 @@ def demo_config(preset: str | dict[str, Any], arch: str = "mixtral", dtype: str 
             model_type="qwen3_moe",
             num_experts=experts,
             moe_intermediate_size=config["intermediate_size"],
-            intermediate_size=4 * config["hidden_size"],  # the dense MLP width, unused: every layer is sparse
+            intermediate_size=4 * config["hidden_size"],  # the dense layers' MLP width
             head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
             norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
+            decoder_sparse_step=config.get("decoder_sparse_step", 1),
+            mlp_only_layers=config.get("mlp_only_layers", []),
             rms_norm_eps=1e-6,
             use_sliding_window=False,
         )
@@ -196,11 +197,13 @@ def _random_state_dict(
         if spec.qkv_bias:
             for proj, size in (("q_proj", spec.q_size), ("k_proj", spec.kv_size), ("v_proj", spec.kv_size)):
                 sd[f"{p}.self_attn.{proj}.bias"] = normal(size)
+        if not spec.is_sparse(i):  # a dense layer: one MLP
+            for name, shape in _mlp_shapes(d, spec.dense_intermediate_size):
+                sd[f"{p}.mlp.{name}.weight"] = normal(*shape)
+            continue
         if spec.shared_expert_size:
-            se = f"{p}.mlp.shared_expert"
-            sd[f"{se}.gate_proj.weight"] = normal(spec.shared_expert_size, d)
-            sd[f"{se}.up_proj.weight"] = normal(spec.shared_expert_size, d)
-            sd[f"{se}.down_proj.weight"] = normal(d, spec.shared_expert_size)
+            for name, shape in _mlp_shapes(d, spec.shared_expert_size):
+                sd[f"{p}.mlp.shared_expert.{name}.weight"] = normal(*shape)
             sd[f"{p}.mlp.shared_expert_gate.weight"] = normal(1, d)
         mixtral = spec.architecture == "MixtralForCausalLM"
         moe = f"{p}.block_sparse_moe" if mixtral else f"{p}.mlp"
@@ -215,6 +218,10 @@ def _random_state_dict(
     if not spec.tie_word_embeddings:
         sd["lm_head.weight"] = normal(spec.vocab_size, d)
     return sd
+
+
+def _mlp_shapes(d: int, inter: int) -> tuple[tuple[str, tuple[int, int]], ...]:
+    return ("gate_proj", (inter, d)), ("up_proj", (inter, d)), ("down_proj", (d, inter))
 
 
 def _random_dbrx_state_dict(
@@ -289,7 +296,7 @@ def write_demo_model(
     arch: str = "mixtral",
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json and generation_config.json of `arch`
-    (mixtral, olmoe or qwen3-moe) with the preset's shapes.
+    (one of ARCHS) with the preset's shapes.
 
     `device`: where the random weights are generated (see `_random_state_dict`); they are saved from
     host memory either way."""

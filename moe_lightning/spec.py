@@ -76,6 +76,8 @@ class ModelSpec:
     topk_norm_p: float = 1.0  # with norm_topk_prob: divide the top-k weights by their L_p norm (DBRX's p)
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
     shared_expert_size: int = 0  # intermediate width of an always-on shared expert with a sigmoid gate; 0: none
+    dense_layers: tuple[int, ...] = ()  # layers whose FFN is one dense SwiGLU MLP, no router (Qwen-MoE)
+    dense_intermediate_size: int = 0  # Id, that MLP's width
 
     def __post_init__(self) -> None:
         positive = (
@@ -119,6 +121,18 @@ class ModelSpec:
             raise ModelSpecError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.shared_expert_size < 0:
             raise ModelSpecError(f"shared_expert_size must be >= 0, got {self.shared_expert_size!r}")
+        if tuple(sorted(set(self.dense_layers))) != tuple(self.dense_layers) or any(
+            not 0 <= i < self.num_layers for i in self.dense_layers
+        ):
+            raise ModelSpecError(
+                f"dense_layers must be distinct, sorted layer indices in 0..{self.num_layers - 1}, "
+                f"got {list(self.dense_layers)}"
+            )
+        if self.dense_layers and self.dense_intermediate_size <= 0:
+            raise ModelSpecError(
+                f"dense layers {list(self.dense_layers)} need a positive intermediate_size, "
+                f"got {self.dense_intermediate_size!r}"
+            )
         if not self.topk_norm_p > 0:
             raise ModelSpecError(f"topk_norm_p must be positive, got {self.topk_norm_p!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -142,6 +156,26 @@ class ModelSpec:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def experts_in(self, layer: int) -> int:
+        """Experts of `layer`: E, or 0 for a dense layer."""
+        return self.num_experts if self.is_sparse(layer) else 0
+
+    @property
+    def experts_per_layer(self) -> tuple[int, ...]:
+        return tuple(self.experts_in(i) for i in range(self.num_layers))
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return self.num_layers - len(self.dense_layers)
+
+    @property
+    def total_experts(self) -> int:
+        """(layer, expert) pairs: what residency and streaming count over."""
+        return self.num_sparse_layers * self.num_experts
+
     def expert_params(self) -> int:
         """Parameters of one expert (gate, up and down projections)."""
         return 3 * self.hidden_size * self.intermediate_size
@@ -151,9 +185,12 @@ class ModelSpec:
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + sum(self.qk_norm_shapes())
         attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         shared = 3 * d * self.shared_expert_size + (d if self.shared_expert_size else 0)
-        per_layer = attn + 2 * d + self.num_experts * d + self.num_experts * self.expert_params() + shared
+        per_layer = attn + 2 * d
+        sparse = self.num_experts * d + self.num_experts * self.expert_params() + shared
+        dense = 3 * d * self.dense_intermediate_size
         head = 0 if self.tie_word_embeddings else v * d
-        return v * d + self.num_layers * per_layer + d + head
+        layers = self.num_layers * per_layer + self.num_sparse_layers * sparse + len(self.dense_layers) * dense
+        return v * d + layers + d + head
 
     def qk_norm_shapes(self) -> tuple[int, int]:
         """(q norm size, k norm size); (0, 0) without q/k norms."""
@@ -166,6 +203,7 @@ class ModelSpec:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
+        out["dense_layers"] = list(self.dense_layers)
         return out
 
     # ---- parsing -------------------------------------------------------------------------------
@@ -285,12 +323,12 @@ def _parse_olmoe(config: dict[str, Any], arch: str) -> ModelSpec:
 
 def _qwen_moe(config: dict[str, Any], arch: str, **family: Any) -> ModelSpec:
     """What Qwen2-MoE and Qwen3-MoE share; `family` adds their differences."""
-    dense = config.get("mlp_only_layers") or []
-    step = int(config.get("decoder_sparse_step", 1))
-    if dense or step != 1:
+    layers = int(_require(config, "num_hidden_layers"))
+    dense = _qwen_dense_layers(config, layers)
+    if len(dense) == layers:
         raise ModelSpecError(
-            f"{arch} with dense decoder layers (mlp_only_layers = {dense}, decoder_sparse_step = {step}) "
-            "is not supported yet; supported: every layer sparse (mlp_only_layers = [], decoder_sparse_step = 1)"
+            f"every layer of this {arch} is dense (mlp_only_layers = {config.get('mlp_only_layers')}, "
+            f"decoder_sparse_step = {config.get('decoder_sparse_step')}): it is not a mixture of experts"
         )
     return ModelSpec(
         **_common(config, arch, 10_000.0, 1e-6),
@@ -300,8 +338,22 @@ def _qwen_moe(config: dict[str, Any], arch: str, **family: Any) -> ModelSpec:
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         sliding_window=config.get("sliding_window") if config.get("use_sliding_window") else None,
         eos_token_ids=_eos_ids(config.get("eos_token_id")),
+        dense_layers=dense,
+        dense_intermediate_size=int(_require(config, "intermediate_size")) if dense else 0,
         **family,
     )
+
+
+def _qwen_dense_layers(config: dict[str, Any], layers: int) -> tuple[int, ...]:
+    """transformers' rule: layer i is sparse unless listed in mlp_only_layers or (i + 1) is not a
+    multiple of decoder_sparse_step."""
+    only = config.get("mlp_only_layers") or []
+    step = config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ModelSpecError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(only, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in only):
+        raise ModelSpecError(f"mlp_only_layers must list layer indices in 0..{layers - 1}, got {only!r}")
+    return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
 
 def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> ModelSpec:

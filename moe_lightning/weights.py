@@ -29,19 +29,22 @@ class LayerWeights:
     wqkv: torch.Tensor  # ((H + 2K) * Hd, D)
     wo: torch.Tensor  # (D, H * Hd)
     ffn_norm: torch.Tensor  # (D,)
-    router: torch.Tensor  # (E, D)
-    experts: Sequence[ExpertWeights]  # E entries
+    router: torch.Tensor | None  # (E, D); None in a dense layer
+    experts: Sequence[ExpertWeights]  # E entries; none in a dense layer
     q_norm: torch.Tensor | None = None  # (H * Hd,) over the projection (OLMoE) or (Hd,) per head (Qwen3)
     k_norm: torch.Tensor | None = None  # (K * Hd,) or (Hd,)
     wqkv_bias: torch.Tensor | None = None  # ((H + 2K) * Hd,) (Qwen2-MoE)
     shared: ExpertWeights | None = None  # an always-on expert (2Is, D) / (D, Is) (Qwen2-MoE)
     shared_gate: torch.Tensor | None = None  # (1, D): sigmoid gate of the shared expert
+    mlp: ExpertWeights | None = None  # a dense layer's FFN (2Id, D) / (D, Id), in place of router + experts
 
     def dense_tensors(self) -> Iterator[torch.Tensor]:
-        yield from (self.attn_norm, self.wqkv, self.wo, self.ffn_norm, self.router)
-        yield from (t for t in (self.q_norm, self.k_norm, self.wqkv_bias, self.shared_gate) if t is not None)
-        if self.shared is not None:
-            yield from self.shared.tensors()
+        yield from (self.attn_norm, self.wqkv, self.wo, self.ffn_norm)
+        optional = (self.router, self.q_norm, self.k_norm, self.wqkv_bias, self.shared_gate)
+        yield from (t for t in optional if t is not None)
+        for mlp in (self.shared, self.mlp):
+            if mlp is not None:
+                yield from mlp.tensors()
 
 
 @dataclass(slots=True)

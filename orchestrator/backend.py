@@ -42,7 +42,7 @@ class Capacity:
     def placements(self, spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(attention, experts) placements the running services support."""
         attention = ("cpu", "gpu") if self.device_kv_blocks else ("cpu",)
-        if self.resident_experts >= spec.num_layers * spec.num_experts:
+        if self.resident_experts >= spec.total_experts:
             return attention, ("gpu",)  # everything is on the device: nothing to place
         return attention, (("gpu", "cpu") if self.expert_ring_slots else ("cpu",))
 

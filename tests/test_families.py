@@ -1,14 +1,17 @@
 """More MoE families, expressed as data (ModelSpec fields, weight names) plus small stage variants,
 exact against transformers' own model class: OLMoE (q/k RMSNorm over the projection, optional
-clip_qkv, top-k weights not renormalised), Qwen3-MoE (q/k RMSNorm per head, norm_topk_prob) and DBRX
-(fused Wqkv with clip_qkv, LayerNorm without bias, experts stored as (E * I, D) blocks, top-k weights
-divided by their L_p norm).
+clip_qkv, top-k weights not renormalised), Qwen2-MoE (QKV bias, shared expert with a sigmoid gate),
+Qwen3-MoE (q/k RMSNorm per head, norm_topk_prob), both with dense decoder layers (mlp_only_layers,
+decoder_sparse_step), and DBRX (fused Wqkv with clip_qkv, LayerNorm without bias, experts stored as
+(E * I, D) blocks, top-k weights divided by their L_p norm).
 In process: a ragged batch, prefill + 16 greedy decode steps, logits within 1e-4 x max(1, |logit|)
 at every step. Through the whole multi-process stack, with experts streamed: identical tokens."""
 
 from __future__ import annotations
 
 import os
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -84,9 +87,10 @@ CONFIGS = {
             bos_token_id=1,
         ),
     ),
-    "qwen3_moe_top4_unnormalised": (
+    "qwen3_moe_top4_unnormalised_dense1": (  # layer 1 is dense (mlp_only_layers)
         "qwen3_moe",
         dict(
+            mlp_only_layers=[1],
             vocab_size=300,
             hidden_size=32,
             intermediate_size=64,
@@ -154,15 +158,17 @@ CONFIGS["qwen2_moe_shared_gqa"] = (  # QKV bias, a shared expert with its sigmoi
         bos_token_id=1,
     ),
 )
-CONFIGS["qwen2_moe_top4_norm"] = (  # multi-head, 10 experts top-4 renormalised, a narrow shared expert
+CONFIGS["qwen2_moe_top4_norm_step2"] = (  # multi-head, 10 experts top-4 renormalised, a narrow shared
+    # expert; decoder_sparse_step 2: layers 0 and 2 are dense, 1 and 3 have experts
     "qwen2_moe",
     dict(
+        decoder_sparse_step=2,
         vocab_size=200,
         hidden_size=48,
         intermediate_size=64,
         moe_intermediate_size=24,
         shared_expert_intermediate_size=16,
-        num_hidden_layers=3,
+        num_hidden_layers=4,
         num_attention_heads=3,
         num_key_value_heads=3,
         num_experts=10,
@@ -203,6 +209,11 @@ def test_spec_reads_the_family(family_model: Path) -> None:
     assert (spec.shared_expert_size > 0) == (spec.architecture == "Qwen2MoeForCausalLM")
     assert spec.qk_norm == qk_norm[spec.architecture]
     assert spec.norm == ("layer" if spec.architecture == "DbrxForCausalLM" else "rms")
+    hf = load_hf(family_model)
+    assert spec.num_parameters() == sum(p.numel() for p in hf.parameters())
+    if spec.architecture.startswith("Qwen"):  # transformers' own rule decides which layers are dense
+        mlps = [type(layer.mlp).__name__ for layer in hf.model.layers]
+        assert list(spec.dense_layers) == [i for i, name in enumerate(mlps) if name.endswith("MLP")]
 
 
 def test_ragged_batch_matches_transformers(family_model: Path, hf_reference: dict) -> None:
@@ -248,8 +259,11 @@ def test_the_stack_with_streamed_experts_matches_transformers(
             done = c.batch_generate(
                 [Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True, logprobs=20) for p in PROMPTS]
             )
+        with urllib.request.urlopen(s.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
+            metrics = r.read().decode()
     finally:
         s.stop()
+    assert float(re.search(r"^moe_lightning_expert_bytes_streamed_total (\S+)", metrics, re.M)[1]) > 0
     assert [d.token_ids for d in done] == [hf_reference[i][0] for i in range(len(PROMPTS))]
     # the logits through the stack: the top-20 log-probabilities at every step of prefill + 16 decode
     # steps, against log_softmax of transformers' logits, within 1e-4 x max(1, max|logit|)
@@ -269,10 +283,14 @@ def test_the_stack_with_streamed_experts_matches_transformers(
 def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
     """`make-demo-model --arch` needs no transformers to write, and transformers loads what it wrote
     with the right class and computes the same logits we do."""
-    from moe_lightning.demo_model import write_demo_model
+    from moe_lightning.demo_model import PRESETS, write_demo_model
 
-    out = write_demo_model(tmp_path / arch, "tiny", seed=5, progress=False, arch=arch)
+    preset: str | dict = "tiny"
+    if arch.startswith("qwen"):  # with a dense layer between two sparse ones
+        preset = PRESETS["tiny"] | {"num_hidden_layers": 3, "mlp_only_layers": [1]}
+    out = write_demo_model(tmp_path / arch, preset, seed=5, progress=False, arch=arch)
     spec = ModelSpec.from_pretrained(out)
+    assert spec.dense_layers == ((1,) if arch.startswith("qwen") else ())
     hf = load_hf(out)
     assert type(hf).__name__ == spec.architecture
     engine = InProcessEngine(spec, load_model_weights(out, spec, progress=False))

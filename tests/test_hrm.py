@@ -86,6 +86,26 @@ def test_cost_model_terms() -> None:
     )
 
 
+def test_dense_layers_count_as_dense_work() -> None:
+    """Half the layers dense (Qwen-MoE's decoder_sparse_step 2): the experts' compute and the streamed
+    bytes halve, the dense MLPs join the always-resident weights, the memory is the model's size."""
+    sparse = ARCHS["qwen3-30b-a3b"]
+    half = replace(sparse, dense_layers=tuple(range(0, sparse.num_layers, 2)), dense_intermediate_size=6144)
+    work, hw, policy = Workload(77, 32), PRESETS["t4"], Policy(64, 16)
+    a, b = estimate(sparse, work, hw, policy), estimate(half, work, hw, policy)
+    assert b.stage_work["gpu_experts"][0] == pytest.approx(a.stage_work["gpu_experts"][0] / 2)
+    assert b.stage_seconds["link_weights"] == pytest.approx(a.stage_seconds["link_weights"] / 2)
+    dense_mlp = 2 * 64 * 3 * 2048 * 6144 / 2  # per layer, averaged: half the layers have one
+    assert b.stage_work["gpu_dense"][0] - a.stage_work["gpu_dense"][0] == pytest.approx(
+        dense_mlp - 2 * 64 * 2048 * 128 / 2  # ... and half the routers are gone
+    )
+    for spec, est in ((sparse, a), (half, b)):  # host memory: the weights (within norms) plus KV
+        kv = 64 * work.max_context * 2 * spec.kv_size * 2 * spec.num_layers
+        weights = est.cpu_bytes - kv - 64 * (2 * spec.q_size + 2 * spec.kv_size) * 2 * 2
+        assert weights == pytest.approx(spec.num_parameters() * 2, rel=1e-3)
+    assert optimize(half, work, hw.with_gpus(4)).fits
+
+
 def test_nothing_fits_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="do not fit in 80% of host memory"):
         optimize(ARCHS["mixtral-8x22b"], Workload(77, 32), PRESETS["t4"])

@@ -58,25 +58,16 @@ def test_too_small_a_budget_is_an_error_at_start() -> None:
         plan_residency(4, 8, EB, DENSE, budget=DENSE - 1, stream=False)
 
 
-def _model(layers: int, experts: int) -> ModelWeights:
+def _model(layers: int, experts: int, dense: tuple[int, ...] = ()) -> ModelWeights:
     g = torch.Generator().manual_seed(0)
     z = torch.zeros(1)
-    return ModelWeights(
-        z,
-        [
-            LayerWeights(
-                z,
-                z,
-                z,
-                z,
-                z,
-                [ExpertWeights(torch.randn(6, 4, generator=g), torch.randn(4, 3, generator=g)) for _ in range(experts)],
-            )
-            for _ in range(layers)
-        ],
-        z,
-        z,
-    )
+
+    def layer(i: int) -> LayerWeights:
+        n = 0 if i in dense else experts
+        ids = [ExpertWeights(torch.randn(6, 4, generator=g), torch.randn(4, 3, generator=g)) for _ in range(n)]
+        return LayerWeights(z, z, z, z, None if i in dense else z, ids)
+
+    return ModelWeights(z, [layer(i) for i in range(layers)], z, z)
 
 
 EXPERT_BYTES = (6 * 4 + 4 * 3) * 4
@@ -177,5 +168,37 @@ def test_residency_update_and_reset_keep_experts_exact() -> None:
         pager.prefetch_page(1, 0, 1)
         pager.reset()  # a failed step: the next starts from layer 0 with an empty ring
         _run_steps(pager, host, steps=1, micro_batches=1)
+    finally:
+        pager.close()
+
+
+def test_dense_layers_hold_no_experts_and_residency_spreads_over_the_sparse_ones() -> None:
+    plan = plan_residency(5, 4, EB, DENSE, budget=DENSE + (3 * 1 + 6) * EB, dense_layers=(0, 2))
+    assert plan.experts_per_layer == (0, 4, 0, 4, 4)
+    assert [len(r) for r in plan.resident] == [0, 1, 0, 1, 1]  # r = 1 on each sparse layer
+    assert plan.ring_slots == 6 and plan.double_buffered and plan.streamed(0) == []
+    assert plan.next_sparse(2) == 3 and plan.next_sparse(5) == 1  # wraps to the next step
+    everything = plan_residency(5, 4, EB, DENSE, budget=DENSE + 12 * EB, dense_layers=(0, 2))
+    assert everything.ring_slots == 0 and everything.max_streamed == 0  # 3 sparse layers x 4 experts
+    host_only = plan_residency(5, 4, EB, DENSE, budget=DENSE + 7 * EB, stream=False, dense_layers=(0, 2))
+    assert [len(r) for r in host_only.resident] == [0, 3, 0, 2, 2]
+
+
+def test_the_pager_prefetches_across_a_dense_layer() -> None:
+    """While a dense layer computes, the pages of the next layer with experts are in flight."""
+    dense = (1, 2)
+    host = _model(5, 5, dense)
+    plan = plan_residency(5, 5, EXPERT_BYTES, 0, budget=(3 * 1 + 8) * EXPERT_BYTES, dense_layers=dense)
+    assert plan.double_buffered and plan.max_streamed == 4
+    engine = RecordingEngine()
+    pager = ExpertPager(host, plan, torch.device("cpu"), engine=engine)
+    try:
+        _run_steps(pager, host, steps=2, micro_batches=2)
+        # layer 0's pages at the start, then layer 3's at micro-batch grain while layer 0 computes,
+        # layer 4's while layer 3 does; a dense layer never copies
+        assert {layer for layer, _ in engine.jobs} == {0, 3, 4}
+        assert engine.jobs[:5] == [(0, 4), (3, 2), (3, 2), (4, 2), (4, 2)]
+        assert pager.bytes_streamed == (2 * 3 + 1) * 4 * EXPERT_BYTES
+        assert len(pager.begin_layer(1)) == 0
     finally:
         pager.close()

@@ -76,3 +76,26 @@ def test_missing_or_broken_config_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelSpecError, match="model_type 'gpt2' is not supported"):
         ModelSpec.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2-moe", "qwen3-moe"])
+def test_qwen_dense_layers_follow_transformers_rule(arch: str) -> None:
+    """Sparse unless in mlp_only_layers or (i + 1) % decoder_sparse_step != 0; the dense layers'
+    MLP is intermediate_size wide (the experts are moe_intermediate_size)."""
+    from moe_lightning.demo_model import demo_config
+
+    config = demo_config("tiny", arch) | {"num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    spec = ModelSpec.from_hf_config(config)
+    assert spec.dense_layers == (0, 2, 3, 4)
+    assert spec.experts_per_layer == (0, 4, 0, 0, 0, 4) and spec.total_experts == 8
+    assert spec.dense_intermediate_size == config["intermediate_size"] != spec.intermediate_size
+    sparse = ModelSpec.from_hf_config(demo_config("tiny", arch))
+    assert sparse.dense_layers == () and sparse.dense_intermediate_size == 0
+    for change, message in [
+        ({"decoder_sparse_step": 0}, "decoder_sparse_step must be a positive integer, got 0"),
+        ({"mlp_only_layers": [7]}, "mlp_only_layers must list layer indices in 0..1, got \\[7\\]"),
+        ({"mlp_only_layers": [0, 1]}, "every layer of this .* is dense"),
+        ({"decoder_sparse_step": 3}, "every layer of this .* is dense"),
+    ]:
+        with pytest.raises(ModelSpecError, match=message):
+            ModelSpec.from_hf_config(demo_config("tiny", arch) | change)

@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write("reference: ours with the whole model resident...\n")
         results["resident"] = _public(_ours(args, prompts, "r", trace_dir, device_memory=None))
         rows.append(("ours, whole model resident", results["resident"], "ours / it", 0.85))
-        if ours["resident_experts"] < spec.num_layers * spec.num_experts:  # the other expert placement
+        if ours["resident_experts"] < spec.total_experts:  # the other expert placement
             other = "gpu" if policy.get("experts") == "cpu" else "cpu"
             key, name = ("streamed", "experts streamed (copy)") if other == "gpu" else ("in_place", "experts in place")
             sys.stderr.write(f"ours with the {name}...\n")

@@ -99,14 +99,23 @@ def distinct_experts(tokens: float, spec: ModelSpec) -> float:
     return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
+def sparse_share(spec: ModelSpec) -> float:
+    """The share of layers with experts; the rest (Qwen-MoE's dense layers) run one dense MLP. The
+    model is per layer, so per-layer expert and MLP work is this share's average over all layers."""
+    return spec.num_sparse_layers / spec.num_layers
+
+
 def weight_bytes(spec: ModelSpec, b: int) -> dict[str, float]:
     h1, h2, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
     attn = h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
+    f = sparse_share(spec)
+    # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device; so
+    # does a dense layer's MLP
+    ffn_dense = f * (e * h1 + 3 * h1 * spec.shared_expert_size) + (1 - f) * 3 * h1 * spec.dense_intermediate_size
     return {
         "expert": 3 * h1 * h2 * b,  # one expert
-        "layer_experts": 3 * h1 * h2 * e * b,  # W_l
-        # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device
-        "layer_dense": (attn + e * h1 + 2 * h1 + 3 * h1 * spec.shared_expert_size) * b,
+        "layer_experts": 3 * h1 * h2 * e * b,  # W_l of a sparse layer
+        "layer_dense": (attn + 2 * h1 + ffn_dense) * b,  # averaged over the layers
         "embed_head": spec.vocab_size * h1 * b * (1 if spec.tie_word_embeddings else 2) + h1 * b,
     }
 
@@ -127,17 +136,19 @@ def estimate(
     layers = spec.num_layers
     ctx = work.avg_context
     kv_per_token_layer = 2 * spec.kv_size * b
-    total_experts = layers * spec.num_experts
+    f = sparse_share(spec)
+    total_experts = spec.total_experts
     resident = min(policy.resident_experts, total_experts)
     streamed = (total_experts - resident) / layers  # per layer, on average
     # experts on the CPU: the non-resident ones compute on the host where they live, resident ones
     # still on the device; on the GPU every expert computes there and the non-resident ones stream
-    host_share = streamed / spec.num_experts if policy.experts == "cpu" else 0.0
-    buffered = math.ceil(streamed)  # the double buffer holds the most any layer streams
+    host_share = (total_experts - resident) / total_experts if policy.experts == "cpu" else 0.0
+    buffered = math.ceil((total_experts - resident) / spec.num_sparse_layers)  # the most a layer streams
 
     # --- device: dense projections, router, (experts), (attention), head amortised per layer -----
-    dense_flops = 2 * n * (h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1 + h1 * spec.num_experts)
-    dense_flops += 2 * n * 3 * h1 * spec.shared_expert_size
+    dense_flops = 2 * n * (h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1)
+    dense_flops += 2 * n * (f * (h1 * spec.num_experts + 3 * h1 * spec.shared_expert_size))
+    dense_flops += 2 * n * (1 - f) * 3 * h1 * spec.dense_intermediate_size
     dense_bytes = n_ub * w["layer_dense"]  # every micro-batch re-reads the dense weights
     stages: dict[str, float] = {}
     stage_work: dict[str, tuple[float, float]] = {}  # (flops, bytes) per compute stage, for the roofline plot
@@ -148,12 +159,12 @@ def estimate(
         stages[stage] = _roof(flops, nbytes, peak, bandwidth) * share
 
     roof("gpu_dense", dense_flops, dense_bytes, True)
-    expert_flops = 2 * n * k * 3 * h1 * h2
+    expert_flops = 2 * n * k * 3 * h1 * h2 * f
     if host_share < 1.0:
-        touched = n_ub * distinct_experts(mu, spec) * w["expert"]
+        touched = n_ub * distinct_experts(mu, spec) * w["expert"] * f
         roof("gpu_experts", expert_flops, touched, True, share=1.0 - host_share)
     if host_share > 0.0:
-        touched = distinct_experts(n, spec) * w["expert"]  # the host reads each needed expert once a step
+        touched = distinct_experts(n, spec) * w["expert"] * f  # the host reads each needed expert once a step
         # one machine: the expert GEMM's calibrated roofs are the device-side ones wherever it is placed
         roof("cpu_experts", expert_flops, touched, hw.shared_host_device, share=host_share)
     if hw.shared_host_device and policy.experts == "gpu" and streamed:
@@ -193,7 +204,7 @@ def estimate(
     binding = max(resources, key=lambda r: resources[r])
 
     # --- memory -----------------------------------------------------------------------------
-    all_experts = layers * w["layer_experts"]
+    all_experts = spec.num_sparse_layers * w["layer_experts"]
     dense_all = layers * w["layer_dense"] + w["embed_head"]
     kv_total = n * work.max_context * kv_per_token_layer * layers
     activations = mu * (4 * h1 + spec.q_size + 2 * spec.kv_size + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4

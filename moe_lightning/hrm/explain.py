@@ -26,7 +26,7 @@ def plan_to_dict(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile
             "attention": p.attention,
             "experts": p.experts,
             "resident_experts": p.resident_experts,
-            "resident_fraction": p.resident_experts / (spec.num_experts * spec.num_layers),
+            "resident_fraction": p.resident_experts / spec.total_experts,
             "kv_gpu_fraction": p.kv_gpu_fraction,
         },
         "predicted_decode_tokens_per_second": est.tokens_per_second,
@@ -50,7 +50,7 @@ def explain(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est
         f"{name} ({spec.num_parameters() / 1e9:.1f} B parameters, {spec.dtype}) on {hw.name}: "
         f"prompt {work.prompt_len:g} tokens, {work.gen_len} generated",
         f"policy     batch {p.batch} = {p.num_micro_batches} micro-batches x {p.micro_batch}; attention on "
-        f"{p.attention}, experts on {p.experts}; {p.resident_experts} of {spec.num_experts * spec.num_layers} "
+        f"{p.attention}, experts on {p.experts}; {p.resident_experts} of {spec.total_experts} "
         f"expert pages resident on the device"
         + (f"; {p.kv_gpu_fraction:.0%} of the KV cache on the device" if p.attention == "gpu" else ""),
         f"predicted  {est.tokens_per_second:,.1f} decode tokens/s ({1e3 * est.layer_seconds:.2f} ms per layer, "

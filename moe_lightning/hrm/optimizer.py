@@ -53,7 +53,7 @@ def best_resident(
     """The policy with the most resident experts that fits (memory is linear in that count)."""
     from dataclasses import replace
 
-    e = spec.num_experts * spec.num_layers
+    e = spec.total_experts
     low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom)
     if low.cpu_bytes > low.cpu_capacity:
         return None
@@ -170,7 +170,7 @@ def brute_force(
             for att in ("cpu", "gpu"):
                 for exp in ("gpu", "cpu"):
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
-                        for j in range(spec.num_layers * spec.num_experts + 1):
+                        for j in range(spec.total_experts + 1):
                             est = estimate(spec, work, hw, Policy(mu * n_ub, mu, att, exp, j, r_c), dtype, headroom)
                             if est.fits and _better(est, best):
                                 best = est

@@ -1,4 +1,4 @@
-"""Post-attention stage: o_proj, residual, RMSNorm, router, experts, residual."""
+"""Post-attention stage: o_proj, residual, RMSNorm, router, experts (or a dense layer's MLP), residual."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ def post_attention(
     """residual: (T, D), attn_out: (T, H * Hd) -> (new residual (T, D), expert ids (T, A)).
 
     `experts` overrides `layer.experts` (streamed or remote experts); the ids are returned so the
-    caller can count routing for hot-expert residency.
+    caller can count routing for hot-expert residency; a dense layer returns (T, 0) ids.
     """
     h = residual + linear(attn_out, layer.wo)  # (T, D)
     x = norm(spec, h, layer.ffn_norm)  # (T, D)
+    if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
+        assert layer.mlp is not None
+        return h + expert_ffn(layer.mlp, x), torch.empty(x.shape[0], 0, dtype=torch.long, device=x.device)
     weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
     moe = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D)
     if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate

@@ -30,7 +30,7 @@ class LayerExperts(Sequence[ExpertWeights]):
     def __init__(self, pager: ExpertPager, layer: int) -> None:
         self.pager = pager
         self.layer = layer
-        self.num_experts = pager.plan.num_experts
+        self.num_experts = pager.plan.experts_per_layer[layer]
 
     def __len__(self) -> int:
         return self.num_experts
@@ -60,7 +60,7 @@ class ExpertPager:
         self.resident: list[dict[int, ExpertWeights]] = [
             {e: self._resident_copy(layer, e) for e in ids} for layer, ids in enumerate(plan.resident)
         ]
-        proto = host.layers[0].experts[0]
+        proto = host.layers[plan.next_sparse(0)].experts[0]
         self.slots = [
             ExpertWeights(torch.empty_like(proto.w13, device=device), torch.empty_like(proto.w2, device=device))
             for _ in range(plan.ring_slots)
@@ -117,10 +117,11 @@ class ExpertPager:
             STREAMED.inc(nbytes)
 
     def prefetch_page(self, layer: int, page: int, num_pages: int) -> None:
-        """Issues page `page` of `num_pages` of `layer`'s streamed experts (micro-batch grain)."""
-        layer %= self.num_layers
+        """Issues page `page` of `num_pages` of `layer`'s streamed experts (micro-batch grain); a
+        dense layer has none, so its pages go to the next layer with experts."""
         if not self.streams or not self.lookahead:
             return
+        layer = self.plan.next_sparse(layer)
         streamed = self.plan.streamed(layer)
         per_page = -(-len(streamed) // max(1, num_pages))
         chunk = set(streamed[page * per_page : (page + 1) * per_page])
@@ -131,7 +132,7 @@ class ExpertPager:
         """Layer `layer`'s experts; everything it streams is issued by now. Without look-ahead (the
         baseline schedule) this waits for the whole layer's copy before returning."""
         if not self.streams:
-            return [self.resident[layer][e] for e in range(self.plan.num_experts)]
+            return [self.resident[layer][e] for e in range(self.plan.experts_per_layer[layer])]
         self._issue(layer, self._pending(layer))
         missing = [e for e in self.plan.streamed(layer) if e not in self._issued.get(layer, {})]
         if missing:
@@ -163,7 +164,8 @@ class ExpertPager:
             self._free.append(slot)
         self._drain()
         if self.lookahead:
-            self._issue((layer + 1) % self.num_layers, self._pending((layer + 1) % self.num_layers))
+            following = self.plan.next_sparse(layer + 1)
+            self._issue(following, self._pending(following))
 
     def end_step(self) -> None:
         self.engine.flush_timeline()

@@ -9,6 +9,7 @@ current layer's slots), so budgets down to the dense weights plus one layer's ex
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from moe_lightning.flags import format_size
@@ -25,15 +26,23 @@ class ResidencyPlan:
     expert_bytes: int
     dense_bytes: int
     budget: int
-    num_experts: int
+    experts_per_layer: tuple[int, ...]  # E, or 0 for a dense layer (no experts to keep or stream)
 
     @property
     def max_streamed(self) -> int:
         """The most experts any one layer streams: the ring must hold at least this many."""
-        return max((self.num_experts - len(r) for r in self.resident), default=0)
+        return max((n - len(r) for n, r in zip(self.experts_per_layer, self.resident, strict=True)), default=0)
 
     def streamed(self, layer: int) -> list[int]:
-        return [e for e in range(self.num_experts) if e not in self.resident[layer]]
+        return [e for e in range(self.experts_per_layer[layer]) if e not in self.resident[layer]]
+
+    def next_sparse(self, layer: int) -> int:
+        """The first layer at or after `layer` (wrapping to the next step) that has experts."""
+        n = len(self.experts_per_layer)
+        for i in range(n):
+            if self.experts_per_layer[(layer + i) % n]:
+                return (layer + i) % n
+        return layer % n
 
     @property
     def device_bytes(self) -> int:
@@ -53,23 +62,29 @@ def plan_residency(
     budget: int,
     hot: list[list[int]] | None = None,
     stream: bool = True,
+    dense_layers: Collection[int] = (),
 ) -> ResidencyPlan:
-    """Spreads residency evenly over layers (so every layer streams about the same number of
-    experts); within a layer the hottest experts (by `hot` routing counts, else the lowest ids) stay.
+    """Spreads residency evenly over the sparse layers (so every one streams about the same number of
+    experts; `dense_layers` have none); within a layer the hottest experts (by `hot` routing counts,
+    else the lowest ids) stay.
 
     Preference order: a full double buffer with as many resident experts as fit beside it; if not
     even r = 0 leaves room for a double buffer, a ring between one and two layers' worth. With
     `stream=False` (experts placed on the host) there is no ring: all the room goes to residency.
     """
-    total = num_layers * num_experts
+    per_layer = tuple(0 if layer in dense_layers else num_experts for layer in range(num_layers))
+    sparse = [layer for layer in range(num_layers) if per_layer[layer]]
+    if not sparse:
+        raise ValueError("a model without sparse layers has no experts to place")
+    total = len(sparse) * num_experts
 
     def plan(r: int, ring: int, extra: int) -> ResidencyPlan:
-        resident = []
-        for layer in range(num_layers):
-            keep = r + (1 if layer < extra and r + 1 < num_experts else 0)
+        resident: list[tuple[int, ...]] = [()] * num_layers
+        for k, layer in enumerate(sparse):
+            keep = r + (1 if k < extra and r + 1 < num_experts else 0)
             order = sorted(range(num_experts), key=lambda e: (-hot[layer][e], e)) if hot else list(range(num_experts))
-            resident.append(tuple(sorted(order[:keep])))
-        return ResidencyPlan(tuple(resident), ring, expert_bytes, dense_bytes, budget, num_experts)
+            resident[layer] = tuple(sorted(order[:keep]))
+        return ResidencyPlan(tuple(resident), ring, expert_bytes, dense_bytes, budget, per_layer)
 
     if dense_bytes + total * expert_bytes <= budget:
         return plan(num_experts, 0, 0)
@@ -79,11 +94,11 @@ def plan_residency(
             raise DeviceBudgetError(
                 f"--device-memory {format_size(budget)} cannot hold the dense weights ({format_size(dense_bytes)})"
             )
-        return plan(int(slots) // num_layers, 0, int(slots) % num_layers)
+        return plan(int(slots) // len(sparse), 0, int(slots) % len(sparse))
     for r in range(num_experts - 1, -1, -1):
         ring = 2 * (num_experts - r)
-        if num_layers * r + ring <= slots:
-            extra = min(num_layers, slots - num_layers * r - ring)  # some layers keep one more expert
+        if len(sparse) * r + ring <= slots:
+            extra = min(len(sparse), slots - len(sparse) * r - ring)  # some layers keep one more expert
             return plan(r, ring, int(extra))
     if slots >= num_experts:  # a single buffer plus part of the next layer's pages
         return plan(0, int(slots), 0)

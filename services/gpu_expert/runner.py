@@ -333,6 +333,7 @@ class ExpertRunner:
             p.budget,
             hot=hot,
             stream=p.ring_slots > 0,
+            dense_layers=self.spec.dense_layers,
         )
         if new.resident != p.resident and new.ring_slots == p.ring_slots:
             moved = sum(len(set(a) ^ set(b)) for a, b in zip(new.resident, p.resident, strict=True)) // 2

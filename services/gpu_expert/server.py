@@ -147,16 +147,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
         layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
         budget = args.device_memory if args.device_memory is not None else _device_capacity(device)
-        w13, w2 = (layout.pages[n] for n in expert_page_names(0, 0))
+        first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
+        w13, w2 = (layout.pages[n] for n in expert_page_names(first, 0))
         expert_bytes = w13.nbytes + w2.nbytes
-        dense_bytes = layout.total_bytes - spec.num_layers * spec.num_experts * expert_bytes
+        dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
         weight_budget = budget - args.device_kv_memory
+        shape = (spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
         try:
-            residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
+            residency = plan_residency(*shape, dense_layers=spec.dense_layers)
         except DeviceBudgetError as exc:  # no room to stream: what does not fit can still run on the host
-            residency = plan_residency(
-                spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget, stream=False
-            )
+            residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
             log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
         arena = Segment.attach(manifest.region)
         pinned = device.type == "cuda" and pin_host_memory(arena.bytes())
@@ -173,7 +173,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
-    experts = list(pager.resident[0].values()) or pager.slots or list(weights.layers[0].experts)  # as it computes
+    first = spec.experts_per_layer.index(spec.num_experts)
+    # as it computes: resident, else buffer slots, else on the host
+    experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
     key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
     measurements = cached_measurements(
         key, lambda: measure_expert_side(experts, str(device), budget), refresh=args.recalibrate
@@ -196,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log.info(
         "residency",
         resident_experts=sum(len(r) for r in residency.resident),
-        of=spec.num_layers * spec.num_experts,
+        of=spec.total_experts,
         ring_slots=residency.ring_slots,
         double_buffered=residency.double_buffered,
         device_kv_blocks=kv.allocator.num_blocks if kv is not None else 0,
