@@ -51,6 +51,28 @@ class Prompt:
 
 
 @dataclass(slots=True)
+class StreamChunk:
+    """A streamed piece: the new tokens, the text they complete (held back near a possible stop
+    string, so the pieces add up to the final text) and, when asked, their log-probabilities."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _logprobs(entries: Any) -> list[dict[str, Any]]:
+    return [
+        {
+            "token_id": t.token_id,
+            "logprob": t.logprob,
+            "top_token_ids": list(t.top_token_ids),
+            "top_logprobs": list(t.top_logprobs),
+        }
+        for t in entries
+    ]
+
+
+@dataclass(slots=True)
 class Completion:
     request_id: str
     text: str
@@ -76,15 +98,7 @@ class Completion:
             m.timings.queue_ns / 1e9,
             m.timings.time_to_first_token_ns / 1e9,
             m.timings.total_ns / 1e9,
-            [
-                {
-                    "token_id": t.token_id,
-                    "logprob": t.logprob,
-                    "top_token_ids": list(t.top_token_ids),
-                    "top_logprobs": list(t.top_logprobs),
-                }
-                for t in m.logprobs
-            ],
+            _logprobs(m.logprobs),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,13 +129,13 @@ class GenerationClient:
         )
         return Completion.from_pb(resp.output)
 
-    def stream(self, prompt: Prompt) -> Iterator[list[int] | Completion]:
-        """Yields lists of new token ids as they come, then the Completion."""
+    def stream(self, prompt: Prompt) -> Iterator[StreamChunk | Completion]:
+        """Yields a StreamChunk per step as tokens come, then the Completion."""
         for msg in self.stub.GenerateStream(
             generation_pb2.GenerateStreamRequest(input=prompt.to_pb()), timeout=self.timeout, metadata=self._metadata
         ):
-            if msg.token_ids:
-                yield list(msg.token_ids)
+            if msg.token_ids or msg.text:
+                yield StreamChunk(list(msg.token_ids), msg.text, _logprobs(msg.logprobs))
             if msg.HasField("output"):
                 yield Completion.from_pb(msg.output)
 

@@ -12,6 +12,7 @@ import structlog
 
 from moe_lightning import __version__
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.detokenize import StreamedText
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import MAX_LOGPROBS, SamplingParams
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
@@ -114,19 +115,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> Iterator[generation_pb2.GenerateStreamResponse]:
         sink = StreamSink()
         ticket = self._submit(request.input, context, sink)
+        text = StreamedText(self._sched().tokenizer, ticket.request.stop)
+
+        def chunk(tokens: list[int], logprobs: list) -> generation_pb2.GenerateStreamResponse:
+            return generation_pb2.GenerateStreamResponse(
+                token_ids=tokens, text=text.feed(tokens), logprobs=[logprobs_to_pb(lp) for lp in logprobs]
+            )
+
         while True:
             try:
-                tokens = sink.queue.get(timeout=0.05)
+                tokens, logprobs = sink.queue.get(timeout=0.05)
             except queue.Empty:
                 if ticket.done.is_set() and sink.queue.empty():
                     break
                 continue
+            msg = chunk(tokens, logprobs)
             if ticket.done.is_set() and ticket.error is None and sink.queue.empty():
-                # the last tokens: send them together with the final output
-                yield generation_pb2.GenerateStreamResponse(token_ids=tokens, output=self.to_output(ticket))
+                # the last tokens: send them together with the final output (and what text was held)
+                msg.output.CopyFrom(self.to_output(ticket))
+                msg.text += text.finish(msg.output.text)
+                yield msg
                 return
-            yield generation_pb2.GenerateStreamResponse(token_ids=tokens)
-        yield generation_pb2.GenerateStreamResponse(output=self.to_output(ticket))
+            yield msg
+        output = self.to_output(ticket)  # raises the request's error, if it failed
+        yield generation_pb2.GenerateStreamResponse(output=output, text=text.finish(output.text))
 
     def BatchGenerate(
         self, request: generation_pb2.BatchGenerateRequest, context: grpc.ServicerContext

@@ -38,7 +38,8 @@ from orchestrator import metrics
 from orchestrator.backend import Backend
 from orchestrator.planner import Planner
 
-TokenCallback = Callable[[list[int]], None]
+# (new token ids, their log-probabilities when the request asked for them, else [])
+TokenCallback = Callable[[list[int], list[TokenLogprobs]], None]
 
 
 @dataclass(slots=True)
@@ -347,7 +348,8 @@ class Scheduler:
                     metrics.TTFT.observe(now - t.arrival)
                 metrics.GENERATION_TOKENS.inc()
                 if t.on_tokens is not None:
-                    t.on_tokens([token])
+                    lp = out.logprobs.get(t.seq_id)
+                    t.on_tokens([token], [] if lp is None else [lp])
                 reason = t.checker.check(t.output)
                 if reason is not None:
                     self._running.remove(t)
@@ -401,10 +403,10 @@ class Scheduler:
 
 
 class StreamSink:
-    """Collects a ticket's tokens for a streaming waiter."""
+    """Collects a ticket's tokens (and their log-probabilities) for a streaming waiter."""
 
     def __init__(self) -> None:
-        self.queue: queue.Queue[list[int]] = queue.Queue()
+        self.queue: queue.Queue[tuple[list[int], list[TokenLogprobs]]] = queue.Queue()
 
-    def __call__(self, tokens: list[int]) -> None:
-        self.queue.put(tokens)
+    def __call__(self, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
+        self.queue.put((tokens, logprobs))

@@ -226,7 +226,7 @@ def test_64_clients_8_requests_each(stack: Stack, reference: dict) -> None:
                     elif r < 0.4:
                         pieces = list(c.stream(prompt))
                         kind, tokens = "stream", pieces[-1].token_ids
-                        assert [t for p in pieces[:-1] for t in p] == tokens  # the stream adds up to the result
+                        assert [t for p in pieces[:-1] for t in p.token_ids] == tokens  # adds up to the result
                     else:
                         kind, tokens = "unary", c.generate(prompt).token_ids
                     with lock:

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from moe_lightning.client import Completion, GenerationClient, Prompt
+from moe_lightning.client import Completion, GenerationClient, Prompt, StreamChunk
 from moe_lightning.launcher import SERVICES, Stack, StackConfig
 from moe_lightning.service.upstream import health_status, open_channel
 
@@ -81,9 +81,10 @@ def test_stream_yields_the_same_tokens_incrementally(client: GenerationClient, r
         parts = list(client.stream(Prompt(token_ids=PROMPTS[i], max_new_tokens=14)))
         final = parts[-1]
         assert isinstance(final, Completion)
-        pieces = [p for p in parts if isinstance(p, list)]
+        pieces = [p for p in parts if isinstance(p, StreamChunk)]
         assert len(pieces) == len(final.token_ids) > 1  # one message per step, not one at the end
-        assert [t for p in pieces for t in p] == final.token_ids == reference[i]
+        assert [t for p in pieces for t in p.token_ids] == final.token_ids == reference[i]
+        assert all(p.text == "" for p in pieces)  # this model has no tokenizer
 
 
 def test_seeded_sampling_is_reproducible(client: GenerationClient) -> None:

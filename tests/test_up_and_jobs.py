@@ -85,6 +85,44 @@ def test_generate_client_matches_in_process(up: Up, tiny_model: Path) -> None:
     assert r["token_ids"] == loc["token_ids"] and r["text"] == loc["text"] and r["finish_reason"] == "length"
 
 
+def test_streamed_text_adds_up_and_never_shows_the_stop(up: Up) -> None:
+    """GenerateStream's text pieces: incremental, held back near a possible stop string, adding up
+    to the final text; each piece carries its tokens' log-probabilities when asked."""
+    from moe_lightning.client import Completion, GenerationClient, Prompt, StreamChunk
+
+    with GenerationClient(up.addr, timeout=120) as c:
+        full = c.generate(Prompt(text="Once upon a time", max_new_tokens=24, ignore_eos=True))
+        stop = full.text[8:11]
+        assert len(stop) == 3 and stop.strip()
+        parts = list(
+            c.stream(Prompt(text="Once upon a time", max_new_tokens=24, ignore_eos=True, stop=[stop], logprobs=2))
+        )
+    *pieces, final = parts
+    assert isinstance(final, Completion) and all(isinstance(p, StreamChunk) for p in pieces)
+    assert final.finish_reason == "stop" and final.text == full.text[: full.text.find(stop)]
+    assert "".join(p.text for p in pieces) == final.text  # the held text arrives with the last message
+    assert sum(bool(p.text) for p in pieces) > 2  # text came as it was generated, not at the end
+    assert [t for p in pieces for t in p.token_ids] == final.token_ids == full.token_ids[: len(final.token_ids)]
+    assert [lp["token_id"] for p in pieces for lp in p.logprobs] == final.token_ids
+    assert all(len(lp["top_token_ids"]) == 2 for p in pieces for lp in p.logprobs)
+    # the CLI prints the same text as it streams
+    r = cli(
+        "generate",
+        "--addr",
+        up.addr,
+        "--prompt",
+        "Once upon a time",
+        "--max-new-tokens",
+        "24",
+        "--ignore-eos",
+        "--stop",
+        stop,
+        "--stream",
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == final.text + "\n" and "[stop, " in r.stderr
+
+
 def test_run_job_against_running_stack(up: Up, tmp_path: Path, tiny_model: Path) -> None:
     from moe_lightning.tokenizer import TextTokenizer
 

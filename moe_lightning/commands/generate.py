@@ -24,6 +24,7 @@ def add_parser(sub: Any, name: str) -> None:
     src.add_argument("--prompts-file", type=Path, help="a text file, one prompt per line")
     add_sampling_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--stream", action="store_true", help="print the text as it is generated (--addr, one prompt)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (in-process only)")
     p.add_argument(
         "--dtype",
@@ -105,6 +106,31 @@ def _local(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stream(client: Any, prompts: list[Any], as_json: bool) -> int:
+    """One prompt's text (or, without a tokenizer, token ids) as it comes; --json: one object per piece."""
+    from moe_lightning.client import Completion
+
+    if len(prompts) != 1:
+        raise ValueError(f"--stream takes one prompt, got {len(prompts)}")
+    wrote_text = False
+    for piece in client.stream(prompts[0]):
+        if isinstance(piece, Completion):
+            if as_json:
+                sys.stdout.write(json.dumps({"done": True, **piece.to_dict()}) + "\n")
+            else:
+                if not wrote_text:  # a model without a tokenizer: its ids, once at the end
+                    sys.stdout.write(" ".join(map(str, piece.token_ids)))
+                sys.stdout.write("\n")
+                sys.stderr.write(f"[{piece.finish_reason}, {piece.completion_tokens} tokens]\n")
+        elif as_json:
+            sys.stdout.write(json.dumps({"token_ids": piece.token_ids, "text": piece.text}) + "\n")
+        else:
+            sys.stdout.write(piece.text)
+            wrote_text = wrote_text or bool(piece.text)
+        sys.stdout.flush()
+    return 0
+
+
 def _remote(args: argparse.Namespace) -> int:
     from moe_lightning.client import GenerationClient, Prompt
 
@@ -124,6 +150,8 @@ def _remote(args: argparse.Namespace) -> int:
         prompts = [Prompt(token_ids=ids, **common) for ids in args.prompt_ids]  # type: ignore[arg-type]
     t0 = time.perf_counter()
     with GenerationClient(args.addr, tls_ca=args.tls_ca, token=args.auth_token) as client:
+        if args.stream:
+            return _stream(client, prompts, args.json)
         done = client.batch_generate(prompts) if len(prompts) > 1 else [client.generate(prompts[0])]
     wall = time.perf_counter() - t0
     generated = sum(c.completion_tokens for c in done)

@@ -106,12 +106,16 @@ class GenerateStreamRequest(_message.Message):
     def __init__(self, input: _Optional[_Union[GenerationInput, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("token_ids", "output")
+    __slots__ = ("token_ids", "output", "text", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     output: GenerationOutput
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[GenerationOutput, _Mapping]] = ...) -> None: ...
+    text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[GenerationOutput, _Mapping]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class BatchGenerateRequest(_message.Message):
     __slots__ = ("inputs",)
