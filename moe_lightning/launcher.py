@@ -207,7 +207,7 @@ class Stack:
     def supervise(self, max_restarts: int = 5, window: float = 60.0) -> None:
         """Restarts any service that exits while the stack runs (kill -9, a crash, the OOM killer),
         with the same address and flags: the orchestrator re-wires the workers, the weight store
-        maps its converted copy from disk. More than `max_restarts` of one service within `window`
+        adopts the arena the workers still map. More than `max_restarts` of one service within `window`
         seconds is a crash loop: it is left down and named in `gave_up`."""
 
         def loop() -> None:

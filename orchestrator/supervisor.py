@@ -6,7 +6,7 @@ cache or sampler state died with the process), new requests are refused with UNA
 the services answer again (the launcher restarts them) the backend is re-wired, which starts a new
 session on both, and the orchestrator is SERVING again. The weight store down: NOT_SERVING too,
 but the workers keep their mapped weights, so requests in flight finish; SERVING again when it is
-back (it remaps its converted copy from disk).
+back (it adopts the arena the workers still map).
 """
 
 from __future__ import annotations

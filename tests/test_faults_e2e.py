@@ -124,7 +124,11 @@ def test_a_killed_service_comes_back_and_answers_exactly(supervised: Stack, vict
         ch = open_channel(supervised.addresses["weight_store"])
         manifest = weight_store_pb2_grpc.WeightStoreStub(ch).GetManifest(weight_store_pb2.GetManifestRequest())
         ch.close()
-        assert manifest.from_cache  # remapped its converted copy, not converted again
+        # took over the arena gpu_expert still maps: one copy of the weights in host memory, no load
+        assert manifest.adopted
+        assert [n for n in list_segments(supervised.config.run_id) if n.endswith(".arena")] == [
+            manifest.region.lstrip("/")
+        ]
 
 
 def test_sigterm_on_the_orchestrator_drains_in_flight_requests(hf_dir: Path, tmp_path: Path, reference: dict) -> None:

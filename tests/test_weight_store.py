@@ -1,4 +1,5 @@
-"""The weight store process: the arena equals the checkpoint; a restart maps the converted copy."""
+"""The weight store process: the arena equals the checkpoint; a restart maps the converted copy; a
+successor of a killed one adopts its arena."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from moe_lightning.shm.segment import list_segments
 SERVICE = "moe_lightning.api.weight_store.v1.WeightStore"
 
 
-def start(model: Path, cache: Path, run: str, sock: Path, log: Path) -> tuple[subprocess.Popen, list[int]]:
+def start(model: Path, cache: Path, run: str, sock: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -39,6 +40,7 @@ def start(model: Path, cache: Path, run: str, sock: Path, log: Path) -> tuple[su
             "--address",
             f"unix://{sock}",
             "--no-progress",
+            *extra,
         ],
         stdout=log.open("ab"),
         stderr=subprocess.STDOUT,
@@ -105,6 +107,51 @@ def test_arena_matches_checkpoint_and_restart_maps_the_copy(tiny_model: Path, tm
         del again
         arena.close()
     finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert list_segments(run) == []
+
+
+def test_a_killed_store_is_succeeded_by_one_that_adopts_its_arena(tiny_model: Path, tmp_path: Path) -> None:
+    """gpu_expert keeps the arena mapped across a weight store crash; the successor takes that same
+    memory over (no second copy in host memory, no load), unless the checkpoint or dtype differ."""
+    run = f"wsa{os.getpid()}"
+    sock = tmp_path / "ws.sock"
+    proc, _ = start(tiny_model, tmp_path / "cache", run, sock, tmp_path / "ws.log", "--no-cache")
+    first = manifest(sock)
+    held = Segment.attach(first.region)  # as gpu_expert holds it
+    proc.kill()
+    proc.wait(30)
+    proc, _ = start(tiny_model, tmp_path / "cache", run, sock, tmp_path / "ws.log", "--no-cache")
+    try:
+        second = manifest(sock)
+        assert second.adopted and not second.from_cache and second.region != first.region
+        arenas = [n for n in list_segments(run) if n.endswith(".arena")]
+        assert arenas == [second.region.lstrip("/")]  # one arena in host memory, under the new owner
+        new = Segment.attach(second.region)
+        byte = int(held.bytes()[-1])
+        held.bytes()[-1] = (byte + 1) % 256  # one memory: a write through the old mapping shows
+        assert int(new.bytes()[-1]) == (byte + 1) % 256
+        held.bytes()[-1] = byte
+        new.close()
+        proc.kill()  # and again: the successor's successor adopts it too
+        proc.wait(30)
+        proc, _ = start(tiny_model, tmp_path / "cache", run, sock, tmp_path / "ws.log", "--no-cache")
+        assert manifest(sock).adopted
+        proc.kill()
+        proc.wait(30)
+        # another dtype: not the same arena; the leftover is swept, a new one is loaded
+        proc, _ = start(
+            tiny_model, tmp_path / "cache", run, sock, tmp_path / "ws.log", "--no-cache", "--dtype", "bfloat16"
+        )
+        third = manifest(sock)
+        assert not third.adopted and third.load_seconds > 0
+        assert [n for n in list_segments(run) if ".arena" in n] == [
+            third.region.lstrip("/"),
+            third.region.lstrip("/") + "-ready",
+        ]
+    finally:
+        held.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     assert list_segments(run) == []

@@ -128,9 +128,11 @@ def bootstrap(
     add_fn: Callable[[Any, grpc.Server], None],
     servicer: Any,
     grace_seconds: float = 10.0,
+    keep_segments: tuple[str, ...] = (),
 ) -> tuple[Any, ServiceRuntime]:
     """What every service main does first: logging, torch threads, sweeping a dead predecessor's
-    segments, and a started (live, not yet ready) gRPC server with `servicer` registered."""
+    segments (but those named in `keep_segments`, which the service may adopt), and a started (live,
+    not yet ready) gRPC server with `servicer` registered."""
     from moe_lightning.service.logs import configure_logging
     from moe_lightning.shm import sweep_stale
 
@@ -140,7 +142,7 @@ def bootstrap(
         import torch
 
         torch.set_num_threads(threads)
-    for name in sweep_stale(args.run_id, owner=owner, at_startup=True):
+    for name in sweep_stale(args.run_id, owner=owner, at_startup=True, keep=keep_segments):
         log.warning("swept_stale_segment", name=name)
     credentials, interceptors = None, ()
     if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+from collections.abc import Collection
 from pathlib import Path
 
 import posix_ipc
@@ -37,17 +38,19 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(run_id: str | None = None, owner: str | None = None, at_startup: bool = False) -> list[str]:
-    """Unlinks segments and semaphores of ours whose creating process is gone; returns their names.
+def stale_segments(
+    run_id: str | None = None, owner: str | None = None, at_startup: bool = False
+) -> list[tuple[Path, re.Match[str]]]:
+    """Segments and semaphores of ours whose creating process is gone, with their parsed names.
 
     Scope it by `owner` when other owners may live in another pid namespace (containers), where
     their pids are not visible and would look dead. `at_startup`: called before this process made
     any segment, so one bearing our own pid is a previous incarnation's (a restarted container's
     service is pid 1 again).
     """
-    removed = []
+    found = []
     if not SHM_DIR.is_dir():
-        return removed
+        return found
     for path in SHM_DIR.iterdir():
         m = _NAME_RE.match(path.name)
         if m is None or (run_id and m["run"] != run_id) or (owner and m["owner"] != owner):
@@ -55,12 +58,33 @@ def sweep_stale(run_id: str | None = None, owner: str | None = None, at_startup:
         pid = int(m["pid"])
         if not (at_startup and pid == os.getpid()) and pid_alive(pid):
             continue
+        found.append((path, m))
+    return found
+
+
+def sweep_stale(
+    run_id: str | None = None, owner: str | None = None, at_startup: bool = False, keep: Collection[str] = ()
+) -> list[str]:
+    """Unlinks what `stale_segments` finds, except segments whose <what> is in `keep` (left for the
+    caller to adopt); returns the names."""
+    removed = []
+    for path, m in stale_segments(run_id, owner, at_startup):
+        if m["what"] in keep:
+            continue
         try:
             path.unlink()
             removed.append(path.name)
         except FileNotFoundError:
             pass
     return removed
+
+
+def adopt(path: Path, name: str) -> None:
+    """Takes over a dead owner's segment under our own name. On Linux a segment is a tmpfs file:
+    renaming it leaves every process that maps it (and the pages) untouched."""
+    target = SHM_DIR / name.lstrip("/")
+    if path != target:
+        os.rename(path, target)
 
 
 def list_segments(run_id: str | None = None) -> list[str]:

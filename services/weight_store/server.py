@@ -16,7 +16,7 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.spec import DTYPES, ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
-from services.weight_store.store import LoadReport, WeightArena
+from services.weight_store.store import ARENA, READY, LoadReport, WeightArena
 
 SERVICE = "moe_lightning.api.weight_store.v1.WeightStore"
 ARENA_BYTES = Gauge("moe_lightning_weight_arena_bytes", "Size of the weight arena in shared memory")
@@ -44,6 +44,7 @@ class WeightStoreServicer(weight_store_pb2_grpc.WeightStoreServicer):
             checkpoint_key=self.report.key,
             load_seconds=self.report.seconds,
             from_cache=self.report.from_cache,
+            adopted=self.report.adopted,
         )
 
 
@@ -67,7 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     servicer = WeightStoreServicer(args.model)
     log, runtime = bootstrap(
-        args, "weight_store", SERVICE, weight_store_pb2_grpc.add_WeightStoreServicer_to_server, servicer
+        args,
+        "weight_store",
+        SERVICE,
+        weight_store_pb2_grpc.add_WeightStoreServicer_to_server,
+        servicer,
+        keep_segments=(ARENA, READY),  # the predecessor's arena may be adopted, not swept
     )
     try:
         spec = ModelSpec.from_pretrained(args.model)
@@ -85,13 +91,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     servicer.report = report
     ARENA_BYTES.set(arena.layout.total_bytes)
     PAGES.set(len(arena.layout.pages))
-    LOAD_SECONDS.labels("copy" if report.from_cache else "checkpoint").set(report.seconds)
+    source = "adopted" if report.adopted else "copy" if report.from_cache else "checkpoint"
+    LOAD_SECONDS.labels(source).set(report.seconds)
     runtime.set_serving(True)
     log.info(
         "serving",
         region=arena.segment.name,
         bytes=arena.layout.total_bytes,
         from_cache=report.from_cache,
+        adopted=report.adopted,
         load_seconds=round(report.seconds, 3),
     )
     runtime.wait()

@@ -1,4 +1,10 @@
-"""Fills the weight arena in shared memory, from the on-disk converted copy when there is one."""
+"""Fills the weight arena in shared memory, from the on-disk converted copy when there is one.
+
+A restarted weight store adopts its dead predecessor's arena when it is complete and of the same
+checkpoint and dtype (a small `arena-ready` segment holding the checkpoint key says so, written once
+the arena is filled): gpu_expert still maps that arena, so filling a new one would hold the weights
+twice in host memory (for Mixtral 8x7B in bf16, 2 x 93 GB) and take a conversion's time.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +19,13 @@ from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
 from moe_lightning.shm import Segment, segment_name
-from moe_lightning.shm.segment import SHM_DIR, pid_alive
+from moe_lightning.shm.segment import SHM_DIR, adopt, pid_alive, stale_segments
 from moe_lightning.spec import ModelSpec
 
 READ_CHUNK = 256 << 20
+
+
+ARENA, READY = "arena", "arena-ready"  # segment <what>s; bootstrap keeps them for adoption
 
 
 @dataclass(slots=True)
@@ -24,6 +33,7 @@ class LoadReport:
     seconds: float
     from_cache: bool
     key: str
+    adopted: bool = False  # the predecessor's arena, taken over as it was
 
 
 class WeightArena:
@@ -33,10 +43,48 @@ class WeightArena:
         self.dtype = dtype
         self.cache_dir = cache_dir
         self.layout = ArenaLayout.for_spec(spec, dtype)
-        self.segment = Segment.create(segment_name(run_id, "weight_store", "arena"), self.layout.total_bytes)
         self.log = structlog.get_logger()
+        self.run_id = run_id
+        self.key = checkpoint_key(model_dir, dtype)
+        name = segment_name(run_id, "weight_store", ARENA)
+        self.adopted = self._adopt_predecessor(name)
+        if self.adopted:
+            self.segment = Segment.attach(name)
+        else:
+            self.segment = Segment.create(name, self.layout.total_bytes)
+        self._ready: Segment | None = None
         self._writer: threading.Thread | None = None
         self._closing = threading.Event()
+
+    def _adopt_predecessor(self, name: str) -> bool:
+        """Renames a dead predecessor's complete, matching arena to `name`; removes the other leftovers."""
+        leftovers = stale_segments(self.run_id, "weight_store", at_startup=True)
+        arenas = {m["pid"]: path for path, m in leftovers if m["what"] == ARENA}
+        ready = {m["pid"]: path for path, m in leftovers if m["what"] == READY}
+        chosen = None
+        for pid, path in arenas.items():
+            try:
+                key = ready[pid].read_bytes().rstrip(b"\0").decode() if pid in ready else ""
+                size = path.stat().st_size
+            except (OSError, UnicodeDecodeError):
+                continue
+            if key == self.key and size == self.layout.total_bytes:
+                chosen = path
+                break
+        for path, _ in leftovers:
+            if path != chosen:
+                path.unlink(missing_ok=True)
+        if chosen is None:
+            return False
+        adopt(chosen, name)
+        self.log.info("arena_adopted", predecessor=chosen.name, bytes=self.layout.total_bytes)
+        return True
+
+    def _mark_ready(self) -> None:
+        """The arena is complete: a successor may adopt it (the segment dies with a clean stop)."""
+        key = self.key.encode()
+        self._ready = Segment.create(segment_name(self.run_id, "weight_store", READY), len(key))
+        self._ready.buf[: len(key)] = key
 
     def _cache_paths(self, key: str) -> tuple[Path, Path]:
         assert self.cache_dir is not None
@@ -44,18 +92,23 @@ class WeightArena:
 
     def load(self, progress: bool = True) -> LoadReport:
         t0 = time.perf_counter()
-        key = checkpoint_key(self.model_dir, self.dtype)
+        key = self.key
+        copy_ok = False
         if self.cache_dir is not None:
             data, manifest = self._cache_paths(key)
-            if data.is_file() and manifest.is_file() and self._cache_matches(manifest, data):
-                self._read_copy(data, progress)
-                report = LoadReport(time.perf_counter() - t0, True, key)
-                self.log.info("arena_mapped_from_copy", path=str(data), seconds=round(report.seconds, 3))
-                return report
-        fill_arena(self.segment.bytes(), self.layout, self.model_dir, self.spec, progress)
-        report = LoadReport(time.perf_counter() - t0, False, key)
-        self.log.info("arena_converted", model_dir=str(self.model_dir), seconds=round(report.seconds, 3))
-        if self.cache_dir is not None:
+            copy_ok = data.is_file() and manifest.is_file() and self._cache_matches(manifest, data)
+        if self.adopted:
+            report = LoadReport(time.perf_counter() - t0, False, key, adopted=True)
+        elif copy_ok:
+            self._read_copy(self._cache_paths(key)[0], progress)
+            report = LoadReport(time.perf_counter() - t0, True, key)
+            self.log.info("arena_mapped_from_copy", seconds=round(report.seconds, 3))
+        else:
+            fill_arena(self.segment.bytes(), self.layout, self.model_dir, self.spec, progress)
+            report = LoadReport(time.perf_counter() - t0, False, key)
+            self.log.info("arena_converted", model_dir=str(self.model_dir), seconds=round(report.seconds, 3))
+        self._mark_ready()
+        if self.cache_dir is not None and not copy_ok:
             # Written after we are serving; a crash mid-write leaves only a .tmp file behind.
             self._writer = threading.Thread(target=self._write_copy, args=(key,), name="arena-copy", daemon=True)
             self._writer.start()
@@ -130,5 +183,7 @@ class WeightArena:
         self._closing.set()
         if self._writer is not None:
             self._writer.join(timeout=30)  # it stops at the next chunk and removes its partial file
-        self.segment.close()
-        self.segment.unlink()
+        for seg in (self._ready, self.segment):
+            if seg is not None:
+                seg.close()
+                seg.unlink()

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n4moe_lightning/api/weight_store/v1/weight_store.proto\x12!moe_lightning.api.weight_store.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x14\n\x12GetManifestRequest\"\xf2\x01\n\x13GetManifestResponse\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\x12\x35\n\x05model\x18\x03 \x01(\x0b\x32&.moe_lightning.api.common.v1.ModelInfo\x12<\n\x05pages\x18\x04 \x03(\x0b\x32-.moe_lightning.api.common.v1.TensorDescriptor\x12\x16\n\x0e\x63heckpoint_key\x18\x05 \x01(\t\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x12\n\nfrom_cache\x18\x07 \x01(\x08\x32\x8b\x01\n\x0bWeightStore\x12|\n\x0bGetManifest\x12\x35.moe_lightning.api.weight_store.v1.GetManifestRequest\x1a\x36.moe_lightning.api.weight_store.v1.GetManifestResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n4moe_lightning/api/weight_store/v1/weight_store.proto\x12!moe_lightning.api.weight_store.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x14\n\x12GetManifestRequest\"\x83\x02\n\x13GetManifestResponse\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x14\n\x0cregion_bytes\x18\x02 \x01(\x04\x12\x35\n\x05model\x18\x03 \x01(\x0b\x32&.moe_lightning.api.common.v1.ModelInfo\x12<\n\x05pages\x18\x04 \x03(\x0b\x32-.moe_lightning.api.common.v1.TensorDescriptor\x12\x16\n\x0e\x63heckpoint_key\x18\x05 \x01(\t\x12\x14\n\x0cload_seconds\x18\x06 \x01(\x01\x12\x12\n\nfrom_cache\x18\x07 \x01(\x08\x12\x0f\n\x07\x61\x64opted\x18\x08 \x01(\x08\x32\x8b\x01\n\x0bWeightStore\x12|\n\x0bGetManifest\x12\x35.moe_lightning.api.weight_store.v1.GetManifestRequest\x1a\x36.moe_lightning.api.weight_store.v1.GetManifestResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMANIFESTREQUEST']._serialized_start=133
   _globals['_GETMANIFESTREQUEST']._serialized_end=153
   _globals['_GETMANIFESTRESPONSE']._serialized_start=156
-  _globals['_GETMANIFESTRESPONSE']._serialized_end=398
-  _globals['_WEIGHTSTORE']._serialized_start=401
-  _globals['_WEIGHTSTORE']._serialized_end=540
+  _globals['_GETMANIFESTRESPONSE']._serialized_end=415
+  _globals['_WEIGHTSTORE']._serialized_start=418
+  _globals['_WEIGHTSTORE']._serialized_end=557
 # @@protoc_insertion_point(module_scope)

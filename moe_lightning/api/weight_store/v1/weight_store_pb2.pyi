@@ -12,7 +12,7 @@ class GetManifestRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetManifestResponse(_message.Message):
-    __slots__ = ("region", "region_bytes", "model", "pages", "checkpoint_key", "load_seconds", "from_cache")
+    __slots__ = ("region", "region_bytes", "model", "pages", "checkpoint_key", "load_seconds", "from_cache", "adopted")
     REGION_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GetManifestResponse(_message.Message):
     CHECKPOINT_KEY_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FROM_CACHE_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
     region: str
     region_bytes: int
     model: _common_pb2.ModelInfo
@@ -27,4 +28,5 @@ class GetManifestResponse(_message.Message):
     checkpoint_key: str
     load_seconds: float
     from_cache: bool
-    def __init__(self, region: _Optional[str] = ..., region_bytes: _Optional[int] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[_common_pb2.TensorDescriptor, _Mapping]]] = ..., checkpoint_key: _Optional[str] = ..., load_seconds: _Optional[float] = ..., from_cache: _Optional[bool] = ...) -> None: ...
+    adopted: bool
+    def __init__(self, region: _Optional[str] = ..., region_bytes: _Optional[int] = ..., model: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[_common_pb2.TensorDescriptor, _Mapping]]] = ..., checkpoint_key: _Optional[str] = ..., load_seconds: _Optional[float] = ..., from_cache: _Optional[bool] = ..., adopted: _Optional[bool] = ...) -> None: ...
