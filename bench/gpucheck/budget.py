@@ -1,0 +1,81 @@
+"""The device budget: the smallest --device-memory at which gpu_expert's own residency plan keeps a
+given share of the experts resident, and the room the stack needs in /dev/shm."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_lightning.flags import format_size
+from moe_lightning.spec import ModelSpec
+
+# Besides the weight arena, /dev/shm holds cpu_attention's KV cache (run_batch asks for 4 GiB) and the
+# two hand-off channels (4 slots each of the services' default 8192 tokens per hand-off).
+KV_CACHE_BYTES = 4 << 30
+HANDOFF_SLOTS, HANDOFF_TOKENS = 4, 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    device_memory: int  # what --device-memory gets
+    dense_bytes: int
+    expert_bytes: int  # one expert (w13 + w2)
+    resident_experts: int  # what gpu_expert's plan keeps on the device at this budget
+    total_experts: int
+    ring_bytes: int  # the streaming buffers
+    arena_bytes: int  # the whole weight arena in /dev/shm
+
+    @property
+    def resident_fraction(self) -> float:
+        return self.resident_experts / self.total_experts
+
+
+def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budget:
+    """The smallest budget at which gpu_expert's own residency plan keeps at least `resident_fraction`
+    of the experts on the device, besides the dense weights and its streaming buffers.
+
+    Sizes are computed as gpu_expert computes them (the arena layout), and the plan is gpu_expert's
+    `plan_residency`, so the rule follows the ring's sizing as it changes. The plan only moves at
+    whole experts, so half an expert of margin absorbs small accounting differences without
+    changing the plan.
+    """
+    from moe_lightning.arena import ArenaLayout, expert_page_names
+    from services.gpu_expert.residency import DeviceBudgetError, plan_residency
+
+    layout = ArenaLayout.for_spec(spec, dtype)
+    w13, w2 = (layout.pages[n] for n in expert_page_names(spec.experts_per_layer.index(spec.num_experts), 0))
+    expert = w13.nbytes + w2.nbytes
+    total = spec.total_experts
+    dense = layout.total_bytes - total * expert
+    target = round(resident_fraction * total)
+    for slots in range(total + 1):  # at slots == total everything fits, so this always returns
+        try:
+            plan = plan_residency(
+                spec.num_layers, spec.num_experts, expert, dense, dense + slots * expert, dense_layers=spec.dense_layers
+            )
+        except DeviceBudgetError:
+            continue
+        resident = sum(len(r) for r in plan.resident)
+        if resident >= target:
+            ring = plan.device_bytes - dense - resident * expert
+            return Budget(
+                dense + slots * expert + expert // 2, dense, expert, resident, total, ring, layout.total_bytes
+            )
+    raise AssertionError("unreachable: the whole model fits at slots == total")
+
+
+def shm_needed(spec: ModelSpec, budget: Budget) -> int:
+    """Bytes one stack keeps in /dev/shm (the stacks of a bench run one after the other)."""
+    from moe_lightning.handoff import handoff_slot_bytes
+
+    channels = HANDOFF_SLOTS * sum(handoff_slot_bytes(spec, HANDOFF_TOKENS, kind) for kind in ("qkv", "attn"))
+    return budget.arena_bytes + KV_CACHE_BYTES + channels + (256 << 20)  # + slack for small segments
+
+
+def describe_budget(b: Budget) -> str:
+    size = format_size
+    return (
+        f"--device-memory {b.device_memory} ({size(b.device_memory)}) = dense {size(b.dense_bytes)}"
+        f" + ring {size(b.ring_bytes)} ({b.ring_bytes // b.expert_bytes} experts)"
+        f" + {b.resident_experts} of {b.total_experts} experts resident ({b.resident_fraction:.0%},"
+        f" {size(b.resident_experts * b.expert_bytes)}) + {size(b.expert_bytes // 2)} margin"
+    )

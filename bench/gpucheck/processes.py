@@ -1,0 +1,220 @@
+"""Phases as subprocesses: start, watch (a service thread that died stops the phase early), stop
+(services first: nothing to drain), and the report they are recorded in."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.gpucheck import log
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`. The launcher starts services in sessions of their own, so they are
+    found by parentage, not by process group."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _log_dir(run_id: str) -> Path:
+    return Path(f"/tmp/moe-lightning-bench-{run_id}")  # where run_batch has the launcher put service logs
+
+
+def _service_logs(pid: int) -> list[tuple[str, Path]]:
+    """The service logs of the stacks a bench process ran (run ids bench<its pid><overlap>)."""
+    return [
+        (label, f)
+        for overlap, label in ((1, "overlap"), (0, "no-overlap"))
+        for f in sorted(_log_dir(f"bench{pid}{overlap}").glob("*.log"))
+    ]
+
+
+def _live_services(pid: int) -> dict[Path, int]:
+    """Log file -> pid of every service process still running below `pid` (from its command line:
+    `python -m <module> ... --run-id <run>`, as the launcher starts it)."""
+    from moe_lightning.launcher import SERVICES
+
+    names = {module: name for name, (module, _) in SERVICES.items()}
+    live = {}
+    for child in _descendants(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # gone meanwhile
+        if "-m" in argv and "--run-id" in argv and argv[argv.index("-m") + 1] in names:
+            name = names[argv[argv.index("-m") + 1]]
+            live[_log_dir(argv[argv.index("--run-id") + 1]) / f"{name}.log"] = child
+    return live
+
+
+@dataclass
+class Phase:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started: float
+    timeout: float
+    stack: bool = False  # runs our services: keep their logs' tails
+    fail_fast: bool = False  # stop at a service thread's death instead of waiting for the timeout
+    ended: float | None = None  # set by a watcher thread: a phase in the background ends unobserved
+    suspects: dict[Path, float] = field(default_factory=dict)  # service log -> when a dead thread showed
+
+    def watch(self) -> None:
+        self.proc.wait()
+        self.ended = time.monotonic()
+
+
+class PhaseRunner:
+    """Runs phases as subprocesses under one deadline, records each in the JSON report (rewritten
+    after every phase) and keeps the tails of their logs and of their services' logs."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.json_path: Path = args.json
+        self.logs = self.json_path.parent / "gpu_check-logs"
+        self.work = Path(args.work_dir)
+        self.deadline = time.monotonic() + args.deadline
+        self.env = {
+            **os.environ,
+            # the services are started as `python -m services.<name>`: the repository must be importable
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+            "HF_HUB_OFFLINE": "1",  # no network on the GPU machine: never wait on a hub lookup
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.running: list[Phase] = []
+        self.report: dict[str, Any] = {"status": "running", "dry_run": args.dry_run, "phases": {}}
+
+    def save(self) -> None:
+        self.json_path.write_text(json.dumps(self.report, indent=2, default=str))
+
+    def record(self, name: str, **fields: Any) -> None:
+        self.report["phases"].setdefault(name, {}).update(fields)
+        self.save()
+
+    def timeout(self, cap: float, reserve: float) -> float:
+        """At most `cap`, leaving `reserve` seconds of the deadline for the phases after this one."""
+        return min(cap, self.deadline - time.monotonic() - reserve)
+
+    def start(
+        self, name: str, argv: list[str], timeout: float, stack: bool = False, fail_fast: bool = False
+    ) -> Phase | None:
+        if timeout < 20:
+            self.record(name, ok=False, skipped=f"only {timeout:.0f} s left before the deadline")
+            log(f"{name}: skipped, {timeout:.0f} s left before the deadline")
+            return None
+        path = self.work / "logs" / f"{name}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, *argv], cwd=REPO, env=self.env, stdout=fd, stderr=subprocess.STDOUT
+            )
+        finally:
+            os.close(fd)  # the child has its own copy
+        log(f"{name}: started (timeout {timeout:.0f} s, log {path})")
+        phase = Phase(name, proc, path, time.monotonic(), timeout, stack, fail_fast)
+        threading.Thread(target=phase.watch, name=f"watch-{name}", daemon=True).start()
+        self.running.append(phase)
+        return phase
+
+    def _dead_thread(self, phase: Phase, grace: float = 10.0) -> str | None:
+        """A service whose thread died of an exception (Python prints "Exception in thread") and that
+        is still running `grace` seconds later (one shutting down is gone by then): the stack is
+        broken, and waiting out its hand-off timeouts only burns device time."""
+        now = time.monotonic()
+        for log_file, pid in _live_services(phase.proc.pid).items():
+            if log_file not in phase.suspects:
+                if "Exception in thread" in log_file.read_text(errors="replace"):
+                    phase.suspects[log_file] = now
+            elif now - phase.suspects[log_file] >= grace:
+                return f"a thread died in pid {pid} (log {log_file})"
+        return None
+
+    def finish(self, phase: Phase | None) -> bool:
+        """Waits for a phase (stopping it at its timeout, or at once when a service thread died);
+        records and returns whether it succeeded."""
+        if phase is None:
+            return False
+        reason = None
+        while phase.proc.poll() is None:
+            if time.monotonic() > phase.started + phase.timeout:
+                reason = f"timed out after {phase.timeout:.0f} s"
+            elif phase.fail_fast:
+                try:
+                    reason = self._dead_thread(phase)
+                except Exception as exc:  # only a shortcut: the timeout still bounds the phase
+                    log(f"{phase.name}: cannot watch the services ({exc}); waiting for the phase or its timeout")
+                    phase.fail_fast = False
+            if reason:
+                log(f"{phase.name}: {reason}: stopping it")
+                self.stop(phase)
+                break
+            time.sleep(1.0)
+        self.running.remove(phase)
+        phase.proc.wait()
+        rc, seconds = phase.proc.returncode, (phase.ended or time.monotonic()) - phase.started
+        ok = rc == 0 and reason is None
+        self.logs.mkdir(parents=True, exist_ok=True)
+        tail = phase.log_path.read_text(errors="replace").splitlines()[-300:]
+        (self.logs / phase.log_path.name).write_text("\n".join(tail) + "\n")
+        if phase.stack:
+            for label, f in _service_logs(phase.proc.pid):
+                text = "\n".join(f.read_text(errors="replace").splitlines()[-200:])
+                (self.logs / f"{phase.name}-{label}-{f.name}").write_text(text + "\n")
+        self.record(phase.name, ok=ok, rc=rc, seconds=round(seconds, 1), stopped=reason)
+        if ok:
+            log(f"{phase.name}: ok in {seconds:.1f} s")
+        else:
+            self.record(phase.name, log_tail="\n".join(tail[-15:]))
+            log(f"{phase.name}: FAILED (rc {rc}{f', {reason}' if reason else ''}) after {seconds:.1f} s; last lines:")
+            sys.stderr.write("".join(f"    {line}\n" for line in tail[-15:]))
+        return ok
+
+    def stop(self, phase: Phase) -> None:
+        """Kills the services below the phase first: the stack failed or ran out of time, so there is
+        nothing to drain, and a graceful stop would wait out each service's grace period (~30 s of
+        device time). Then SIGINT, so the bench's own clean-up runs, and SIGKILL if it lingers."""
+        for pid in _descendants(phase.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        phase.proc.send_signal(signal.SIGINT)
+        try:
+            phase.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            phase.proc.kill()
+            phase.proc.wait()
+        from moe_lightning.shm.segment import sweep_stale
+
+        swept = sweep_stale()  # only segments whose creating process is gone
+        if swept:
+            log(f"{phase.name}: swept {len(swept)} leftover shared-memory segments")
+
+    def stop_all(self) -> None:
+        for phase in list(self.running):
+            self.stop(phase)
+            self.running.remove(phase)

@@ -1,0 +1,20 @@
+"""The prompts every system of the check gets: exactly `moe-lightning bench --workload mtbench`'s."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+
+def bench_prompts(model: Path, vocab: int, n: int) -> list[list[int]]:
+    """Exactly the prompts `moe-lightning bench --workload mtbench --num-prompts n` sends (its own
+    function), so every system sees the same token ids."""
+    from moe_lightning.commands.bench import _prompts
+
+    return _prompts(argparse.Namespace(workload="mtbench", num_prompts=n, model=model), vocab)
+
+
+def prompts_digest(prompts: list[list[int]]) -> str:
+    return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
