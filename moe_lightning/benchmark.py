@@ -144,3 +144,39 @@ def transformers_generate(
         wall = time.perf_counter() - t0
     generated = (out.shape[1] - width) * len(prompts)
     return {"generated_tokens_per_second": generated / wall, "seconds": wall, "padded_width": width}
+
+
+# gpu_expert's per-step timings that a decode-stage comparison reads (orchestrator metric labels)
+DECODE_STAGES = ("pre_attention", "post_attention", "head", "expert_wait", "device_attention", "step")
+
+
+def stages_per_layer(
+    predicted: dict[str, float], layer_seconds: float, measured: dict[str, float], decode_steps: float, layers: int
+) -> dict[str, dict[str, float]]:
+    """HRM predicted vs measured seconds per layer of a decode step, by stage.
+
+    `predicted`: the cost model's stage_seconds (per layer); `measured`: decode-step totals of
+    gpu_expert's timings (DECODE_STAGES) plus "cpu_attention" (the attention service's decode busy
+    time). The head is amortised over the layers, as the model does; "expert page wait" is only the
+    copy time compute did not hide, so it is compared with the copy the model predicts."""
+    n = decode_steps * layers
+    if n <= 0:
+        return {}
+    p = predicted.get
+
+    def row(pred: float, meas: float) -> dict[str, float]:
+        return {"predicted": pred, "measured": meas / n}
+
+    attention = measured.get("cpu_attention", 0.0) + measured.get("device_attention", 0.0)
+    return {
+        "device: dense + experts": row(
+            sum(p(k, 0.0) for k in ("gpu_dense", "gpu_experts", "cpu_experts")),
+            measured.get("pre_attention", 0.0) + measured.get("post_attention", 0.0),
+        ),
+        "attention": row(p("cpu_attention", 0.0) + p("gpu_attention", 0.0), attention),
+        "head": row(p("gpu_head", 0.0), measured.get("head", 0.0)),
+        "expert copy (exposed wait)": row(
+            p("gpu_expert_copy", 0.0) + p("link_weights", 0.0), measured.get("expert_wait", 0.0)
+        ),
+        "layer (the step / L)": row(layer_seconds, measured.get("step", 0.0)),
+    }

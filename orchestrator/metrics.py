@@ -21,7 +21,7 @@ WAITING = Gauge("moe_lightning_requests_waiting", "Requests in the queue")
 STEP_SECONDS = Histogram(
     "moe_lightning_step_seconds", "Wall time of one step seen by the orchestrator", ["kind"], buckets=_LATENCY
 )
-STAGE_SECONDS = Counter("moe_lightning_stage_seconds_total", "Time per stage reported by gpu_expert", ["stage"])
+STAGE_SECONDS = Counter("moe_lightning_stage_seconds_total", "Time per stage reported by gpu_expert", ["stage", "kind"])
 CONTROL_OVERHEAD = Counter(
     "moe_lightning_control_plane_seconds_total",
     "Step wall time at the orchestrator minus the step time inside gpu_expert",

@@ -310,7 +310,7 @@ class Scheduler:
         wall = time.perf_counter() - t0
         metrics.STEP_SECONDS.labels(kind).observe(wall)
         for stage, ns in out.timings_ns.items():
-            metrics.STAGE_SECONDS.labels(stage).inc(ns / 1e9)
+            metrics.STAGE_SECONDS.labels(stage, kind).inc(ns / 1e9)
         metrics.CONTROL_OVERHEAD.inc(max(0.0, wall - out.timings_ns.get("step", 0) / 1e9))
         if self.planner is not None and not prefill:
             try:  # the planner is advice: its failure must not cost the requests their tokens

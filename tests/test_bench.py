@@ -58,3 +58,18 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
     assert set(res["ours"]["timeline"]["busy_fraction"]) >= {"device", "cpu"}
     assert "(a) transformers generate" in r.stdout and "(b) overlap off" in r.stdout
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    # HRM predicted vs measured per stage, per layer of a decode step
+    stages = res["stages_per_layer"]
+    assert set(stages) == {
+        "device: dense + experts",
+        "attention",
+        "head",
+        "expert copy (exposed wait)",
+        "layer (the step / L)",
+    }
+    for name in ("device: dense + experts", "attention", "head", "layer (the step / L)"):
+        assert stages[name]["predicted"] > 0 and stages[name]["measured"] > 0, name
+    # gpu_expert's own stages fit in the step (attention, in the other process, may overlap them)
+    own = stages["device: dense + experts"]["measured"] + stages["head"]["measured"]
+    assert own <= stages["layer (the step / L)"]["measured"]
+    assert "HRM predicted vs measured" in r.stdout

@@ -150,7 +150,7 @@ def test_metrics_endpoints_have_the_series(stack: Stack, client: GenerationClien
         "moe_lightning_kv_cache_usage_ratio",
         "moe_lightning_requests_running",
         "moe_lightning_requests_waiting",
-        'moe_lightning_stage_seconds_total{stage="post_attention"}',
+        'moe_lightning_stage_seconds_total{kind="decode",stage="post_attention"}',
         "moe_lightning_policy_info{",
         'moe_lightning_stage_predicted_seconds{stage="device"}',
         'moe_lightning_stage_measured_seconds{stage="attention"}',

@@ -77,7 +77,7 @@ def _ours(
     experts: str | None = None,
 ) -> dict[str, Any]:
     """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory."""
-    from moe_lightning.benchmark import run_batch
+    from moe_lightning.benchmark import DECODE_STAGES, run_batch
     from moe_lightning.timeline import load, summarize
 
     files = [trace_dir / f"gpu-{tag}.jsonl", trace_dir / f"cpu-{tag}.jsonl"]
@@ -101,6 +101,11 @@ def _ours(
     )
     d = run.delta
     generated = sum(c.completion_tokens for c in run.done)
+    decode = {
+        stage: d("orchestrator", f'moe_lightning_stage_seconds_total{{kind="decode",stage="{stage}"}}')
+        for stage in DECODE_STAGES
+    }
+    decode["cpu_attention"] = d("cpu_attention", 'moe_lightning_stage_busy_seconds_total{stage="decode_attention"}')
     decode_s = d("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
     events = load(files)
     return {
@@ -111,6 +116,7 @@ def _ours(
         "policy": run.policy(),
         "resident_experts": run.after["gpu_expert"].get("moe_lightning_resident_experts", 0.0),
         "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
+        "decode_stage_seconds": decode,
         "timeline": summarize(events),
         "_events": events,
     }
@@ -121,6 +127,7 @@ def _public(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moe_lightning.benchmark import stages_per_layer
     from moe_lightning.hrm.calibrate import cached_profile
     from moe_lightning.hrm.costmodel import Policy, Workload, estimate
     from moe_lightning.spec import ModelSpec
@@ -205,6 +212,14 @@ def run(args: argparse.Namespace) -> int:
     results.setdefault("ratios", {})["decode / roofline"] = decode_ratio
     name = "(c) HRM roofline bound, decode"
     print(f"{name:34} {bound.tokens_per_second:8.1f} {decode_ratio:6.2f} {'of it':>13} {'>= 0.6':>7}")
+    stages = stages_per_layer(
+        bound.stage_seconds, bound.layer_seconds, ours["decode_stage_seconds"], ours["decode_steps"], spec.num_layers
+    )
+    results["stages_per_layer"] = stages
+    print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours):")
+    for name, r in stages.items():
+        ratio = f"{r['measured'] / r['predicted']:6.2f}" if r["predicted"] else f"{'-':>6}"
+        print(f"  {name:32} {1e3 * r['predicted']:8.2f} {1e3 * r['measured']:8.2f} {ratio} measured / predicted")
     tl = ours["timeline"]
     print(
         "busy fraction "
