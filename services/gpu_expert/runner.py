@@ -275,12 +275,25 @@ class ExpertRunner:
         HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
         t1 = time.perf_counter_ns()
         self._check_reply(reply, plan.step_id, layer_idx, m)
-        st.hidden, ids = post_attention(self.spec, layer, st.hidden, tensors[0].to(self.device), experts)
-        self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+        self._post_attention(layer_idx, layer, st, tensors[0].to(self.device), experts)
         self.input.release()
         timings["attention_wait"] += t1 - t0
         timings["post_attention"] += time.perf_counter_ns() - t1
         self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t1)
+
+    def _post_attention(
+        self,
+        layer_idx: int,
+        layer: LayerWeights,
+        st: _MicroBatchState,
+        attn: torch.Tensor,
+        experts: Sequence[ExpertWeights] | None,
+    ) -> None:
+        """The stage after attention, wherever attention ran; routing is counted for hot-expert
+        residency (a dense layer routes nothing)."""
+        st.hidden, ids = post_attention(self.spec, layer, st.hidden, attn, experts)
+        if ids.numel():
+            self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
 
     def _attend_here(
         self,
@@ -299,8 +312,7 @@ class ExpertRunner:
         write_kv(self.kv.k[layer_idx], self.kv.v[layer_idx], k, v, st.attention.write_slots)
         attn = paged_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], st.attention)
         t2 = time.perf_counter_ns()
-        st.hidden, ids = post_attention(self.spec, layer, st.hidden, attn, experts)
-        self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+        self._post_attention(layer_idx, layer, st, attn, experts)
         t3 = time.perf_counter_ns()
         self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
         self.timeline.record("device", "attention", plan.step_id, layer_idx, m, t1, t2)
