@@ -22,11 +22,11 @@ The report (JSON) is rewritten after every phase, so a phase that times out leav
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import os
 import shutil
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,8 @@ if str(REPO) not in sys.path:  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 from bench.gpucheck import log  # noqa: E402
-from bench.gpucheck.budget import Budget, describe_budget, device_budget, shm_needed  # noqa: E402
+from bench.gpucheck.budget import Budget, describe_budget, device_budget, layers_that_fit, shm_needed  # noqa: E402
+from bench.gpucheck.environment import environment  # noqa: E402
 from bench.gpucheck.processes import Phase, PhaseRunner  # noqa: E402
 from bench.gpucheck.workers import WORKERS  # noqa: E402
 from bench.gpucheck.workload import bench_prompts, prompts_digest  # noqa: E402
@@ -50,22 +51,19 @@ PRESET = "mixtral-8x7b-4l"
 # rule gives the same residency plan), tiny widths.
 TOY = {**PRESETS["tiny"], "num_hidden_layers": 4, "num_local_experts": 8}
 TARGETS = {"ours_over_overlap_off": 3.0, "ours_over_offload": 10.0}
-# Modules a service imports; a failure here names the wheel to fetch (see gpu_check.sh).
-IMPORTS = (
-    "structlog",
-    "posix_ipc",
-    "grpc_health.v1.health",
-    "grpc_reflection.v1alpha.reflection",
-    "prometheus_client",
-    "pyarrow",
-    "tqdm",
-    "moe_lightning.api.generation.v1.generation_pb2_grpc",  # fails on a grpcio/protobuf older than its gencode
-    "services.gpu_expert.server",
-    "services.cpu_attention.server",
-    "services.weight_store.server",
-    "orchestrator.server",
-)
-DISTRIBUTIONS = ("torch", "transformers", "accelerate", "safetensors", "tokenizers", "grpcio", "protobuf", "structlog")
+
+
+PREFLIGHT_KV = 256 << 20  # gpu_expert's KV cache when the preflight puts attention on the device
+# Run in a phase of their own when pytest is importable: the CUDA cases skip without a GPU
+CUDA_TESTS = ("tests/test_cuda_copy.py", "tests/test_pipeline.py")
+
+
+def _preflight_facts(bench: dict[str, Any]) -> dict[str, Any]:
+    """What a preflight run shows beyond its speed: it ran, in how many micro-batches, how often the
+    host synchronised with the device per decode step, how much host memory was pinned."""
+    ours = bench["ours"]
+    keys = ("micro_batches", "cuda_syncs_per_decode_step", "pinned_host_bytes", "residency_changes", "policy")
+    return {"ok": True, **{k: ours.get(k) for k in keys}}
 
 
 class GpuCheck(PhaseRunner):
@@ -88,8 +86,10 @@ class GpuCheck(PhaseRunner):
         gen_len: int,
         timeout: float,
         fail_fast: bool = False,
+        extra: tuple[str, ...] = (),
     ) -> dict[str, Any] | None:
-        """`moe-lightning bench` with gpu_expert on the device and the arena in `dtype`; its JSON."""
+        """`moe-lightning bench` with gpu_expert on the device and the arena in `dtype`; its JSON.
+        `extra`: more bench flags (they replace the defaults below where both are given)."""
         result = self.json_path.parent / f"gpu_check-{name}.json"
         result.unlink(missing_ok=True)
         args = [
@@ -110,7 +110,10 @@ class GpuCheck(PhaseRunner):
         args += ["--skip-references"]
         # the paper's configuration: non-resident experts stream to the GPU (CGOPipe is what is checked)
         args += ["--experts-placement", "gpu"]
-        args += ["--micro-batch-size", str(self.args.micro_batch_size)] if self.args.micro_batch_size else []
+        if not any(f in extra for f in ("--micro-batches", "--micro-batch-size")):
+            args += ["--micro-batch-size", str(self.args.micro_batch_size)] if self.args.micro_batch_size else []
+            args += ["--micro-batches", str(self.args.micro_batches)] if self.args.micro_batches else []
+        args += list(extra)
         device = ["--device", self.args.device, "--dtype", dtype]
         command = " ".join(["moe-lightning", "bench", *args])
         self.record(name, command=f"{command}  # gpu_expert --device {self.args.device}, weight_store --dtype {dtype}")
@@ -136,13 +139,19 @@ class GpuCheck(PhaseRunner):
         if a.device == "cuda" and not torch.cuda.is_available():
             return self.fail("no CUDA device (--dry-run runs the flow on the CPU)")
 
-        preset = TOY if a.dry_run else PRESET
+        preset: str | dict[str, Any] = TOY if a.dry_run else PRESET
+        if not a.dry_run:
+            layers = layers_that_fit(PRESETS[PRESET], a.dtype, a.resident_fraction, shutil.disk_usage("/dev/shm").free)
+            if layers < PRESETS[PRESET]["num_hidden_layers"]:
+                preset = {**PRESETS[PRESET], "num_hidden_layers": max(1, layers)}
+                log(f"/dev/shm holds a {layers}-layer model, not {PRESETS[PRESET]['num_hidden_layers']}: using that")
+                self.report["shm_layers"] = layers
         config = mixtral_config(preset, "bfloat16")
         spec = ModelSpec.from_hf_config(config)
-        model_dir = self.work / ("toy" if a.dry_run else PRESET)
+        model_dir = self.work / ("toy" if a.dry_run else f"{PRESET}-{spec.num_layers}l")
         checkpoint_bytes = 2 * spec.num_parameters()
         self.report["model"] = {
-            "preset": "toy" if a.dry_run else PRESET,
+            "preset": "toy" if a.dry_run else f"{PRESET}, {spec.num_layers} layers",
             "dir": str(model_dir),
             "config": config,
             "parameters": spec.num_parameters(),
@@ -185,6 +194,7 @@ class GpuCheck(PhaseRunner):
 
         # the checkpoint is built while the preflight looks for faults of the stack on this machine
         builder = self.build(model_dir, preset, self.timeout(180, 240))
+        self.cuda_tests()
         dtype = self.preflight() if a.preflight else a.dtype
         built = self.finish(builder)
         bench = None
@@ -221,8 +231,12 @@ class GpuCheck(PhaseRunner):
         return self.conclude(bench, offload)
 
     def preflight(self) -> str | None:
-        """The bench on the toy model; returns the dtype our stack works in on this machine, or None.
+        """The bench on the toy model, through the paths a first GPU run breaks; returns the dtype our
+        stack works in on this machine, or None.
 
+        Two runs per dtype: attention on the host with 8 micro-batches (the pinned, asynchronous
+        hand-offs; more micro-batches than channel slots), hot-expert residency every 2 decode steps
+        and the host synchronisations counted; then attention on the device over its own KV cache.
         When the requested dtype fails the fallback is tried, so one fault (say, a dtype mismatch
         between the device and the attention service) still leaves numbers to read, marked as such."""
         a = self.args
@@ -232,15 +246,32 @@ class GpuCheck(PhaseRunner):
         toy = ModelSpec.from_hf_config(mixtral_config(TOY, "bfloat16"))
         for dtype in [a.dtype] + ([a.fallback_dtype] if a.fallback_dtype not in ("none", a.dtype) else []):
             budget = device_budget(toy, dtype, a.resident_fraction)
-            timeout = self.timeout(120, 240)
-            if self.bench(f"preflight-{dtype}", toy_dir, budget, dtype, 4, 4, timeout, fail_fast=True) is not None:
-                if dtype != a.dtype:
-                    self.report["dtype_fallback"] = (
-                        f"our stack failed in {a.dtype} on the toy model; ours ran in {dtype}"
-                    )
-                    log(f"WARNING: {self.report['dtype_fallback']}")
-                return dtype
+            pipeline = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", "--skip-references")
+            name = f"preflight-{dtype}"
+            result = self.bench(name, toy_dir, budget, dtype, 16, 6, self.timeout(120, 240), True, pipeline)
+            if result is None:
+                continue
+            self.report.setdefault("preflight", {})[name] = _preflight_facts(result)
+            on_device = replace(budget, device_memory=budget.device_memory + PREFLIGHT_KV)
+            attention = ("--micro-batches", "8", "--attention-placement", "gpu", "--skip-references")
+            attention += ("--device-kv-memory", str(PREFLIGHT_KV))
+            name = f"preflight-device-attention-{dtype}"
+            result = self.bench(name, toy_dir, on_device, dtype, 16, 6, self.timeout(120, 240), True, attention)
+            self.report["preflight"][name] = _preflight_facts(result) if result else {"ok": False}
+            if dtype != a.dtype:
+                self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours ran in {dtype}"
+                log(f"WARNING: {self.report['dtype_fallback']}")
+            return dtype
         return None
+
+    def cuda_tests(self) -> None:
+        """The unit tests that need a GPU (the copy engine, the CUDA hand-off path, sync counts),
+        when pytest is importable (bash ../shared/gpu-check/wheels.sh ... pytest pluggy iniconfig)."""
+        if importlib.util.find_spec("pytest") is None:
+            self.record("cuda-tests", ok=False, skipped="pytest is not installed (fetch its wheels, see gpu_check.sh)")
+            return
+        argv = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CUDA_TESTS]
+        self.finish(self.start("cuda-tests", argv, self.timeout(150, 200)))
 
     def fail(self, message: str) -> int:
         log(f"FAILED: {message}")
@@ -295,41 +326,6 @@ class GpuCheck(PhaseRunner):
         return 0 if complete else 1
 
 
-def environment() -> dict[str, Any]:
-    """What ran where: GPU, versions, and which service imports fail (a missing wheel, or a grpcio or
-    protobuf older than the generated code)."""
-    import importlib
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "cuda": torch.version.cuda}
-    versions = {}
-    for dist in DISTRIBUTIONS:
-        try:
-            versions[dist] = version(dist)
-        except PackageNotFoundError:
-            versions[dist] = None
-    env["versions"] = versions
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env["gpu"] = {
-            "name": props.name,
-            "memory_bytes": props.total_memory,
-            "capability": f"{props.major}.{props.minor}",
-        }
-    shm = shutil.disk_usage("/dev/shm")
-    env["dev_shm"] = {"total_bytes": shm.total, "free_bytes": shm.free}
-    errors = []
-    for mod in IMPORTS:
-        try:
-            importlib.import_module(mod)
-        except Exception as exc:  # any import-time failure is a finding, not a crash of the check
-            errors.append(f"{mod}: {type(exc).__name__}: {exc}")
-    env["import_errors"] = errors
-    log(f"{env.get('gpu', {}).get('name', 'no GPU')}, torch {torch.__version__}, {versions}")
-    return env
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=None, help="batch for every system (default 64; dry run 4)")
@@ -340,6 +336,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="our arena's dtype (default bfloat16; dry run float32)")
     p.add_argument("--fallback-dtype", default="float32", help="dtype to try when the preflight fails ('none': off)")
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
+    p.add_argument("--micro-batches", type=int, default=None, help="force this many micro-batches (n_ub)")
     p.add_argument("--seed", type=int, default=0, help="the checkpoint's weights")
     p.add_argument("--work-dir", default="/tmp/moe-lightning-gpu-check", help="checkpoints, arena copy, logs")
     p.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="the report (logs go next to it)")
@@ -348,7 +345,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--preflight",
         choices=["auto", "on", "off"],
         default="auto",
-        help="toy-model run first (auto: not in a dry run)",
+        help="toy-model runs first (auto: on; in a dry run they exercise the same paths on the CPU)",
     )
     p.add_argument("--skip-offload", action="store_true", help="leave out the accelerate offload baseline")
     p.add_argument("--with-transformers", action="store_true", help="also bench's baseline (a) (CPU, fp32: slow)")
@@ -358,7 +355,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.num_prompts = a.num_prompts or (4 if a.dry_run else 64)
     a.gen_len = a.gen_len or (4 if a.dry_run else 32)
     a.dtype = a.dtype or ("float32" if a.dry_run else "bfloat16")
-    a.preflight = a.preflight == "on" or (a.preflight == "auto" and not a.dry_run)  # a dry run's model is the toy
+    a.preflight = a.preflight in ("on", "auto")
     return a
 
 

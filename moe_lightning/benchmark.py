@@ -80,6 +80,7 @@ def run_batch(
     s.start()
     try:
         ep = s.endpoints()
+        _wait_for_arena_copy(ep["weight_store"]["metrics"])
         with GenerationClient(s.api_address, timeout=3600) as c:
             c.batch_generate([Prompt(token_ids=batch[0][:8], max_new_tokens=2, ignore_eos=True)])  # warm-up
             before = {n: scrape(ep[n]["metrics"]) for n in SERVICES}
@@ -90,6 +91,14 @@ def run_batch(
     finally:
         s.stop()
     return StackRun(done, wall, lambda svc, key: after[svc].get(key, 0.0) - before[svc].get(key, 0.0), after)
+
+
+def _wait_for_arena_copy(metrics_url: str, timeout: float = 900.0) -> None:
+    """The weight store writes its converted copy to disk after it is serving; that read of the whole
+    arena competes with the stack for memory bandwidth, so nothing is measured until it is done."""
+    deadline = time.monotonic() + timeout
+    while scrape(metrics_url).get("moe_lightning_arena_copy_pending", 0.0) and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def mtbench_lengths(n: int, seed: int = 0, mean: float = 77.0, longest: int = 418, shortest: int = 4) -> list[int]:

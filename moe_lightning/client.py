@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import queue
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,7 +111,69 @@ class Completion:
         return out
 
 
+class BatchError(RuntimeError):
+    """A BatchGenerate call of a batch helper failed. `rows`: the input indices of its chunk (none of
+    them has a result); `row`: the one the server named as invalid, when it did; `code`: gRPC's status."""
+
+    def __init__(self, rows: list[int], code: grpc.StatusCode, details: str) -> None:
+        m = re.match(r"input (\d+): ", details)
+        self.rows, self.code, self.details = rows, code, details
+        self.row = rows[int(m[1])] if m and int(m[1]) < len(rows) else None
+        where = f"row {self.row} (chunk of rows {rows[0]}-{rows[-1]})" if self.row is not None else None
+        super().__init__(f"{where or f'rows {rows[0]}-{rows[-1]}'} failed: {code.name}: {details}")
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """How many prompts a batch helper keeps in flight, and why (`describe()` says it in words)."""
+
+    chunk_size: int  # prompts per BatchGenerate call
+    chunks: int  # BatchGenerate calls in flight
+    planned_batch: int  # the server's max_batch_size when this was decided
+    micro_batch: int  # the server's micro-batch size (0: one micro-batch)
+    max_queue: int  # requests the server lets wait (0: unknown)
+    bound: str  # "planned batch", "queue" or "given"
+
+    @property
+    def prompts(self) -> int:
+        return self.chunk_size * self.chunks
+
+    def describe(self) -> str:
+        plan = f"planned batch {self.planned_batch}"
+        if self.micro_batch:
+            plan += f" ({-(-self.planned_batch // self.micro_batch)} micro-batches x {self.micro_batch})"
+        why = {
+            "planned batch": f"the server's {plan}, plus one chunk so its queue never runs dry",
+            "queue": f"the server's {plan}, bounded by its queue of {self.max_queue}",
+            "given": f"as asked; the server's {plan}",
+        }[self.bound]
+        return (
+            f"keeping up to {self.prompts} prompts in flight "
+            f"({self.chunks} BatchGenerate calls of {self.chunk_size}): {why}"
+        )
+
+
+def plan_in_flight(meta: generation_pb2.GetServerMetadataResponse, chunk_size: int, in_flight: int = 0) -> InFlight:
+    """Enough chunks to cover the server's planned batch plus one (while the slowest row of a chunk
+    finishes, the next chunk is already queued), never more than its queue admits; `in_flight` > 0
+    wins. A chunk is at most what one BatchGenerate (and the queue) takes."""
+    chunk = max(1, chunk_size)
+    for limit in (meta.max_batch_prompts, meta.max_queue_size):
+        if limit:
+            chunk = min(chunk, limit)
+    batch, mu, cap = meta.max_batch_size, meta.micro_batch_size, meta.max_queue_size
+    if in_flight > 0:
+        return InFlight(chunk, in_flight, batch, mu, cap, "given")
+    chunks = -(-batch // chunk) + 1
+    if cap and chunks * chunk > cap:
+        return InFlight(chunk, max(1, cap // chunk), batch, mu, cap, "queue")
+    return InFlight(chunk, chunks, batch, mu, cap, "planned batch")
+
+
 class GenerationClient:
+    # how often a batch helper re-reads the planned batch, which changes when the server re-plans
+    REPLAN_CHECK_SECONDS = 1.0
+
     def __init__(
         self, address: str, timeout: float | None = None, tls_ca: Path | None = None, token: str | None = None
     ) -> None:
@@ -146,6 +211,69 @@ class GenerationClient:
             metadata=self._metadata,
         )
         return [Completion.from_pb(o) for o in resp.outputs]
+
+    def batch_as_completed(
+        self,
+        prompts: Sequence[Prompt],
+        chunk_size: int = 64,
+        in_flight: int = 0,
+        on_plan: Callable[[InFlight], None] | None = None,
+    ) -> Iterator[tuple[int, Completion]]:
+        """Any number of prompts through BatchGenerate calls of `chunk_size`, keeping enough in flight
+        to fill the server's planned batch (`in_flight` > 0: that many calls); yields (input index,
+        Completion) as each call finishes, in completion order. `on_plan` hears the in-flight plan
+        at the start and whenever a re-plan changes it. A failed call raises BatchError naming its
+        rows; the calls still in flight are cancelled (so are they when the iterator is closed)."""
+        plan = plan_in_flight(self.server_metadata(), chunk_size, in_flight)
+        if on_plan is not None:
+            on_plan(plan)
+        n, size = len(prompts), plan.chunk_size
+        chunks = [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+        finished: queue.SimpleQueue[int] = queue.SimpleQueue()
+        pending: dict[int, grpc.Future] = {}
+        sent, checked = 0, time.monotonic()
+        try:
+            while sent < len(chunks) or pending:
+                while sent < len(chunks) and len(pending) < plan.chunks:
+                    req = generation_pb2.BatchGenerateRequest(inputs=[prompts[i].to_pb() for i in chunks[sent]])
+                    fut = self.stub.BatchGenerate.future(req, timeout=self.timeout, metadata=self._metadata)
+                    pending[sent] = fut
+                    fut.add_done_callback(lambda _f, k=sent: finished.put(k))
+                    sent += 1
+                k = finished.get()
+                try:
+                    outputs = pending.pop(k).result().outputs
+                except grpc.RpcError as exc:
+                    raise BatchError(chunks[k], exc.code(), exc.details()) from None  # type: ignore[attr-defined]
+                for i, out in zip(chunks[k], outputs, strict=True):
+                    yield i, Completion.from_pb(out)
+                if in_flight <= 0 and sent < len(chunks) and time.monotonic() - checked > self.REPLAN_CHECK_SECONDS:
+                    checked = time.monotonic()
+                    new = plan_in_flight(self.server_metadata(), size)
+                    if new.chunks != plan.chunks and on_plan is not None:
+                        on_plan(new)
+                    plan = new
+        finally:
+            for fut in pending.values():
+                fut.cancel()
+
+    def batch_generate_all(
+        self,
+        prompts: Sequence[Prompt],
+        chunk_size: int = 64,
+        in_flight: int = 0,
+        on_result: Callable[[int, Completion], None] | None = None,
+        on_plan: Callable[[InFlight], None] | None = None,
+    ) -> list[Completion]:
+        """`batch_as_completed` collected in input order; `on_result(index, completion)` is called
+        once per row as it finishes (a progress bar)."""
+        results: list[Completion | None] = [None] * len(prompts)
+        for i, c in self.batch_as_completed(prompts, chunk_size, in_flight, on_plan):
+            results[i] = c
+            if on_result is not None:
+                on_result(i, c)
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
 
     def model_info(self) -> generation_pb2.GetModelInfoResponse:
         return self.stub.GetModelInfo(

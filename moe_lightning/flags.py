@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from pathlib import Path
 from typing import Any
+
+from moe_lightning.handoff import DEFAULT_MAX_TOKENS, DEFAULT_SLOTS
 
 ENV_PREFIX = "MOE_LIGHTNING_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -89,12 +92,26 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-tokens-per-handoff",
         type=int,
-        default=8192,
-        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots",
+        default=DEFAULT_MAX_TOKENS,
+        help="largest micro-batch (tokens) one hand-off carries; sizes the channel slots (the planner "
+        "keeps micro-batches within the smaller of the two workers' values)",
+    )
+    parser.add_argument(
+        "--handoff-slots",
+        type=int,
+        default=DEFAULT_SLOTS,
+        help="slots of this worker's outgoing hand-off channel: how many micro-batches attention may run "
+        "ahead of the device (any number of micro-batches works with any number of slots)",
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument(
         "--timeline", default=None, help="append (step, layer, micro-batch) start/end times to this file"
+    )
+    parser.add_argument(
+        "--profile-cache",
+        type=Path,
+        default=None,
+        help="directory of measured roofs reused across starts (default: ~/.cache/moe-lightning/profiles)",
     )
     parser.add_argument(
         "--recalibrate",

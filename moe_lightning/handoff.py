@@ -1,26 +1,141 @@
 """The per-layer hand-off protocol between the expert service and the attention service.
 
-Expert -> attention, one message per (step, layer, micro-batch): meta {"s": step, "l": layer,
-"m": micro-batch} plus, at layer 0 only, {"seqs": ids, "q": new tokens per sequence, "p": cached
-tokens per sequence before this step}; tensors q (T, H, Hd), k (T, K, Hd), v (T, K, Hd).
-Attention -> expert: the same {"s", "l", "m"} and one tensor (T, H * Hd), or "error" and "code"
-(a gRPC status name) and no tensor.
+Expert -> attention, one message per (step, layer, micro-batch): a `HandoffHeader` and tensors
+q (T, H, Hd), k (T, K, Hd), v (T, K, Hd); at layer 0 also the micro-batch's sequences as one
+(3, B) int64 tensor (ids, new tokens, cached tokens before this step), which attention keeps for
+the later layers of the step. Attention -> expert: the same header and one tensor (T, H * Hd), or
+a non-zero status (a gRPC status code number) and the error text as a uint8 tensor.
+
+Flow control (docs/design.md, CGOPipe): the expert side keeps at most `pipeline_window(...)`
+messages outstanding (sent, reply not yet read). Both channels then hold at most that many
+messages, so neither side ever blocks on a full channel while the other waits for it: any number
+of micro-batches works with any number of slots.
 """
 
 from __future__ import annotations
 
+import struct
+from dataclasses import dataclass
+
+import grpc
+import torch
+
 from moe_lightning.spec import ModelSpec
 
-BYTES_PER_ELEMENT = 4  # hand-offs are fp32 on the CPU path; bf16/fp16 fit in the same slots
+BYTES_PER_ELEMENT = 4  # slots are sized for fp32 activations; bf16/fp16 fit in the same slots
+DEFAULT_SLOTS = 4  # per direction: attention works on up to this many micro-batches ahead
+DEFAULT_MAX_TOKENS = 8192  # tokens of one micro-batch (a slot's size)
+MAX_ERROR_BYTES = 4096  # an error's text is cut to this (it still travels in the slot)
+_HEADER = struct.Struct("<QQIII")  # step, session, layer, micro-batch, status
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffHeader:
+    """Every hand-off message's header, both directions."""
+
+    step: int
+    layer: int
+    micro_batch: int
+    session: int  # a message of another session is left over from before a restart: stale
+    status: int = 0  # a gRPC status code number; 0 (OK) for a result
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(self.step, self.session, self.layer, self.micro_batch, self.status)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> HandoffHeader:
+        step, session, layer, micro_batch, status = _HEADER.unpack(data[: _HEADER.size])
+        return cls(step, layer, micro_batch, session, status)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.step, self.layer, self.micro_batch)
+
+    @property
+    def status_code(self) -> grpc.StatusCode:
+        return _STATUS.get(self.status, grpc.StatusCode.UNKNOWN)
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceBatch:
+    """The sequences of one micro-batch, in order: their ids, new tokens and cached tokens."""
+
+    seq_ids: list[int]
+    q_lens: list[int]
+    starts: list[int]
+
+    def to_tensor(self) -> torch.Tensor:
+        return torch.tensor([self.seq_ids, self.q_lens, self.starts], dtype=torch.int64)  # (3, B)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> SequenceBatch:
+        ids, q_lens, starts = t.tolist()
+        return cls(ids, q_lens, starts)
+
+
+@dataclass(slots=True)
+class QKVHandoff:
+    header: HandoffHeader
+    q: torch.Tensor  # (T, H, Hd)
+    k: torch.Tensor  # (T, K, Hd)
+    v: torch.Tensor  # (T, K, Hd)
+    batch: SequenceBatch | None = None  # layer 0 only
+
+    def tensors(self) -> list[torch.Tensor]:
+        extra = [] if self.batch is None else [self.batch.to_tensor()]
+        return [self.q, self.k, self.v, *extra]
+
+    @classmethod
+    def decode(cls, meta: bytes, tensors: list[torch.Tensor]) -> QKVHandoff:
+        header = HandoffHeader.unpack(meta)
+        if len(tensors) not in (3, 4):
+            raise ValueError(f"a q/k/v hand-off carries 3 or 4 tensors, got {len(tensors)}")
+        batch = SequenceBatch.from_tensor(tensors[3]) if len(tensors) == 4 else None
+        return cls(header, tensors[0], tensors[1], tensors[2], batch)
+
+
+@dataclass(slots=True)
+class AttentionHandoff:
+    header: HandoffHeader
+    out: torch.Tensor | None = None  # (T, H * Hd); None with an error
+    error: str = ""
+
+    def tensors(self) -> list[torch.Tensor]:
+        if self.out is not None:
+            return [self.out]
+        text = self.error.encode()[:MAX_ERROR_BYTES]
+        return [torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)]
+
+    @classmethod
+    def failed(cls, header: HandoffHeader, code: grpc.StatusCode, error: str) -> AttentionHandoff:
+        h = HandoffHeader(header.step, header.layer, header.micro_batch, header.session, code.value[0])
+        return cls(h, None, error)
+
+    @classmethod
+    def decode(cls, meta: bytes, tensors: list[torch.Tensor]) -> AttentionHandoff:
+        header = HandoffHeader.unpack(meta)
+        if header.status:
+            return cls(header, None, bytes(tensors[0].numpy()).decode(errors="replace") if tensors else "")
+        return cls(header, tensors[0])
+
+
+def pipeline_window(num_micro_batches: int, out_slots: int, in_slots: int) -> int:
+    """Messages the expert side may have outstanding: no more than either channel holds, and no
+    more than one layer's micro-batches (layer l + 1 of a micro-batch needs layer l's reply)."""
+    return max(1, min(num_micro_batches, out_slots, in_slots))
 
 
 def handoff_slot_bytes(spec: ModelSpec, max_tokens: int, kind: str) -> int:
     """Slot size for one message of up to `max_tokens` tokens; kind is "qkv" or "attn"."""
-    align = 3 * 64  # up to three tensors, each 64-byte aligned
+    align = 4 * 64  # up to four tensors, each 64-byte aligned
     if kind == "qkv":
-        per_token = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
+        per_token = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * BYTES_PER_ELEMENT
+        per_token += 3 * 8  # the layer-0 sequence table: at most one sequence per token
+        extra = 0
     elif kind == "attn":
-        per_token = spec.num_heads * spec.head_dim
+        per_token = spec.num_heads * spec.head_dim * BYTES_PER_ELEMENT
+        extra = MAX_ERROR_BYTES
     else:
         raise ValueError(f"kind must be 'qkv' or 'attn', got {kind!r}")
-    return max_tokens * per_token * BYTES_PER_ELEMENT + align
+    return max_tokens * per_token + extra + align

@@ -69,6 +69,11 @@ class PagedKVCache:
     def storage_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
 
+    @staticmethod
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of one block across all layers: the unit a KV memory budget is divided into."""
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

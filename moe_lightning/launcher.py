@@ -21,6 +21,7 @@ from typing import IO
 
 from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
+from moe_lightning.spec import ModelSpec, resolve_dtype
 
 SERVICES = {
     "weight_store": ("services.weight_store", "moe_lightning.api.weight_store.v1.WeightStore"),
@@ -55,7 +56,8 @@ class StackConfig:
     tls_key: Path | None = None
     auth_token: str | None = None  # require it as a bearer token (passed by environment, not argv)
     kv_cache_memory: str = "2GiB"
-    dtype: str = "float32"
+    kv_dtype: str = "auto"  # cpu_attention's KV cache: auto (the arena's dtype), float32, bfloat16, float16
+    dtype: str = "auto"  # of the arena: auto resolves by the device (moe_lightning.spec.resolve_dtype)
     max_batch_size: int | None = None  # None: the orchestrator's HRM policy decides
     micro_batch_size: int | None = None
     cache_dir: Path | None = None
@@ -82,6 +84,14 @@ class Stack:
     def api_address(self) -> str:
         return self.addresses["orchestrator"]
 
+    def weight_dtype(self) -> str:
+        """The arena's dtype for this stack's device (the weight store alone cannot know gpu_expert's)."""
+        c = self.config
+        try:
+            return resolve_dtype(c.dtype, ModelSpec.from_pretrained(c.model).dtype, c.device)
+        except (OSError, ValueError):
+            return c.dtype  # an unreadable checkpoint: the weight store says what is wrong with it
+
     def _args(self, name: str) -> list[str]:
         c = self.config
         a = self.addresses
@@ -89,10 +99,17 @@ class Stack:
         if c.threads.get(name):
             common += ["--threads", str(c.threads[name])]
         if name == "weight_store":
-            own = ["--model", str(c.model), "--dtype", c.dtype, "--no-progress"]
+            own = ["--model", str(c.model), "--dtype", self.weight_dtype(), "--no-progress"]
             own += ["--cache-dir", str(c.cache_dir)] if c.cache_dir else []
         elif name == "cpu_attention":
-            own = ["--weight-store", a["weight_store"], "--kv-cache-memory", c.kv_cache_memory]
+            own = [
+                "--weight-store",
+                a["weight_store"],
+                "--kv-cache-memory",
+                c.kv_cache_memory,
+                "--kv-dtype",
+                c.kv_dtype,
+            ]
         elif name == "gpu_expert":
             own = ["--weight-store", a["weight_store"], "--device", c.device]
             own += ["--device-memory", c.device_memory] if c.device_memory else []

@@ -20,6 +20,22 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
 }
 
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
+    """The weights' dtype for `--dtype auto`: on an accelerator the checkpoint's own 16-bit dtype
+    (bfloat16 for a checkpoint saved in float32: fp32 would stream twice the bytes); on a CPU
+    float32, since bf16/fp16 matmuls are emulated (and slow) on most CPUs."""
+    if requested != "auto":
+        if requested not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
+        return requested
+    if device.split(":")[0] == "cpu":
+        return "float32"
+    return checkpoint_dtype if checkpoint_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
 NORMS = ("rms", "layer")  # RMSNorm, or LayerNorm without bias (DBRX)
 QK_NORMS = (None, "full", "head")  # RMSNorm of q and k: none, over the whole projection (OLMoE), per head (Qwen3)
 

@@ -33,6 +33,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.scheduler: Scheduler | None = None
         self.device = device
         self.model_path = ""
+        self.kv_cache_dtype = ""  # of the KV cache attention reads (set once the policy placed it)
 
     def _sched(self) -> Scheduler:
         if self.scheduler is None:
@@ -146,17 +147,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         n = len(request.inputs)
         if not 0 < n <= MAX_BATCH_PROMPTS:
             raise InvalidRequestError(f"BatchGenerate takes 1 to {MAX_BATCH_PROMPTS} inputs, got {n}")
-        requests = [self.to_request(m) for m in request.inputs]  # validate all before queueing any
         sched = self._sched()
-        for r in requests:
-            r.validate(sched.spec)
+        requests = []
+        for i, m in enumerate(request.inputs):  # validate all before queueing any
+            try:
+                requests.append(self.to_request(m))
+                requests[-1].validate(sched.spec)
+            except InvalidRequestError as exc:
+                # the index lets a client with thousands of rows name the bad one
+                raise InvalidRequestError(f"input {i}: {exc}") from None
         tickets: list[Ticket] = []
         try:
             for r in requests:
                 tickets.append(sched.submit(r))
-        except Exception:
+        except Exception as exc:
             for t in tickets:
                 sched.cancel(t)
+            if isinstance(exc, InvalidRequestError):  # e.g. a prompt over --max-prefill-tokens
+                raise InvalidRequestError(f"input {len(tickets)}: {exc}") from None
             raise
         context.add_callback(lambda: [sched.cancel(t) for t in tickets if not t.done.is_set()])
         for t in tickets:
@@ -179,4 +187,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             kv_cache_tokens=s.kv_blocks * s.block_size,
             max_queue_size=s.config.max_queue,
             max_batch_prompts=MAX_BATCH_PROMPTS,
+            micro_batch_size=s.config.micro_batch_size,
+            kv_cache_dtype=self.kv_cache_dtype,
         )

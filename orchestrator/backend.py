@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
+from moe_lightning.handoff import DEFAULT_MAX_TOKENS
 from moe_lightning.hrm.calibrate import Measurements
 from moe_lightning.plan import StepOutput, StepPlan
 from moe_lightning.service.convert import (
@@ -38,6 +39,8 @@ class Capacity:
     device_kv_block_size: int = 0
     resident_experts: int = 0  # (layer, expert) pages gpu_expert keeps on the device
     expert_ring_slots: int = 0  # its buffer slots for streaming the rest (0: host placement only)
+    max_handoff_tokens: int = DEFAULT_MAX_TOKENS  # the largest micro-batch both workers' channels carry
+    kv_dtype: str = "float32"  # what cpu_attention's KV cache stores (its --kv-dtype)
 
     def placements(self, spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """(attention, experts) placements the running services support."""
@@ -93,6 +96,8 @@ class Backend:
             gpu.device_kv_block_size,
             gpu.resident_experts,
             gpu.expert_ring_slots,
+            min(gpu.max_handoff_tokens or DEFAULT_MAX_TOKENS, cpu.max_handoff_tokens or DEFAULT_MAX_TOKENS),
+            kv_dtype=DTYPE_FROM_PB.get(cpu.kv_dtype, "float32"),  # unset: a cpu_attention that only kept fp32
         )
 
     def step(self, plan: StepPlan) -> StepOutput:

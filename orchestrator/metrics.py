@@ -26,3 +26,20 @@ CONTROL_OVERHEAD = Counter(
     "moe_lightning_control_plane_seconds_total",
     "Step wall time at the orchestrator minus the step time inside gpu_expert",
 )
+# Powers of two up to twice the planner's batch cap: a client that cannot fill the planned batch shows
+# up as steps in the buckets below it.
+DECODE_BATCH = Histogram(
+    "moe_lightning_decode_batch_size",
+    "Sequences decoded together in one decode step",
+    buckets=tuple(2**i for i in range(14)),
+)
+
+
+def observe_step(kind: str, sequences: int, wall: float, timings_ns: dict[str, int]) -> None:
+    """One finished step: its wall time, gpu_expert's stage times and, for decode, its batch size."""
+    STEP_SECONDS.labels(kind).observe(wall)
+    for stage, ns in timings_ns.items():
+        STAGE_SECONDS.labels(stage, kind).inc(ns / 1e9)
+    CONTROL_OVERHEAD.inc(max(0.0, wall - timings_ns.get("step", 0) / 1e9))
+    if kind == "decode":
+        DECODE_BATCH.observe(sequences)

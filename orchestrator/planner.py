@@ -52,18 +52,23 @@ class Planner:
         experts: tuple[str, ...] = ("gpu",),
         device_kv_tokens: int = 0,
         resident_experts: int | None = None,
+        max_micro_batch: int | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         """`attention` / `experts`: the placements the running services support (and the operator
-        allows); `kv_tokens` is the attention service's cache, `device_kv_tokens` gpu_expert's."""
+        allows); `kv_tokens` is the attention service's cache, `device_kv_tokens` gpu_expert's;
+        `kv_dtype` the dtype the attention service's cache stores (default: the weights')."""
         self.spec = spec
         self.profile = profile
         self.workload = workload
         self.planned_workload = workload
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype
         self.kv_tokens = {"cpu": kv_tokens, "gpu": device_kv_tokens}
         self.attention = attention
         self.experts = experts
         self.resident_experts = resident_experts  # what gpu_expert holds, when known
+        self.max_micro_batch = max_micro_batch  # what one hand-off carries (decode: a token per sequence)
         self.config = config or PlannerConfig()
         self.fixed_batch: int | None = None  # set by the operator's flags: the policy does not override
         self.fixed_micro_batch: int | None = None
@@ -93,6 +98,8 @@ class Planner:
                     attention=(att,),
                     experts=(exp,),
                     resident=self.resident_experts,
+                    max_micro_batch=self.max_micro_batch,
+                    kv_dtype=self.kv_dtype,
                 )
                 self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
                 if best is None or est.tokens_per_second > best.tokens_per_second:
@@ -166,7 +173,7 @@ class Planner:
         with self._lock:
             p = self.policy
             policy = Policy(n_ub * micro_batch, micro_batch, p.attention, p.experts, p.resident_experts)
-            est = estimate(self.spec, self.workload, self.profile, policy, self.dtype)
+            est = estimate(self.spec, self.workload, self.profile, policy, self.dtype, kv_dtype=self.kv_dtype)
             s = est.stage_seconds
             predicted = {
                 "device": sum(s.get(k, 0.0) for k in ("gpu_dense", "gpu_experts", "cpu_experts", "gpu_expert_copy")),

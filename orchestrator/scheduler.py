@@ -308,10 +308,7 @@ class Scheduler:
                     self._finish(t, exc, "failed")
             return
         wall = time.perf_counter() - t0
-        metrics.STEP_SECONDS.labels(kind).observe(wall)
-        for stage, ns in out.timings_ns.items():
-            metrics.STAGE_SECONDS.labels(stage, kind).inc(ns / 1e9)
-        metrics.CONTROL_OVERHEAD.inc(max(0.0, wall - out.timings_ns.get("step", 0) / 1e9))
+        metrics.observe_step(kind, len(tickets), wall, out.timings_ns)
         if self.planner is not None and not prefill:
             try:  # the planner is advice: its failure must not cost the requests their tokens
                 mu = max(len(mb) for mb in plan.micro_batches)

@@ -15,7 +15,7 @@ from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
-from orchestrator.api import GenerationServicer
+from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer
 from orchestrator.backend import Backend, Capacity
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
@@ -67,15 +67,49 @@ def build_parser() -> EnvDefaultsParser:
         help="where non-resident experts compute: streamed to the device (gpu), on the host where they "
         "live (cpu; on a CPU-only machine that is the zero-copy mode), or whichever the HRM picks (auto)",
     )
-    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests that may wait before RESOURCE_EXHAUSTED (default: the largest batch this server may plan, "
+        f"the HRM's cap of {PlannerConfig().batch_cap} or --max-batch-size if larger, plus two BatchGenerate calls "
+        f"of {MAX_BATCH_PROMPTS}: room for a client that keeps the whole planned batch, rounded up to whole "
+        "calls, and one more call queued)",
+    )
     p.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=8192,
         help="prompt tokens per prefill micro-batch; also the longest prompt accepted",
     )
+    p.add_argument(
+        "--rpc-threads",
+        type=int,
+        default=256,
+        help="API calls served at once; each Generate, GenerateStream or BatchGenerate holds a thread until it "
+        "finishes and later calls wait for one, so this bounds how many calls fill the batch (the default "
+        "serves the 65 BatchGenerate calls of 64 prompts that fill the largest planned batch, 4096, and others)",
+    )
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
     return p
+
+
+def default_max_queue(max_batch_size: int | None) -> int:
+    """A client filling the planned batch N (GenerationClient.batch_generate_all) keeps ceil(N/c) + 1
+    calls of c prompts in flight, at most N + 2c - 1 requests: with c up to one BatchGenerate's limit
+    this default never refuses it, for any batch the planner may choose or the operator fixed."""
+    return max(PlannerConfig().batch_cap, max_batch_size or 0) + 2 * MAX_BATCH_PROMPTS
+
+
+def _check_handoff_limits(args: argparse.Namespace, max_tokens: int) -> None:
+    """A micro-batch must fit one hand-off slot; the workers size theirs (--max-tokens-per-handoff)."""
+    limits = (("--max-prefill-tokens", args.max_prefill_tokens), ("--micro-batch-size", args.micro_batch_size))
+    for flag, value in limits:
+        if value is not None and value > max_tokens:
+            raise ValueError(
+                f"{flag} {value} exceeds the {max_tokens} tokens one hand-off carries; lower it, or start "
+                f"gpu_expert and cpu_attention with --max-tokens-per-handoff {value}"
+            )
 
 
 def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
@@ -106,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         generation_pb2_grpc.add_GenerationServicer_to_server,
         servicer,
         grace_seconds=args.drain_seconds,
+        max_workers=args.rpc_threads,
     )
     try:
         capacity = backend.connect(stop=runtime)
@@ -118,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         runtime.stop()
         return 1
     try:
+        _check_handoff_limits(args, capacity.max_handoff_tokens)
         attention, experts = _placements(args, capacity, backend.spec)
         planner = Planner(
             backend.spec,
@@ -130,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             experts=experts,
             device_kv_tokens=capacity.device_kv_blocks * capacity.device_kv_block_size,
             resident_experts=capacity.resident_experts,
+            max_micro_batch=capacity.max_handoff_tokens,
+            kv_dtype=capacity.kv_dtype,
         )
     except ValueError as exc:
         log.error("startup_failed", error=str(exc))
@@ -137,10 +175,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     planner.fixed_batch, planner.fixed_micro_batch = args.max_batch_size, args.micro_batch_size
     policy = planner.policy
+    # the cache attention reads: gpu_expert's (weights' dtype) when placed there, else cpu_attention's
+    kv_tokens, kv_dtype = (
+        (capacity.device_kv_blocks * capacity.device_kv_block_size, capacity.weight_dtype)
+        if policy.attention == "gpu"
+        else (capacity.kv_blocks * capacity.block_size, capacity.kv_dtype)
+    )
     config = SchedulerConfig(
         args.max_batch_size if args.max_batch_size is not None else policy.batch,
         args.micro_batch_size if args.micro_batch_size is not None else policy.micro_batch,
-        args.max_queue,
+        args.max_queue if args.max_queue is not None else default_max_queue(args.max_batch_size),
         args.max_prefill_tokens,
     )
     log.info(
@@ -155,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         placements_predicted_tokens_per_second=planner.alternatives,
         in_force_batch=config.max_batch_size,
         in_force_micro_batch=config.micro_batch_size,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_sequences=kv_tokens // int(planner.workload.max_context),  # of the expected s + n tokens
     )
     on_device = policy.attention == "gpu"
     backend.attention_on_device = on_device
@@ -170,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         experts_on_host=policy.experts == "cpu",
     )
     servicer.scheduler, servicer.device, servicer.model_path = scheduler, capacity.device, backend.model_path
+    servicer.kv_cache_dtype = kv_dtype
     supervisor = BackendSupervisor(
         backend,
         scheduler,

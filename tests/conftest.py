@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from reference import E2E_CONFIG, E2E_PROMPTS, load_hf, save_hf_mixtral
+
+# Hermetic: measured roofs and converted arenas go to a directory of this session's own, never the
+# user's ~/.cache, so no test depends on (or leaves behind) what another run measured. Set before any
+# service starts: they inherit it (the services' --profile-cache and the weight store's --cache-dir).
+_CACHE_ROOT = Path(tempfile.mkdtemp(prefix="moe-lightning-test-cache-"))
+os.environ["MOE_LIGHTNING_PROFILE_CACHE"] = str(_CACHE_ROOT / "profiles")
+os.environ["MOE_LIGHTNING_CACHE_DIR"] = str(_CACHE_ROOT / "arena")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

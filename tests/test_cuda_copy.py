@@ -10,8 +10,9 @@ import torch
 
 from moe_lightning.shm import Segment
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
-from services.gpu_expert.copy_engine import CudaCopyEngine, pin_host_memory, unpin_host_memory
+from services.gpu_expert.copy_engine import CudaCopyEngine
 from services.gpu_expert.pager import ExpertPager
+from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
 from services.gpu_expert.residency import plan_residency
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -26,7 +27,8 @@ def test_pages_copied_on_a_side_stream_are_exact_through_steps() -> None:
     seg = Segment.create(f"mlt.cudatest.test.{os.getpid()}.arena", LAYERS * EXPERTS * per_expert)
     try:
         arena = seg.bytes()
-        assert pin_host_memory(arena)
+        device = torch.device("cuda")
+        assert pin_host_memory(arena, device)
         g = torch.Generator().manual_seed(0)
         layers = []
         for layer in range(LAYERS):
@@ -41,7 +43,6 @@ def test_pages_copied_on_a_side_stream_are_exact_through_steps() -> None:
             z = torch.zeros(1)
             layers.append(LayerWeights(z, z, z, z, z, experts))
         host = ModelWeights(torch.zeros(1), layers, torch.zeros(1), torch.zeros(1))
-        device = torch.device("cuda")
         engine = CudaCopyEngine(device, TimelineRecorder(None, "test"))
         plan = plan_residency(LAYERS, EXPERTS, per_expert, 0, budget=(LAYERS + EXPERTS + 1) * per_expert)
         pager = ExpertPager(host, plan, device, engine=engine)
@@ -58,7 +59,7 @@ def test_pages_copied_on_a_side_stream_are_exact_through_steps() -> None:
                 pager.end_layer(layer)
             pager.end_step()
         pager.close()
-        unpin_host_memory(arena)
+        unpin_host_memory(arena, device)
     finally:
         seg.close()
         seg.unlink()

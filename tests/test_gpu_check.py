@@ -1,6 +1,7 @@
-"""bench/gpu_check.py, the H200 check of issue 5, kept runnable: its whole flow (build, ours vs (b)
-through `moe-lightning bench`, the transformers-offload baseline, the report) on the toy model on the
-CPU (--dry-run). The speeds mean nothing here; that every phase runs and reports does."""
+"""bench/gpu_check.py, the H200 check, kept runnable: its whole flow (the GPU unit tests, the preflight
+through the paths a first GPU run breaks, build, ours vs (b) through `moe-lightning bench`, the
+transformers-offload baseline, the report) on the toy model on the CPU (--dry-run). The speeds mean
+nothing here; that every phase runs and reports does."""
 
 from __future__ import annotations
 
@@ -24,7 +25,19 @@ def test_dry_run_runs_every_phase_and_writes_the_report(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["status"] == "ok" and report["dry_run"]
-    assert {name: p["ok"] for name, p in report["phases"].items()} == {"build-toy": True, "ours": True, "offload": True}
+    assert {name: p["ok"] for name, p in report["phases"].items()} == {
+        "cuda-tests": True,  # the CPU cases of the same files run; the CUDA ones skip
+        "build-preflight": True,
+        "preflight-float32": True,
+        "preflight-device-attention-float32": True,
+        "build-toy": True,
+        "ours": True,
+        "offload": True,
+    }
+    pipeline = report["preflight"]["preflight-float32"]
+    assert pipeline["micro_batches"] == 8 and pipeline["residency_changes"] >= 1
+    assert pipeline["cuda_syncs_per_decode_step"] is None  # counted on CUDA only
+    assert report["preflight"]["preflight-device-attention-float32"]["policy"]["attention"] == "gpu"
     assert report["environment"]["import_errors"] == []
     budget = report["budget"]["ours"]
     assert budget["resident_experts"] >= 0.2 * budget["total_experts"]  # the budget rule: at least 20 %

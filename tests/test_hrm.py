@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -163,3 +164,16 @@ def test_calibration_measures_positive_roofs_and_caches(tmp_path) -> None:  # ty
     assert again.gpu_flops == first.gpu_flops and again.source == str(cached[0])  # read back, not re-measured
     plan = optimize(SMALL, WORK, again, "float32", batch_cap=64)
     assert plan.policy.attention == "cpu" and plan.resource_seconds["link"] == 0
+
+
+def test_attention_calibration_takes_a_spec_with_dense_layers(tiny_model: Path) -> None:
+    """It measures on a one-layer copy of the spec; a Qwen-style dense layer index must not leak into
+    it (a fresh machine failed at cpu_attention's start for such a model)."""
+    import dataclasses
+
+    from moe_lightning.hrm.calibrate import attention_bandwidth
+
+    spec = dataclasses.replace(
+        ModelSpec.from_pretrained(tiny_model), num_layers=3, dense_layers=(1,), dense_intermediate_size=96
+    )
+    assert attention_bandwidth(spec, batch=2, context=32, repeats=1) > 0

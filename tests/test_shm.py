@@ -25,11 +25,11 @@ ECHO_PEER = textwrap.dedent(
     print(out.name, flush=True)
     while True:
         meta, ts = inp.recv(timeout=30)
-        if meta.get("stop"):
+        if meta == b"stop":
             break
         reply = [t * 2 for t in ts]
         inp.release()
-        out.send({"echo": meta["i"]}, reply)
+        out.send(b"echo " + meta, reply)
     time.sleep(0.5)
     out.close()
     inp.close()
@@ -52,14 +52,14 @@ def test_round_trip_between_processes_keeps_dtype_shape_and_order() -> None:
         for i in range(20):
             x = torch.randn(i + 1, 3, 4)
             y = torch.arange(i + 2, dtype=torch.int64)
-            a.send({"i": i}, [x, y])
+            a.send(str(i).encode(), [x, y])
             meta, (x2, y2) = b.recv(timeout=10)
-            assert meta == {"echo": i}
+            assert meta == f"echo {i}".encode()
             assert x2.dtype == torch.float32 and y2.dtype == torch.int64
             torch.testing.assert_close(x2, x * 2)
             torch.testing.assert_close(y2, y * 2)
             b.release()
-        a.send({"stop": True})
+        a.send(b"stop")
         assert proc.wait(10) == 0
     finally:
         a.close()
@@ -73,7 +73,7 @@ def test_oversized_message_is_refused_before_blocking() -> None:
         TensorChannel.create(segment_name(f"t{os.getpid()}", "test", "small"), 1, 1024) as ch,
         pytest.raises(ValueError, match="exceeds the slot size"),
     ):
-        ch.send({}, [torch.zeros(1024)])
+        ch.send(b"", [torch.zeros(1024)])
 
 
 def test_kill_9_of_the_peer_becomes_an_error_not_a_hang() -> None:
@@ -81,7 +81,7 @@ def test_kill_9_of_the_peer_becomes_an_error_not_a_hang() -> None:
     a, proc, b_name = _start_echo(run)
     b = TensorChannel.attach(b_name)
     try:
-        a.send({"i": 0}, [torch.ones(2)])
+        a.send(b"0", [torch.ones(2)])
         b.recv(timeout=10)
         b.release()
         os.kill(proc.pid, signal.SIGKILL)
@@ -128,22 +128,57 @@ def test_a_new_reader_resumes_where_the_last_one_stopped(held: bool) -> None:
     writer = TensorChannel.create(name, slots=4, slot_bytes=1024)
     try:
         for i in range(4):  # the ring is full
-            writer.send({"i": i}, [torch.full((2,), float(i))])
+            writer.send(bytes([i]), [torch.full((2,), float(i))])
         first = TensorChannel.attach(name)
-        assert first.recv(timeout=5)[0] == {"i": 0}
+        assert first.recv(timeout=5)[0] == bytes([0])
         if not held:
             first.release()
         # the first reader is gone (crashed: no close, maybe no release)
         second = TensorChannel.attach(name)
-        writer.send({"i": 4}, [torch.full((2,), 4.0)], timeout=5)  # needs the slot back when held
+        writer.send(bytes([4]), [torch.full((2,), 4.0)], timeout=5)  # needs the slot back when held
         got = []
         for _ in range(4):
             meta, tensors = second.recv(timeout=5)
-            got.append(meta["i"])
-            assert torch.equal(tensors[0], torch.full((2,), float(meta["i"])))
+            got.append(meta[0])
+            assert torch.equal(tensors[0], torch.full((2,), float(meta[0])))
             second.release()
         assert got == [1, 2, 3, 4]
         second.close()
         first.close()
     finally:
+        writer.close()
+
+
+def test_reserved_slots_publish_in_order_and_carry_any_shape() -> None:
+    """A writer that fills slots asynchronously reserves several first; they reach the reader in
+    reservation order, with every dtype and up to four dimensions, and a slot whose filling failed
+    is given back."""
+    name = segment_name(f"rsv{os.getpid()}", "test", "ch")
+    writer = TensorChannel.create(name, slots=3, slot_bytes=4096)
+    reader = TensorChannel.attach(name)
+    try:
+        shapes = [(torch.float32, (2, 3)), (torch.bfloat16, (1, 2, 3, 4)), (torch.int64, ()), (torch.bool, (5,))]
+        a = writer.reserve(shapes)
+        b = writer.reserve([(torch.uint8, (7,))])
+        with pytest.raises(RuntimeError, match="out of order"):
+            writer.publish(b, b"b")
+        for i, t in enumerate(a.tensors):
+            t.copy_(torch.full(t.shape, i + 1).to(t.dtype))
+        writer.publish(a, b"a")
+        b.tensors[0].copy_(torch.arange(7, dtype=torch.uint8))
+        writer.publish(b, b"b")
+        c = writer.reserve([(torch.float16, (1,))])
+        writer.unreserve(c)  # the third slot is free again: three more fit without a reader
+        meta, got = reader.recv(timeout=5)
+        assert meta == b"a" and [(t.dtype, tuple(t.shape)) for t in got] == [(d, s) for d, s in shapes]
+        assert [int(t.reshape(-1)[0]) for t in got] == [1, 2, 3, 1]
+        meta, got = reader.recv(timeout=5)
+        assert meta == b"b" and got[0].tolist() == list(range(7))
+        reader.release()
+        with pytest.raises(ValueError, match="at most 4 dimensions"):
+            writer.reserve([(torch.float32, (1, 1, 1, 1, 1))])
+        with pytest.raises(ValueError, match="header of"):
+            writer.send(b"x" * 4096, [])
+    finally:
+        reader.close()
         writer.close()

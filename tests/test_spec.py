@@ -99,3 +99,19 @@ def test_qwen_dense_layers_follow_transformers_rule(arch: str) -> None:
     ]:
         with pytest.raises(ModelSpecError, match=message):
             ModelSpec.from_hf_config(demo_config("tiny", arch) | change)
+
+
+def test_dtype_auto_is_float32_on_a_cpu_and_16_bit_on_an_accelerator(tiny_model: Path) -> None:
+    from moe_lightning.launcher import Stack, StackConfig
+    from moe_lightning.spec import resolve_dtype
+
+    assert resolve_dtype("auto", "bfloat16", "cpu") == "float32"  # bf16 matmuls are emulated on CPUs
+    assert resolve_dtype("auto", "bfloat16", "cuda") == "bfloat16"
+    assert resolve_dtype("auto", "float16", "cuda:1") == "float16"
+    assert resolve_dtype("auto", "float32", "cuda") == "bfloat16"  # fp32 would stream twice the bytes
+    assert resolve_dtype("float16", "bfloat16", "cpu") == "float16"  # asked for: kept
+    with pytest.raises(ValueError, match="auto, float32"):
+        resolve_dtype("int8", "bfloat16", "cuda")
+    # `up` resolves it for the weight store, which cannot know gpu_expert's device
+    assert Stack(StackConfig(model=tiny_model, device="cuda")).weight_dtype() == "bfloat16"
+    assert Stack(StackConfig(model=tiny_model, device="cpu")).weight_dtype() == "float32"

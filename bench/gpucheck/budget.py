@@ -4,6 +4,7 @@ given share of the experts resident, and the room the stack needs in /dev/shm.""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from moe_lightning.flags import format_size
 from moe_lightning.spec import ModelSpec
@@ -69,6 +70,17 @@ def shm_needed(spec: ModelSpec, budget: Budget) -> int:
 
     channels = HANDOFF_SLOTS * sum(handoff_slot_bytes(spec, HANDOFF_TOKENS, kind) for kind in ("qkv", "attn"))
     return budget.arena_bytes + KV_CACHE_BYTES + channels + (256 << 20)  # + slack for small segments
+
+
+def layers_that_fit(preset: dict[str, Any], dtype: str, resident_fraction: float, shm_free: int) -> int:
+    """The most layers of `preset` (a config) whose arena, KV cache and channels fit in /dev/shm."""
+    from moe_lightning.demo_model import mixtral_config
+
+    for layers in range(preset["num_hidden_layers"], 0, -1):
+        spec = ModelSpec.from_hf_config(mixtral_config({**preset, "num_hidden_layers": layers}, "bfloat16"))
+        if shm_needed(spec, device_budget(spec, dtype, resident_fraction)) <= shm_free:
+            return layers
+    return 0
 
 
 def describe_budget(b: Budget) -> str:

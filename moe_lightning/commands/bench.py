@@ -25,10 +25,36 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="prompts in the batch (mtbench)")
     p.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--device", default="cpu", help="gpu_expert's device (and transformers'): cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype (auto: float32 on a CPU, the checkpoint's 16-bit dtype on a GPU)",
+    )
     p.add_argument("--device-memory", default=None, help="gpu_expert's budget, e.g. 25%% of the weights: 800MiB")
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of cpu_attention's KV cache (auto: the weights' dtype)",
+    )
     add_placement_flags(p)
-    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
+    sizes = p.add_mutually_exclusive_group()
+    sizes.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
+    sizes.add_argument(
+        "--micro-batches", type=int, default=None, help="force this many micro-batches (n_ub) for the batch"
+    )
+    p.add_argument(
+        "--residency-interval",
+        type=int,
+        default=None,
+        help="gpu_expert's decode steps between hot-expert residency updates (default: its own)",
+    )
+    p.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count gpu_expert's host synchronisations per decode step (CUDA; slows it a little)",
+    )
     p.add_argument("--skip-transformers", action="store_true", help="leave out baseline (a)")
     p.add_argument(
         "--skip-references",
@@ -66,6 +92,11 @@ def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     return out
 
 
+def _micro_batches(sequences: int, micro_batch_size: int) -> int:
+    """How many micro-batches the scheduler makes of a decode batch (0: one for the whole batch)."""
+    return -(-sequences // micro_batch_size) if micro_batch_size else 1
+
+
 def _ours(
     args: argparse.Namespace,
     prompts: list[list[int]],
@@ -81,10 +112,10 @@ def _ours(
     from moe_lightning.timeline import load, summarize
 
     files = [trace_dir / f"gpu-{tag}.jsonl", trace_dir / f"cpu-{tag}.jsonl"]
-    extra = {
-        "gpu_expert": ["--timeline", str(files[0]), *([] if overlap else ["--no-overlap"])],
-        "cpu_attention": ["--timeline", str(files[1])],
-    }
+    gpu = ["--timeline", str(files[0]), *([] if overlap else ["--no-overlap"])]
+    gpu += ["--count-syncs"] if args.count_syncs else []
+    gpu += ["--residency-interval", str(args.residency_interval)] if args.residency_interval is not None else []
+    extra = {"gpu_expert": gpu, "cpu_attention": ["--timeline", str(files[1])]}
     run = run_batch(
         args.model,
         prompts,
@@ -95,6 +126,7 @@ def _ours(
         micro_batch=args.micro_batch_size,
         device=args.device,
         dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
         device_kv_memory=args.device_kv_memory,
         attention_placement=attention or args.attention_placement,
         experts_placement=experts or args.experts_placement,
@@ -108,12 +140,23 @@ def _ours(
     decode["cpu_attention"] = d("cpu_attention", 'moe_lightning_stage_busy_seconds_total{stage="decode_attention"}')
     decode_s = d("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
     events = load(files)
+    policy = run.policy()
+    steps = d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}')
+    syncs = d("gpu_expert", 'moe_lightning_cuda_syncs_total{kind="decode"}')
+    counted = args.count_syncs and args.device.startswith("cuda")  # gpu_expert counts only on CUDA
     return {
         "generated_tokens_per_second": generated / run.wall_seconds,
         "decode_tokens_per_second": (generated - len(run.done)) / decode_s if decode_s else 0.0,
         "seconds": run.wall_seconds,
         "decode_steps": d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'),
-        "policy": run.policy(),
+        "policy": policy,
+        # the operator's size when fixed: the policy gauge shows the planner's, which is then not in force
+        "micro_batches": _micro_batches(
+            len(prompts), args.micro_batch_size or int(policy.get("micro_batch_size") or 0)
+        ),
+        "cuda_syncs_per_decode_step": syncs / steps if counted and steps else None,
+        "pinned_host_bytes": run.after["gpu_expert"].get("moe_lightning_pinned_host_bytes", 0.0),
+        "residency_changes": d("gpu_expert", "moe_lightning_residency_changes_total"),
         "resident_experts": run.after["gpu_expert"].get("moe_lightning_resident_experts", 0.0),
         "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
         "decode_stage_seconds": decode,
@@ -130,12 +173,20 @@ def run(args: argparse.Namespace) -> int:
     from moe_lightning.benchmark import stages_per_layer
     from moe_lightning.hrm.calibrate import cached_profile
     from moe_lightning.hrm.costmodel import Policy, Workload, estimate
-    from moe_lightning.spec import ModelSpec
+    from moe_lightning.spec import ModelSpec, resolve_dtype
     from moe_lightning.timeline import write
 
     spec = ModelSpec.from_pretrained(args.model)
+    args.dtype = resolve_dtype(args.dtype, spec.dtype, args.device)  # every run and baseline uses this one
     prompts = _prompts(args, spec.vocab_size)
     n = len(prompts)
+    if args.micro_batches is not None:
+        if not 1 <= args.micro_batches <= n:
+            raise ValueError(f"--micro-batches must be in 1..{n} (the prompts in the batch), got {args.micro_batches}")
+        args.micro_batch_size = -(-n // args.micro_batches)
+        sys.stderr.write(
+            f"{_micro_batches(n, args.micro_batch_size)} micro-batches of at most {args.micro_batch_size} sequences\n"
+        )
     avg = sum(map(len, prompts)) / n
     sys.stderr.write(
         f"{n} prompts (average {avg:.0f}, longest {max(map(len, prompts))} tokens), {args.gen_len} generated each\n"
@@ -189,7 +240,8 @@ def run(args: argparse.Namespace) -> int:
         policy.get("experts", "gpu"),
         int(ours["resident_experts"]),
     )
-    bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype)
+    kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
+    bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype, kv_dtype=kv_dtype)
     results["roofline_decode_tokens_per_second"] = bound.tokens_per_second
     results["roofline_policy"] = str(ran)
 

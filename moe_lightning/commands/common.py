@@ -48,13 +48,24 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
     """How `up` and `run --model` start the services."""
     p.add_argument("--device", default="cpu", help="cpu or cuda for gpu_expert")
     p.add_argument("--device-memory", default=None, help="gpu_expert's weight budget, e.g. 16GiB")
-    p.add_argument("--kv-cache-memory", default="2GiB", help="host memory for cpu_attention's KV cache")
+    p.add_argument(
+        "--kv-cache-memory",
+        default="2GiB",
+        help="host memory for cpu_attention's KV cache; --kv-dtype decides how many tokens fit",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of cpu_attention's KV cache (attention computes in fp32 over it); auto: the weights' dtype",
+    )
     add_placement_flags(p)
     p.add_argument(
         "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the weights in the arena (and on the device)",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="dtype of the weights in the arena (and on the device); auto: float32 with --device cpu, else the "
+        "checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint)",
     )
     add_batch_flags(p)
     p.add_argument("--run-id", default=None, help="names the shared-memory segments (default: per process)")

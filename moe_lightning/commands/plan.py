@@ -29,6 +29,13 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weight dtype (default: the model's)"
     )
+    p.add_argument(
+        "--kv-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the host KV cache (cpu_attention's --kv-dtype; default: the weight dtype): it decides how "
+        "many sequences the host holds",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object instead of the explanation")
     p.add_argument("--plot", type=Path, default=None, help="draw the hierarchical roofline to this PNG")
 
@@ -36,7 +43,7 @@ def add_parser(sub: Any, name: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.hrm.archs import ARCHS
     from moe_lightning.hrm.costmodel import Workload
-    from moe_lightning.hrm.explain import explain, plan_to_dict
+    from moe_lightning.hrm.explain import explain, host_kv, plan_to_dict
     from moe_lightning.hrm.hardware import load_profile
     from moe_lightning.hrm.optimizer import optimize
     from moe_lightning.spec import ModelSpec
@@ -57,13 +64,15 @@ def run(args: argparse.Namespace) -> int:
         hw = hw.scaled(cpu_memory=args.host_memory / hw.cpu_memory)
     work = Workload(args.prompt_len, args.gen_len)
     dtype = args.dtype or ("float32" if hw.shared_host_device else None)  # CPU compute runs fp32
-    est = optimize(spec, work, hw, dtype)
+    kv_dtype = args.kv_dtype or dtype or spec.dtype
+    est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype)
+    kv = host_kv(spec, work, hw, dtype, kv_dtype)
     if args.plot is not None:
         from moe_lightning.hrm.plot import plot_roofline
 
         plot_roofline(hw, est, f"{name} on {hw.name}, prompt {args.prompt_len:g} / gen {args.gen_len}", args.plot)
     if args.json:
-        sys.stdout.write(json.dumps(plan_to_dict(name, spec, work, hw, est)) + "\n")
+        sys.stdout.write(json.dumps(plan_to_dict(name, spec, work, hw, est, kv)) + "\n")
     else:
-        sys.stdout.write(explain(name, spec, work, hw, est) + "\n")
+        sys.stdout.write(explain(name, spec, work, hw, est, kv) + "\n")
     return 0

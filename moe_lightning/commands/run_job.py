@@ -7,7 +7,6 @@ import math
 import sys
 import tempfile
 import time
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,13 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--output", required=True, type=Path, help="results .parquet")
     add_sampling_flags(p)
     p.add_argument("--chunk-size", type=int, default=64, help="prompts per BatchGenerate call")
-    p.add_argument("--in-flight", type=int, default=4, help="BatchGenerate calls in flight")
+    p.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="BatchGenerate calls in flight (0 = enough to fill the batch the server plans, plus one chunk, "
+        "within its queue; asked again as it re-plans)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--show", type=int, default=0, help="print the first N prompts and their completions")
     add_stack_flags(p)
@@ -101,29 +106,25 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from moe_lightning.api.generation.v1 import generation_pb2
-    from moe_lightning.client import Completion, GenerationClient
+    from moe_lightning.client import BatchError, GenerationClient
 
-    results: list[Completion | None] = [None] * len(prompts)
-    chunks = [list(range(i, min(i + args.chunk_size, len(prompts)))) for i in range(0, len(prompts), args.chunk_size)]
     t0 = time.perf_counter()
     with (
         GenerationClient(addr, tls_ca=args.tls_ca, token=args.auth_token) as client,
         tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar,
     ):
-        pending: list[tuple[list[int], Future[Any]]] = []
-        for chunk in chunks + [None] * args.in_flight:  # type: ignore[operator]
-            if chunk is not None:
-                req = generation_pb2.BatchGenerateRequest(inputs=[prompts[i].to_pb() for i in chunk])
-                pending.append((chunk, client.stub.BatchGenerate.future(req)))
-            while pending and (len(pending) >= args.in_flight or chunk is None):
-                idx, fut = pending.pop(0)
-                for i, out in zip(idx, fut.result().outputs, strict=True):
-                    results[i] = Completion.from_pb(out)
-                bar.update(len(idx))
+        try:
+            done = client.batch_generate_all(
+                prompts,
+                args.chunk_size,
+                args.in_flight,
+                on_result=lambda _i, _c: bar.update(1),  # completion order: the bar moves as chunks finish
+                on_plan=lambda plan: tqdm.write(plan.describe(), file=sys.stderr),
+            )
+        except BatchError as exc:
+            sys.stderr.write(f"error: {exc}; nothing written\n")
+            return 1
     wall = time.perf_counter() - t0
-    done = [r for r in results if r is not None]
-    assert len(done) == len(prompts)
     columns = {
         "token_ids": pa.array([r.token_ids for r in done], type=pa.list_(pa.int32())),
         "text": [r.text for r in done],

@@ -26,10 +26,18 @@ from moe_lightning.stages.attention import paged_attention, plan_attention
 from moe_lightning.stages.moe import expert_ffn
 from moe_lightning.weights import ExpertWeights
 
-CACHE_DIR = Path.home() / ".cache" / "moe-lightning" / "profiles"
+PROFILE_CACHE_ENV = "MOE_LIGHTNING_PROFILE_CACHE"
 # Part of every cache key: bump it when a kernel the roofs are measured with changes, so cached
-# roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU)
-KERNELS_VERSION = 2
+# roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU; 3: decode
+# attention gathers whole blocks a chunk at a time, over an fp32, bf16 or fp16 KV cache)
+KERNELS_VERSION = 3
+
+
+def profile_cache_dir() -> Path:
+    """Where measured roofs are kept between runs: $MOE_LIGHTNING_PROFILE_CACHE (the services'
+    --profile-cache), else ~/.cache/moe-lightning/profiles. The test suite points it at a fresh
+    temporary directory, so no test depends on what an earlier run measured."""
+    return Path(os.environ.get(PROFILE_CACHE_ENV) or Path.home() / ".cache" / "moe-lightning" / "profiles")
 
 
 def _sync(device: torch.device) -> None:
@@ -97,21 +105,30 @@ def expert_stream_bandwidth(
 
 
 def attention_bandwidth(
-    spec: ModelSpec, batch: int = 16, context: int = 512, block_size: int = 16, repeats: int = 3
+    spec: ModelSpec,
+    batch: int = 16,
+    context: int = 512,
+    block_size: int = 16,
+    repeats: int = 3,
+    dtype: torch.dtype = torch.float32,
 ) -> float:
-    """KV bytes per second that paged decode attention reads on the host (fp32 cache)."""
-    one_layer = ModelSpec(**{**spec.to_dict(), "num_layers": 1, "eos_token_ids": tuple(spec.eos_token_ids)})
+    """KV bytes per second that paged decode attention reads on the host from a cache of `dtype`
+    (counted in that dtype: the cost model multiplies this rate by the cache's own bytes)."""
+    # one layer of attention is all this needs; the spec's dense layers would index past it
+    one_layer = ModelSpec(
+        **{**spec.to_dict(), "num_layers": 1, "eos_token_ids": tuple(spec.eos_token_ids), "dense_layers": ()}
+    )
     blocks = batch * -(-context // block_size)
-    cache = PagedKVCache(one_layer, blocks, block_size)
+    cache = PagedKVCache(one_layer, blocks, block_size, dtype=dtype)
     cache.k.normal_()
     cache.v.normal_()
     seqs = list(range(batch))
     cache.append(seqs, [context - 1] * batch)
     meta = cache.append(seqs, [1] * batch)
     plan = plan_attention(meta)
-    q = torch.randn(batch, spec.num_heads, spec.head_dim)
+    q = torch.randn(batch, spec.num_heads, spec.head_dim).to(dtype)
     seconds = _best_seconds(lambda: paged_attention(q, cache.k[0], cache.v[0], plan), torch.device("cpu"), repeats)
-    return batch * context * 2 * spec.kv_size * 4 / seconds
+    return batch * context * 2 * spec.kv_size * dtype.itemsize / seconds
 
 
 def link_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, float]:
@@ -133,7 +150,7 @@ def measure(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype | None = No
     dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     host_flops = matmul_flops(torch.device("cpu"), torch.float32)
     expert_bw = expert_stream_bandwidth(dev, dtype, spec.hidden_size, spec.intermediate_size)
-    attn_bw = attention_bandwidth(spec)
+    attn_bw = attention_bandwidth(spec, dtype=dtype)  # the `auto` KV dtype: the weights'
     if dev.type == "cuda":
         gpu_flops = matmul_flops(dev, dtype, n=4096)
         h2d, d2h = link_bandwidth(dev)
@@ -160,11 +177,12 @@ def measure(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype | None = No
 
 
 def cached_profile(
-    spec: ModelSpec, device: str = "cpu", refresh: bool = False, cache_dir: Path = CACHE_DIR
+    spec: ModelSpec, device: str = "cpu", refresh: bool = False, cache_dir: Path | None = None
 ) -> HardwareProfile:
     """The machine's calibrated profile, measured once per (host, device, model shape) and cached."""
     key = f"{platform.node() or 'host'}-{device.replace(':', '')}-{spec.hidden_size}x{spec.intermediate_size}"
     key += f"-k{KERNELS_VERSION}"
+    cache_dir = cache_dir or profile_cache_dir()
     path = cache_dir / f"{key}.json"
     if path.is_file() and not refresh:
         return HardwareProfile.from_file(path)
@@ -210,9 +228,12 @@ def measure_expert_side(experts: Sequence[ExpertWeights], device: str, memory_by
     )
 
 
-def measure_attention_side(spec: ModelSpec, contexts: Sequence[int] = (128, 512, 2048)) -> Measurements:
-    """cpu_attention's warm-up: the KV read rate of paged decode attention at a few context lengths."""
-    rates = [attention_bandwidth(spec, context=c) for c in contexts]
+def measure_attention_side(
+    spec: ModelSpec, contexts: Sequence[int] = (128, 512, 2048), kv_dtype: torch.dtype = torch.float32
+) -> Measurements:
+    """cpu_attention's warm-up: the KV read rate of paged decode attention at a few context lengths,
+    over a cache of the dtype the service keeps its KV in."""
+    rates = [attention_bandwidth(spec, context=c, dtype=kv_dtype) for c in contexts]
     return Measurements(
         matmul_flops=matmul_flops(torch.device("cpu"), torch.float32),
         attention_bandwidth=sum(rates) / len(rates),
@@ -222,9 +243,10 @@ def measure_attention_side(spec: ModelSpec, contexts: Sequence[int] = (128, 512,
 
 
 def cached_measurements(
-    key: str, measure_fn: Callable[[], Measurements], refresh: bool = False, cache_dir: Path = CACHE_DIR
+    key: str, measure_fn: Callable[[], Measurements], refresh: bool = False, cache_dir: Path | None = None
 ) -> Measurements:
     """A service's warm-up measurements, re-used across restarts on this machine."""
+    cache_dir = cache_dir or profile_cache_dir()
     path = cache_dir / f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json"
     if path.is_file() and not refresh:
         try:

@@ -6,7 +6,7 @@ takes as long as its slowest resource plus the pipeline fill (one micro-batch's 
 compute resource); throughput is N / (L * that). When the "device" is the host
 itself (a CPU-only run) nothing overlaps: the device and host times add and there is no link.
 
-Symbols (design.md): h1 hidden, h2 expert intermediate, E experts, k top-k, nh/nkv heads, d head dim,
+Symbols (docs/design.md): h1 hidden, h2 expert intermediate, E experts, k top-k, nh/nkv heads, d head dim,
 s prompt length, n generation length, b bytes per weight, N batch, mu micro-batch, n_ub = N / mu.
 """
 
@@ -83,6 +83,7 @@ class Estimate:
     cpu_capacity: float
     binding: str  # the resource with the largest time
     stage_work: dict[str, tuple[float, float]] = field(default_factory=dict)  # (flops, bytes) per layer
+    kv_host_bytes: float = 0.0  # the part of cpu_bytes that is the host KV cache (in its own dtype)
 
     @property
     def fits(self) -> bool:
@@ -127,15 +128,20 @@ def estimate(
     policy: Policy,
     dtype: str | None = None,
     headroom: Headroom = Headroom(),
+    kv_dtype: str | None = None,
 ) -> Estimate:
+    """`dtype`: the weights' (default the spec's), also the device KV cache's; `kv_dtype`: the host KV
+    cache's (cpu_attention's --kv-dtype; default the weights')."""
     b = DTYPE_BYTES[dtype or spec.dtype]
+    kv_b = DTYPE_BYTES[kv_dtype] if kv_dtype else b
     w = weight_bytes(spec, b)
     n, mu = policy.batch, policy.micro_batch
     n_ub = policy.num_micro_batches
     h1, h2, k = spec.hidden_size, spec.intermediate_size, spec.top_k
     layers = spec.num_layers
     ctx = work.avg_context
-    kv_per_token_layer = 2 * spec.kv_size * b
+    kv_host_token = 2 * spec.kv_size * kv_b  # K and V of one token in one layer, host cache
+    kv_device_token = 2 * spec.kv_size * b  # ... device cache (in the weights' dtype)
     f = sparse_share(spec)
     total_experts = spec.total_experts
     resident = min(policy.resident_experts, total_experts)
@@ -171,11 +177,10 @@ def estimate(
         # one memory: "streaming" is a memcpy that reads and writes every streamed expert each step
         stages["gpu_expert_copy"] = 2 * streamed * w["expert"] / hw.gpu_bandwidth
     attn_flops = 4 * n * ctx * spec.q_size
-    kv_bytes = n * ctx * kv_per_token_layer
     if policy.attention == "cpu":
-        roof("cpu_attention", attn_flops, kv_bytes, False)
+        roof("cpu_attention", attn_flops, n * ctx * kv_host_token, False)
     else:
-        roof("gpu_attention", attn_flops, kv_bytes, True)
+        roof("gpu_attention", attn_flops, n * ctx * kv_device_token, True)
     head_flops = 2 * n * h1 * spec.vocab_size
     roof("gpu_head", head_flops, spec.vocab_size * h1 * b, True, share=1 / layers)
 
@@ -190,7 +195,7 @@ def estimate(
             stages["link_qkv"] = n * (spec.q_size + 2 * spec.kv_size) * b / hw.d2h_bandwidth
             stages["link_attn_out"] = n * spec.q_size * b / hw.h2d_bandwidth
         else:
-            stages["link_kv"] = (1 - policy.kv_gpu_fraction) * kv_bytes / hw.h2d_bandwidth
+            stages["link_kv"] = (1 - policy.kv_gpu_fraction) * n * ctx * kv_host_token / hw.h2d_bandwidth
         link = sum(v for s, v in stages.items() if s.startswith("link_"))
 
     gpu = sum(v for s, v in stages.items() if s.startswith("gpu_"))
@@ -206,18 +211,20 @@ def estimate(
     # --- memory -----------------------------------------------------------------------------
     all_experts = spec.num_sparse_layers * w["layer_experts"]
     dense_all = layers * w["layer_dense"] + w["embed_head"]
-    kv_total = n * work.max_context * kv_per_token_layer * layers
+    kv_host = n * work.max_context * kv_host_token * layers  # all of it, were it all on the host
+    kv_device = n * work.max_context * kv_device_token * layers
     activations = mu * (4 * h1 + spec.q_size + 2 * spec.kv_size + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
     gpu_bytes = dense_all + activations
     gpu_bytes += resident * w["expert"]
     if policy.experts == "gpu" and buffered and not hw.shared_host_device:
         gpu_bytes += 2 * buffered * w["expert"]  # double buffer for one layer's streamed experts
     if policy.attention == "gpu":
-        gpu_bytes += policy.kv_gpu_fraction * kv_total + mu * work.max_context * kv_per_token_layer
-    cpu_bytes = all_experts + dense_all + (1 - policy.kv_gpu_fraction) * kv_total
+        gpu_bytes += policy.kv_gpu_fraction * kv_device + mu * work.max_context * kv_device_token
+    kv_host_bytes = (1 - policy.kv_gpu_fraction) * kv_host
+    cpu_bytes = all_experts + dense_all + kv_host_bytes
     cpu_bytes += n * (spec.q_size * 2 + 2 * spec.kv_size) * b * 2  # staging for hand-offs
     if hw.shared_host_device:  # one memory: count it once, against the host
-        cpu_bytes += activations + (policy.kv_gpu_fraction * kv_total if policy.attention == "gpu" else 0)
+        cpu_bytes += activations + (policy.kv_gpu_fraction * kv_device if policy.attention == "gpu" else 0)
         gpu_bytes = cpu_bytes
     return Estimate(
         policy=policy,
@@ -231,4 +238,5 @@ def estimate(
         cpu_capacity=headroom.cpu * hw.cpu_memory,
         binding=binding,
         stage_work=stage_work,
+        kv_host_bytes=kv_host_bytes,
     )

@@ -2,18 +2,46 @@
 
 from __future__ import annotations
 
+import sys
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from moe_lightning.hrm.costmodel import Estimate, Workload
+from moe_lightning.hrm.costmodel import DTYPE_BYTES, Estimate, Headroom, Workload
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.optimizer import max_batch
 from moe_lightning.spec import ModelSpec
 
 ROOF_NAMES = {"gpu": "device compute/HBM roof", "cpu": "host compute/DRAM roof", "link": "host-device link roof"}
 
 
-def plan_to_dict(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class HostKV:
+    """The batch the host holds: sequences of s + n tokens whose KV fits in host memory beside the weights."""
+
+    dtype: str
+    tokens_per_sequence: float  # s + n
+    bytes_per_sequence: float  # K and V of all layers
+    sequences: int
+
+
+def host_kv(
+    spec: ModelSpec,
+    work: Workload,
+    hw: HardwareProfile,
+    dtype: str | None,
+    kv_dtype: str,
+    headroom: Headroom = Headroom(),  # noqa: B008 (frozen)
+) -> HostKV:
+    per_seq = 2 * spec.kv_size * DTYPE_BYTES[kv_dtype] * spec.num_layers * work.max_context
+    sequences = max_batch(spec, work, hw, dtype, headroom, sys.maxsize, kv_dtype)
+    return HostKV(kv_dtype, work.max_context, per_seq, sequences)
+
+
+def plan_to_dict(
+    name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate, kv: HostKV | None = None
+) -> dict[str, Any]:
     p = est.policy
-    return {
+    out = {
         "model": name,
         "parameters": spec.num_parameters(),
         "hardware": hw.name,
@@ -39,11 +67,17 @@ def plan_to_dict(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile
             "gpu_capacity": est.gpu_capacity,
             "cpu": est.cpu_bytes,
             "cpu_capacity": est.cpu_capacity,
+            "cpu_kv_cache": est.kv_host_bytes,
         },
     }
+    if kv is not None:
+        out["kv_cache"] = asdict(kv)
+    return out
 
 
-def explain(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate) -> str:
+def explain(
+    name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate, kv: HostKV | None = None
+) -> str:
     p = est.policy
     ms = {k: 1e3 * v for k, v in est.resource_seconds.items()}
     lines = [
@@ -71,4 +105,9 @@ def explain(name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est
         f"memory     device {est.gpu_bytes / 1e9:.1f} of {est.gpu_capacity / 1e9:.1f} GB usable, host "
         f"{est.cpu_bytes / 1e9:.1f} of {est.cpu_capacity / 1e9:.1f} GB usable",
     ]
+    if kv is not None:
+        lines.append(
+            f"kv cache   the host holds {kv.sequences:,} sequences of {kv.tokens_per_sequence:g} tokens in {kv.dtype} "
+            f"({kv.bytes_per_sequence / 1e6:.1f} MB each; KV {est.kv_host_bytes / 1e9:.1f} GB for this batch)"
+        )
     return "\n".join(lines)

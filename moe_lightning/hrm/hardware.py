@@ -75,7 +75,7 @@ def _host(memory_gb: float, bandwidth_gbs: float, tflops: float) -> dict[str, fl
 
 
 PRESETS: dict[str, HardwareProfile] = {
-    # The reference code's constants (design.md): usable memory, HBM, fp16 peak, PCIe 16 GB/s.
+    # The reference code's constants (docs/design.md): usable memory, HBM, fp16 peak, PCIe 16 GB/s.
     "t4": HardwareProfile(
         "t4", 65 * TFLOPS, 300 * GB, 15 * GB, **_host(192, 100, 1.6), h2d_bandwidth=16 * GB, d2h_bandwidth=16 * GB
     ),

@@ -1,6 +1,6 @@
 """The policy search: the highest predicted decode throughput that fits both memories.
 
-Search space (design.md): attention on CPU or GPU, experts on GPU or CPU, micro-batch mu in
+Search space (docs/design.md): attention on CPU or GPU, experts on GPU or CPU, micro-batch mu in
 {1, 2, 3, 4, 32, 64, ...}, number of micro-batches n_ub (N = mu * n_ub), experts resident on the
 device (whole experts per layer, 0..E), share of the KV cache on the device (attention on GPU).
 Device memory grows (nearly) linearly with the resident experts and throughput never falls with
@@ -48,16 +48,22 @@ def _better(a: Estimate, b: Estimate | None) -> bool:
 
 
 def best_resident(
-    spec: ModelSpec, work: Workload, hw: HardwareProfile, base: Policy, dtype: str | None, headroom: Headroom
+    spec: ModelSpec,
+    work: Workload,
+    hw: HardwareProfile,
+    base: Policy,
+    dtype: str | None,
+    headroom: Headroom,
+    kv_dtype: str | None = None,
 ) -> Estimate | None:
     """The policy with the most resident experts that fits (memory is linear in that count)."""
     from dataclasses import replace
 
     e = spec.total_experts
-    low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom)
+    low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom, kv_dtype)
     if low.cpu_bytes > low.cpu_capacity:
         return None
-    high = estimate(spec, work, hw, replace(base, resident_experts=e), dtype, headroom)
+    high = estimate(spec, work, hw, replace(base, resident_experts=e), dtype, headroom, kv_dtype)
     slope = (high.gpu_bytes - low.gpu_bytes) / e
     if high.gpu_bytes <= high.gpu_capacity:
         if base.experts == "gpu":
@@ -72,7 +78,7 @@ def best_resident(
     j = max(0, min(e, j))
     # the double buffer shrinks in whole experts, so memory is only nearly linear: step down to a fit
     while j >= 0:
-        est = estimate(spec, work, hw, replace(base, resident_experts=j), dtype, headroom)
+        est = estimate(spec, work, hw, replace(base, resident_experts=j), dtype, headroom, kv_dtype)
         if est.fits:
             break
         j -= 1
@@ -85,7 +91,7 @@ def best_resident(
     # count is next to where the two lines cross, or at an end
 
     def at(i: int) -> Estimate:
-        return estimate(spec, work, hw, replace(base, resident_experts=i), dtype, headroom)
+        return estimate(spec, work, hw, replace(base, resident_experts=i), dtype, headroom, kv_dtype)
 
     top = est if j == est.policy.resident_experts else at(j)
     diff0 = low.resource_seconds["gpu"] - low.resource_seconds["cpu"]
@@ -97,11 +103,18 @@ def best_resident(
 
 
 def max_batch(
-    spec: ModelSpec, work: Workload, hw: HardwareProfile, dtype: str | None, headroom: Headroom, cap: int
+    spec: ModelSpec,
+    work: Workload,
+    hw: HardwareProfile,
+    dtype: str | None,
+    headroom: Headroom,
+    cap: int,
+    kv_dtype: str | None = None,
 ) -> int:
-    """The largest N whose KV cache and weights fit in host memory (attention on CPU), at most cap."""
-    probe = estimate(spec, work, hw, Policy(1, 1), dtype, headroom)
-    per_seq = estimate(spec, work, hw, Policy(2, 1), dtype, headroom).cpu_bytes - probe.cpu_bytes
+    """The largest N whose KV cache (in `kv_dtype`) and weights fit in host memory (attention on CPU), at
+    most cap: with a 16-bit cache twice the sequences of an fp32 one."""
+    probe = estimate(spec, work, hw, Policy(1, 1), dtype, headroom, kv_dtype)
+    per_seq = estimate(spec, work, hw, Policy(2, 1), dtype, headroom, kv_dtype).cpu_bytes - probe.cpu_bytes
     room = probe.cpu_capacity - probe.cpu_bytes
     if room < 0:
         return 0
@@ -120,15 +133,22 @@ def optimize(
     mus: Iterable[int] | None = None,
     n_ubs: Iterable[int] | None = None,
     resident: int | None = None,
+    max_micro_batch: int | None = None,
+    kv_dtype: str | None = None,
 ) -> Estimate:
     """The best fitting policy; raises ValueError when nothing fits (the message says why).
 
     `resident`: the running gpu_expert's resident expert count (it sized its residency within its
     own budget); the search then keeps it instead of choosing one.
 
+    `max_micro_batch`: the most sequences one micro-batch may hold (the stack's hand-off slots carry
+    that many tokens); the number of micro-batches is unbounded (the hand-off's flow control).
+
+    `kv_dtype`: the host KV cache's dtype (default: the weights'); it decides how many sequences fit.
+
     `mus` / `n_ubs` replace the default grids (tests compare against brute force on small ones).
     """
-    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap)
+    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap, kv_dtype)
     if n_max < 1:
         raise ValueError(
             f"the weights alone ({spec.num_parameters() / 1e9:.1f} B parameters) do not fit in "
@@ -136,16 +156,17 @@ def optimize(
         )
     best: Estimate | None = None
     attention, experts = tuple(attention), tuple(experts)
-    for mu in micro_batch_sizes(n_max) if mus is None else [m for m in mus if m <= n_max]:
+    mu_max = n_max if max_micro_batch is None else max(1, min(n_max, max_micro_batch))
+    for mu in micro_batch_sizes(mu_max) if mus is None else [m for m in mus if m <= mu_max]:
         for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
             for att in attention:
                 for exp in experts:
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
                         base = Policy(mu * n_ub, mu, att, exp, resident or 0, r_c)
                         if resident is None:
-                            est = best_resident(spec, work, hw, base, dtype, headroom)
+                            est = best_resident(spec, work, hw, base, dtype, headroom, kv_dtype)
                         else:
-                            est = estimate(spec, work, hw, base, dtype, headroom)
+                            est = estimate(spec, work, hw, base, dtype, headroom, kv_dtype)
                             est = est if est.cpu_bytes <= est.cpu_capacity else None
                         if est is not None and _better(est, best):
                             best = est
@@ -162,6 +183,7 @@ def brute_force(
     n_ubs: Iterable[int],
     dtype: str | None = None,
     headroom: Headroom = Headroom(),  # noqa: B008
+    kv_dtype: str | None = None,
 ) -> Estimate | None:
     """Every policy on the given grid, every resident count: the reference the tests compare with."""
     best = None
@@ -171,7 +193,9 @@ def brute_force(
                 for exp in ("gpu", "cpu"):
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
                         for j in range(spec.total_experts + 1):
-                            est = estimate(spec, work, hw, Policy(mu * n_ub, mu, att, exp, j, r_c), dtype, headroom)
+                            est = estimate(
+                                spec, work, hw, Policy(mu * n_ub, mu, att, exp, j, r_c), dtype, headroom, kv_dtype
+                            )
                             if est.fits and _better(est, best):
                                 best = est
     return best

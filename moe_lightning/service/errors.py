@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import structlog
+import torch
 
 from moe_lightning.checkpoint import CheckpointError
 from moe_lightning.kv_cache import KVCacheFullError
@@ -34,6 +35,18 @@ class NotFoundError(ServiceError):
 
 class ResourceExhaustedError(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class OutOfMemoryError(ResourceExhaustedError):
+    """A step needed more device (or host) memory than was free; the service keeps serving."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError of its own wording;
+    Python objects a MemoryError."""
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 
 
 class UnavailableError(ServiceError):

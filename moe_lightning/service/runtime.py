@@ -129,6 +129,7 @@ def bootstrap(
     servicer: Any,
     grace_seconds: float = 10.0,
     keep_segments: tuple[str, ...] = (),
+    max_workers: int = 16,
 ) -> tuple[Any, ServiceRuntime]:
     """What every service main does first: logging, torch threads, sweeping a dead predecessor's
     segments (but those named in `keep_segments`, which the service may adopt), and a started (live,
@@ -160,6 +161,7 @@ def bootstrap(
         args.address,
         args.metrics_port,
         args.metrics_host,
+        max_workers=max_workers,
         grace_seconds=grace_seconds,
         server_credentials=credentials,
         interceptors=interceptors,

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.service.convert import spec_from_pb
+from moe_lightning.service.convert import DTYPE_FROM_PB, spec_from_pb
 from moe_lightning.service.errors import UnavailableError
 from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.spec import ModelSpec
@@ -78,3 +78,8 @@ def fetch_manifest(
     finally:
         channel.close()
     return spec_from_pb(manifest.model), manifest
+
+
+def arena_dtype(spec: ModelSpec, manifest: weight_store_pb2.GetManifestResponse) -> str:
+    """The dtype the weight store serves (its --dtype, not the checkpoint's): what the device computes in."""
+    return DTYPE_FROM_PB[manifest.pages[0].dtype] if manifest.pages else spec.dtype

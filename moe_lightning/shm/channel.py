@@ -1,32 +1,57 @@
 """A one-writer, one-reader channel of tensor messages in shared memory.
 
-Fixed slots in one segment (vLLM's shm_broadcast shape): the writer copies tensors into the next
-free slot, writes a small JSON header, then posts a named semaphore; the reader waits on it, gets
-zero-copy views, and releases the slot when done. Both ends find the channel by name (the
-services start as unrelated processes), and every wait has a timeout and watches the peer's
-heartbeat, so a `kill -9` on one side becomes an error on the other instead of a hang.
+Fixed slots in one segment (vLLM's shm_broadcast shape): the writer lays its tensors out in the
+next free slot, fills them, writes the slot's binary header, then posts a named semaphore; the
+reader waits on it, gets zero-copy views, and releases the slot when done. Both ends find the
+channel by name (the services start as unrelated processes), and every wait has a timeout and
+watches the peer's heartbeat, so a `kill -9` on one side becomes an error on the other instead of
+a hang. What a message's header bytes mean is the caller's business (`moe_lightning/handoff.py`
+for the hand-offs); the channel only carries them.
+
+Segment layout::
+
+    +-------------------+  0
+    | channel header    |  u64 fields: magic, slots, slot_bytes, pids, heartbeats, closed flags,
+    | (HEADER_BYTES)    |  read_index, reader_holding (see _FIELDS)
+    +-------------------+  HEADER_BYTES
+    | slot 0 meta       |  u32 meta_len | u32 num_tensors | u64 sent_ns
+    | (SLOT_META_BYTES) |  num_tensors x (u8 dtype, u8 ndim, u16 -, u32 -, u64 offset, u64 shape[4])
+    |                   |  meta bytes (the caller's header)
+    +-------------------+
+    | slot 0 data       |  the tensors, each at a 64-byte aligned offset
+    | (slot_bytes)      |
+    +-------------------+
+    | slot 1 meta ...   |  slots used round-robin: message i lives in slot i % slots
+    +-------------------+
+
+A writer may reserve several slots before it publishes them (a CUDA writer fills them with
+asynchronous copies); slots are published, and therefore read, in the order they were reserved.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import posix_ipc
 import torch
 
 from moe_lightning.shm.segment import Segment
 
-MAGIC = 0x4D4C54_43484E31  # "MLTCHN1"
+MAGIC = 0x4D4C54_43484E32  # "MLTCHN2": binary slot headers
 HEADER_BYTES = 4096
-SLOT_META_BYTES = 8192
+SLOT_META_BYTES = 1024
 ALIGN = 64
+MAX_DIMS = 4
+_SLOT_HEAD = struct.Struct("<IIQ")  # meta_len, num_tensors, sent_ns
+_ENTRY = struct.Struct("<BBHIQ4Q")  # dtype code, ndim, -, -, offset, shape (zero-padded)
+MAX_TENSORS = 8
+MAX_META_BYTES = SLOT_META_BYTES - _SLOT_HEAD.size - MAX_TENSORS * _ENTRY.size
 # header fields, u64 each; a re-attaching reader resets its own fields, so a restarted peer can join,
 # and resumes at the shared read position (the writer is always the creator: a restarted writer
 # makes a new channel)
@@ -48,10 +73,13 @@ HEARTBEAT_SECONDS = 0.1
 WAIT_SLICE_SECONDS = 0.05
 SPIN_SECONDS = 100e-6  # poll this long before sleeping on the semaphore: a hand-off is often imminent
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)
+DTYPE_CODES: dict[torch.dtype, int] = {
+    d: i + 1
+    for i, d in enumerate(
+        (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)
+    )
 }
+_DTYPES = {code: d for d, code in DTYPE_CODES.items()}
 
 
 class ChannelClosedError(RuntimeError):
@@ -68,6 +96,18 @@ class ChannelTimeoutError(TimeoutError):
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+TensorLayout = tuple[torch.dtype, tuple[int, ...]]
+
+
+@dataclass(slots=True)
+class OutgoingSlot:
+    """A reserved slot: fill `tensors` (views into shared memory), then `publish` it."""
+
+    index: int  # the message number (the slot is index % slots)
+    tensors: list[torch.Tensor]
+    table: list[tuple[int, int, tuple[int, ...], int]]  # (dtype code, ndim, shape, offset)
 
 
 class _Heartbeats:
@@ -108,7 +148,7 @@ class TensorChannel:
         self.dead_after = dead_after
         self._mm = segment.buf
         if self._get("magic") != MAGIC:
-            raise ValueError(f"{self.name} is not a tensor channel")
+            raise ValueError(f"{self.name} is not a tensor channel (or one of another version)")
         self.slots = self._get("slots")
         self.slot_bytes = self._get("slot_bytes")
         flags = posix_ipc.O_CREX if is_writer and segment.created else 0
@@ -117,7 +157,8 @@ class TensorChannel:
             self._spaces = posix_ipc.Semaphore(self.name + ".spaces", flags, initial_value=self.slots)
         except posix_ipc.ExistentialError:
             raise FileNotFoundError(f"semaphores of channel {self.name} do not exist") from None
-        self._next_write = 0
+        self._next_write = 0  # the next message to reserve
+        self._next_publish = 0  # the next reserved message to publish
         self._next_read = 0 if is_writer else self._get("read_index")
         self._pending_release = False
         if not is_writer and self._get("reader_holding"):
@@ -128,7 +169,7 @@ class TensorChannel:
             self._set("reader_holding", 0)
             self._spaces.release()
         self._closed = False
-        self.last_latency_ns = 0  # send-to-receive time of the last message received (same clock)
+        self.last_latency_ns = 0  # publish-to-receive time of the last message received (same clock)
         self.last_work_ns = 0  # CPU time of the last send() or recv() itself, waiting excluded
         me, peer = ("writer", "reader") if is_writer else ("reader", "writer")
         self._role_pid, self._role_beat, self._role_closed = f"{me}_pid", f"{me}_beat", f"{me}_closed"
@@ -199,37 +240,76 @@ class TensorChannel:
     def _slot_offset(self, index: int) -> int:
         return HEADER_BYTES + (index % self.slots) * (SLOT_META_BYTES + self.slot_bytes)
 
-    def send(self, meta: dict[str, Any], tensors: Sequence[torch.Tensor] = (), timeout: float = 30.0) -> None:
-        """Copies `tensors` into the next slot (from any device) and publishes it with `meta`."""
+    @property
+    def reserved(self) -> int:
+        """Slots reserved but not yet published."""
+        return self._next_write - self._next_publish
+
+    def reserve(self, layouts: Sequence[TensorLayout], timeout: float = 30.0) -> OutgoingSlot:
+        """Waits for a free slot and lays out tensors of these (dtype, shape) in it."""
         if not self.is_writer:
-            raise RuntimeError("send() on the reading end")
+            raise RuntimeError("reserve() on the reading end")
+        if len(layouts) > MAX_TENSORS:
+            raise ValueError(f"a message holds at most {MAX_TENSORS} tensors, got {len(layouts)}")
         table, offset = [], 0
-        for t in tensors:
-            nbytes = t.numel() * t.element_size()
-            table.append([str(t.dtype).removeprefix("torch."), list(t.shape), offset])
-            offset = _align(offset + nbytes)
+        for dtype, shape in layouts:
+            if len(shape) > MAX_DIMS:
+                raise ValueError(f"a tensor in a message has at most {MAX_DIMS} dimensions, got shape {tuple(shape)}")
+            if dtype not in DTYPE_CODES:
+                raise ValueError(f"dtype {dtype} cannot go through a channel")
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            table.append((DTYPE_CODES[dtype], len(shape), tuple(int(s) for s in shape), offset))
+            offset = _align(offset + numel * dtype.itemsize)
         if offset > self.slot_bytes:
             raise ValueError(f"message of {offset} bytes exceeds the slot size {self.slot_bytes} of {self.name}")
-        blob_head = {"meta": meta, "tensors": table}
         self._wait(self._spaces, timeout, "waiting for a free slot")
-        t0 = time.perf_counter_ns()
-        base = self._slot_offset(self._next_write)
-        for t, (_, _, off) in zip(tensors, table, strict=True):
-            self.segment.tensor(base + SLOT_META_BYTES + off, t.dtype, t.shape).copy_(t)
-        # stamped after the copy: the reader's latency is then the hand-off itself (wake-up included)
-        blob_head["sent_ns"] = time.perf_counter_ns()
-        blob = json.dumps(blob_head, separators=(",", ":")).encode()
-        if len(blob) + 8 > SLOT_META_BYTES:
-            self._spaces.release()
-            raise ValueError(f"message header of {len(blob)} bytes exceeds {SLOT_META_BYTES - 8}")
-        struct.pack_into("<Q", self._mm, base, len(blob))
-        self._mm[base + 8 : base + 8 + len(blob)] = blob
+        index = self._next_write
         self._next_write += 1
+        base = self._slot_offset(index) + SLOT_META_BYTES
+        views = [self.segment.tensor(base + off, _DTYPES[code], shape) for code, _, shape, off in table]
+        return OutgoingSlot(index, views, table)
+
+    def publish(self, slot: OutgoingSlot, meta: bytes) -> None:
+        """Makes a filled slot visible to the reader (slots publish in the order they were reserved)."""
+        if slot.index != self._next_publish:
+            raise RuntimeError(f"slot {slot.index} published out of order (next is {self._next_publish})")
+        if len(meta) > MAX_META_BYTES:
+            raise ValueError(f"message header of {len(meta)} bytes exceeds {MAX_META_BYTES}")
+        base = self._slot_offset(slot.index)
+        pos = base + _SLOT_HEAD.size
+        for code, ndim, shape, off in slot.table:
+            _ENTRY.pack_into(self._mm, pos, code, ndim, 0, 0, off, *shape, *(0,) * (MAX_DIMS - ndim))
+            pos += _ENTRY.size
+        self._mm[pos : pos + len(meta)] = meta
+        # stamped last: the reader's latency is then the hand-off itself (wake-up included)
+        _SLOT_HEAD.pack_into(self._mm, base, len(meta), len(slot.table), time.perf_counter_ns())
+        self._next_publish += 1
         self._items.release()
+
+    def unreserve(self, slot: OutgoingSlot) -> None:
+        """Gives back the newest reserved slot unpublished (its filling failed)."""
+        if slot.index != self._next_write - 1 or slot.index < self._next_publish:
+            raise RuntimeError(f"only the newest unpublished slot can be given back, not {slot.index}")
+        self._next_write -= 1
+        self._spaces.release()
+
+    def send(self, meta: bytes, tensors: Sequence[torch.Tensor] = (), timeout: float = 30.0) -> None:
+        """Copies `tensors` into the next slot (from any device, synchronously) and publishes it."""
+        slot = self.reserve([(t.dtype, tuple(t.shape)) for t in tensors], timeout)
+        t0 = time.perf_counter_ns()
+        try:
+            for dst, src in zip(slot.tensors, tensors, strict=True):
+                dst.copy_(src)
+            self.publish(slot, meta)
+        except BaseException:
+            self.unreserve(slot)
+            raise
         self.last_work_ns = time.perf_counter_ns() - t0
 
-    def recv(self, timeout: float = 30.0) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """The next message: (meta, zero-copy tensor views). Views are valid until `release()`."""
+    def recv(self, timeout: float = 30.0) -> tuple[bytes, list[torch.Tensor]]:
+        """The next message: (header bytes, zero-copy tensor views). Views are valid until `release()`."""
         if self.is_writer:
             raise RuntimeError("recv() on the writing end")
         if self._pending_release:
@@ -237,18 +317,20 @@ class TensorChannel:
         self._wait(self._items, timeout, "waiting for a message")
         t0 = time.perf_counter_ns()
         base = self._slot_offset(self._next_read)
-        (n,) = struct.unpack_from("<Q", self._mm, base)
-        msg = json.loads(bytes(self._mm[base + 8 : base + 8 + n]))
-        tensors = [
-            self.segment.tensor(base + SLOT_META_BYTES + off, _DTYPES[dtype], shape)
-            for dtype, shape, off in msg["tensors"]
-        ]
+        meta_len, num_tensors, sent_ns = _SLOT_HEAD.unpack_from(self._mm, base)
+        pos = base + _SLOT_HEAD.size
+        tensors = []
+        for _ in range(num_tensors):
+            code, ndim, _, _, off, *shape = _ENTRY.unpack_from(self._mm, pos)
+            tensors.append(self.segment.tensor(base + SLOT_META_BYTES + off, _DTYPES[code], tuple(shape[:ndim])))
+            pos += _ENTRY.size
+        meta = bytes(self._mm[pos : pos + meta_len])
         self._pending_release = True
         self._set("reader_holding", 1)
         now = time.perf_counter_ns()
-        self.last_latency_ns = now - msg["sent_ns"]
+        self.last_latency_ns = now - sent_ns
         self.last_work_ns = now - t0
-        return msg["meta"], tensors
+        return meta, tensors
 
     def release(self) -> None:
         """Hands the last received slot back to the writer."""

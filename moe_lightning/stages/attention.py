@@ -8,6 +8,8 @@ sequence's new tokens back to back.
 
 from __future__ import annotations
 
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -59,29 +61,34 @@ class AttentionMetadata:
             blocks.append(t[torch.arange(c - q, c) // self.block_size])
         return torch.cat(blocks)
 
-    def context_slots(self, b: int) -> torch.Tensor:
-        """(ctx_len,) flat cache slots of sequence b's whole context, in position order."""
-        c = self.ctx_lens[b]
-        pos = torch.arange(c)
-        table = torch.tensor(self.block_tables[b], dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Appends new keys/values. k_cache/v_cache: (NB, BS, K, Hd); k/v: (T, K, Hd); slots: (T,)."""
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v
+    """Appends new keys/values, rounded to the cache's dtype. k_cache/v_cache: (NB, BS, K, Hd); k/v: (T, K, Hd);
+    slots: (T,)."""
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeGroup:
-    """Decode sequences of similar context length, attended as one padded (b, Lg) grid."""
+    """Decode sequences of similar context length, attended as one padded grid of whole blocks."""
 
     rows: torch.Tensor  # (b,) their rows in the batch
-    grid: torch.Tensor  # (b, Lg) flat cache slot of every context position (0 past the end)
-    mask: torch.Tensor  # (b, 1, 1, Lg) which grid entries attend
+    blocks: torch.Tensor  # (b, Wg) cache block of each grid block (block 0 past a sequence's end, masked)
+    mask: torch.Tensor  # (b, 1, 1, Wg * BS) which grid slots attend
+    # slots from the grid's start to each sequence's last token: a chunk attends up to its longest one,
+    # not to the end of its last block (less work; one sequence alone is attended over exactly its context)
+    spans: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceContext:
+    """One prefill sequence's attended context as whole blocks, and which of their slots each new token sees."""
+
+    blocks: torch.Tensor  # (nb,) cache blocks in position order
+    mask: torch.Tensor  # (q_len, ctx - first block's position): up to its last token, not its last block's end
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +98,15 @@ class AttentionPlan:
     meta: AttentionMetadata
     write_slots: torch.Tensor  # (T,) where each new token's K/V goes
     decode_groups: tuple[DecodeGroup, ...] = ()  # decode: sequences grouped by context length
-    seq_slots: tuple[torch.Tensor, ...] = ()  # prefill: (ctx_b,) per sequence
-    seq_masks: tuple[torch.Tensor, ...] = ()  # prefill: (q_len_b, ctx_b) per sequence
+    sequences: tuple[SequenceContext, ...] = ()  # prefill: one per sequence
 
 
 PADDING_SLACK = 1.25  # a decode group's padded grid may hold at most this many times its real context
+# K+V bytes (as attention reads them) gathered per step of the decode kernel. On a CPU a few MiB stay in the
+# caches between the gather (and upcast) and the attention that reads them, and buffers that small do not
+# fault in fresh pages every call (a fresh 100 MiB buffer per call ran at a quarter of the speed).
+CHUNK_BYTES = {"cpu": 4 << 20}
+DEVICE_CHUNK_BYTES = 256 << 20  # elsewhere (CUDA): few large launches
 
 
 def _decode_groups(ctx_lens: tuple[int, ...]) -> list[list[int]]:
@@ -114,22 +125,50 @@ def _decode_groups(ctx_lens: tuple[int, ...]) -> list[list[int]]:
     return groups
 
 
+def _context_blocks(table: tuple[int, ...], first: int, ctx: int, block_size: int) -> tuple[list[int], int]:
+    """The blocks holding positions first..ctx-1, and the position of the first block's slot 0."""
+    lo = first // block_size
+    return list(table[lo : -(-ctx // block_size)]), lo * block_size
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, ctx: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
+    """Causal (and windowed) visibility; every argument broadcasts."""
+    mask = (k_pos <= q_pos) & (k_pos < ctx)
+    if sliding_window is not None:
+        mask &= q_pos - k_pos < sliding_window
+    return mask
+
+
 def _decode_group(
     meta: AttentionMetadata, rows: list[int], sliding_window: int | None, device: torch.device | str
 ) -> DecodeGroup:
-    ctx = torch.tensor([meta.ctx_lens[b] for b in rows], dtype=torch.long)
-    pos = torch.arange(int(ctx.max()))  # (Lg,)
-    width = max(len(meta.block_tables[b]) for b in rows)
-    tables = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, b in enumerate(rows):
-        tables[i, : len(meta.block_tables[b])] = torch.tensor(meta.block_tables[b], dtype=torch.long)
-    valid = pos[None, :] < ctx[:, None]  # (b, Lg)
-    if sliding_window is not None:
-        valid &= (ctx[:, None] - 1 - pos[None, :]) < sliding_window
-    block_idx = torch.clamp(pos // meta.block_size, max=width - 1)
-    grid = tables[:, block_idx] * meta.block_size + pos % meta.block_size  # (b, Lg)
-    grid = torch.where(valid, grid, torch.zeros_like(grid))
-    return DecodeGroup(torch.tensor(rows, device=device), grid.to(device), valid[:, None, None, :].to(device))
+    bs = meta.block_size
+    spans = []
+    for b in rows:
+        c = meta.ctx_lens[b]
+        first = max(0, c - sliding_window) if sliding_window is not None else 0
+        spans.append(_context_blocks(meta.block_tables[b], first, c, bs))
+    width = max(len(blocks) for blocks, _ in spans)
+    blocks = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (bl, _) in enumerate(spans):
+        blocks[i, : len(bl)] = torch.tensor(bl, dtype=torch.long)
+    ctx = torch.tensor([meta.ctx_lens[b] for b in rows])[:, None]  # (b, 1)
+    k_pos = torch.tensor([base for _, base in spans])[:, None] + torch.arange(width * bs)[None, :]  # (b, Wg * BS)
+    mask = _visible(ctx - 1, k_pos, ctx, sliding_window)
+    ends = tuple(meta.ctx_lens[b] - base for b, (_, base) in zip(rows, spans, strict=True))
+    return DecodeGroup(torch.tensor(rows, device=device), blocks.to(device), mask[:, None, None, :].to(device), ends)
+
+
+def _sequence_context(
+    meta: AttentionMetadata, b: int, sliding_window: int | None, device: torch.device | str
+) -> SequenceContext:
+    q_len, c = meta.q_lens[b], meta.ctx_lens[b]
+    first = max(0, c - q_len - sliding_window + 1) if sliding_window is not None else 0
+    blocks, base = _context_blocks(meta.block_tables[b], first, c, meta.block_size)
+    q_pos = torch.arange(c - q_len, c)[:, None]  # (q_len, 1)
+    k_pos = base + torch.arange(c - base)[None, :]  # (1, ctx - base)
+    mask = _visible(q_pos, k_pos, torch.tensor(c), sliding_window)
+    return SequenceContext(torch.tensor(blocks, dtype=torch.long, device=device), mask.to(device))
 
 
 def plan_attention(
@@ -139,45 +178,103 @@ def plan_attention(
     if meta.is_decode:
         groups = tuple(_decode_group(meta, g, sliding_window, device) for g in _decode_groups(meta.ctx_lens))
         return AttentionPlan(meta, write_slots, groups)
-    slots, masks = [], []
-    for b, (q_len, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens, strict=True)):
-        q_pos = torch.arange(ctx - q_len, ctx)[:, None]  # (q_len, 1)
-        k_pos = torch.arange(ctx)[None, :]  # (1, ctx)
-        mask = k_pos <= q_pos  # (q_len, ctx)
-        if sliding_window is not None:
-            mask &= q_pos - k_pos < sliding_window
-        slots.append(meta.context_slots(b).to(device))
-        masks.append(mask.to(device))
-    return AttentionPlan(meta, write_slots, (), tuple(slots), tuple(masks))
+    seqs = tuple(_sequence_context(meta, b, sliding_window, device) for b in range(len(meta.q_lens)))
+    return AttentionPlan(meta, write_slots, (), seqs)
+
+
+_workspace = threading.local()  # per thread: the attention loop, the engine and calibration may overlap
+
+
+def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised buffer, kept between calls on a CPU: a fresh multi-MiB one faults its pages in on
+    first touch, which took half the time of a small decode call. Chunks far past the budget (one very
+    long context) are not kept."""
+    n = math.prod(shape)
+    if device.type != "cpu" or n * dtype.itemsize > 4 * CHUNK_BYTES["cpu"]:
+        return torch.empty(shape, dtype=dtype, device=device)
+    kept: dict[tuple[str, torch.dtype], torch.Tensor] = _workspace.__dict__.setdefault("buffers", {})
+    buf = kept.get((slot, dtype))
+    if buf is None or buf.numel() < n:
+        buf = kept[(slot, dtype)] = torch.empty(n, dtype=dtype)
+    return buf[:n].view(shape)
+
+
+class _Gather:
+    """Whole blocks of a K or V cache, gathered (and upcast) into a buffer reused chunk after chunk."""
+
+    def __init__(self, name: str, cache: torch.Tensor, max_blocks: int, dtype: torch.dtype) -> None:
+        self.cache = cache
+        shape = (max_blocks, *cache.shape[1:])
+        self.out = _buffer(name, shape, dtype, cache.device)
+        same = cache.dtype == dtype
+        self.staging = None if same else _buffer(name + "-staging", shape, cache.dtype, cache.device)
+
+    def __call__(self, blocks: torch.Tensor, n: int, span: int) -> torch.Tensor:
+        """blocks: (n * W,) for n sequences -> their first `span` slots, (n, span, K, Hd)."""
+        m, kv_heads, hd = blocks.numel(), *self.cache.shape[2:]
+        if self.staging is None:
+            got = torch.index_select(self.cache, 0, blocks, out=self.out[:m])  # (n * W, BS, K, Hd)
+        else:
+            got = self.out[:m].copy_(torch.index_select(self.cache, 0, blocks, out=self.staging[:m]))
+        return got.view(n, -1, kv_heads, hd)[:, :span]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """Causal GQA over cached context. q: (T, H, Hd) -> out (T, H * Hd).
+    """Causal GQA over cached context. q: (T, H, Hd) -> out (T, H * Hd) in q's dtype.
 
-    The new tokens' K/V must already be in the cache (`write_kv` with `plan.write_slots`).
+    The new tokens' K/V must already be in the cache (`write_kv` with `plan.write_slots`). Scores, softmax
+    and sums are fp32 whatever the dtypes, and only what one chunk gathers is ever converted, never the
+    cache. q and cache in one dtype run sdpa's fused kernel in it: fp32; or bf16, whose kernel computes
+    in fp32 inside and rounds the softmax weights to bf16 for P @ V, as transformers' bf16 reference does
+    (it is the same kernel); or fp16 off a CPU. Otherwise (an fp32 q over a 16-bit cache, fp16 on a CPU,
+    where the fp16 kernel is ~6x slower than fp32) the gathered chunk is upcast and attended in fp32.
     """
     t, h, hd = q.shape
+    fused = q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
+    # contiguous: sdpa's fused kernel needs a unit-stride head dim (the weight-major QKV GEMM's output is not)
+    work = (q if fused else q.float()).contiguous()
+    out = (_decode if plan.decode_groups else _prefill)(work, k_cache, v_cache, plan)
+    return out.to(q.dtype).reshape(t, h * hd)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """One query per sequence. The G query heads that share a KV head are attended as G queries of that
+    head, so K/V are read once per KV head and never expanded to H heads."""
+    t, h, hd = q.shape
+    _, bs, kv_heads, _ = k_cache.shape
+    g_size = h // kv_heads
+    budget = CHUNK_BYTES.get(q.device.type, DEVICE_CHUNK_BYTES)
+    per_block = 2 * bs * kv_heads * hd * q.element_size()  # K+V of one block as attention reads it
+    groups = plan.decode_groups
+    chunks = [min(g.blocks.shape[0], max(1, budget // (per_block * g.blocks.shape[1]))) for g in groups]
+    max_blocks = max(c * g.blocks.shape[1] for c, g in zip(chunks, groups, strict=True))
+    gather_k, gather_v = _Gather("k", k_cache, max_blocks, q.dtype), _Gather("v", v_cache, max_blocks, q.dtype)
+    out = torch.empty(t, kv_heads, g_size, hd, dtype=q.dtype, device=q.device)
+    qg = q.view(t, kv_heads, g_size, hd)  # (T, K, G, Hd)
+    for g, chunk in zip(groups, chunks, strict=True):
+        for s in range(0, g.blocks.shape[0], chunk):
+            rows, blocks = g.rows[s : s + chunk], g.blocks[s : s + chunk].reshape(-1)
+            n, span = rows.numel(), max(g.spans[s : s + chunk])
+            k = gather_k(blocks, n, span).transpose(1, 2)  # (n, K, Lg, Hd), strided: sdpa reads it in place
+            v = gather_v(blocks, n, span).transpose(1, 2)  # (n, K, Lg, Hd)
+            mask = g.mask[s : s + chunk, ..., :span]  # (n, 1, 1, Lg)
+            out[rows] = F.scaled_dot_product_attention(qg[rows], k, v, attn_mask=mask)  # (n, K, G, Hd)
+    return out
+
+
+def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """A sequence at a time: its context's blocks gathered (upcast) once, all its new tokens attend."""
+    t, h, hd = q.shape
     kv_heads = k_cache.shape[2]
-    k_flat = k_cache.view(-1, kv_heads, hd)  # (NB * BS, K, Hd)
-    v_flat = v_cache.view(-1, kv_heads, hd)
-    gqa = h != kv_heads
-    if plan.decode_groups:
-        # One query per sequence: per group, gather each context into a (b, Lg) grid, mask the tail.
-        out = torch.empty(t, h, hd, dtype=q.dtype, device=q.device)
-        for g in plan.decode_groups:
-            k = k_flat[g.grid].transpose(1, 2)  # (b, K, Lg, Hd)
-            v = v_flat[g.grid].transpose(1, 2)  # (b, K, Lg, Hd)
-            qg = q[g.rows][:, :, None, :]  # (b, H, 1, Hd)
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, enable_gqa=gqa)  # (b, H, 1, Hd)
-            out[g.rows] = o[:, :, 0, :]
-        return out.reshape(t, h * hd)
     out = torch.empty(t, h, hd, dtype=q.dtype, device=q.device)
     start = 0
-    for slots, mask, q_len in zip(plan.seq_slots, plan.seq_masks, plan.meta.q_lens, strict=True):
-        k = k_flat[slots].transpose(0, 1)  # (K, ctx, Hd)
-        v = v_flat[slots].transpose(0, 1)  # (K, ctx, Hd)
+    for seq, q_len in zip(plan.sequences, plan.meta.q_lens, strict=True):
+        span = seq.mask.shape[-1]
+        k = k_cache.index_select(0, seq.blocks).to(q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
+        v = v_cache.index_select(0, seq.blocks).to(q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
         qb = q[start : start + q_len].transpose(0, 1)  # (H, q_len, Hd)
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=gqa)  # (H, q_len, Hd)
-        out[start : start + q_len] = o.transpose(0, 1)
+        # 4-d: sdpa runs its fused kernel on 4-d inputs only (3-d ones take the unfused math path)
+        o = F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=seq.mask, enable_gqa=h != kv_heads)
+        out[start : start + q_len] = o[0].transpose(0, 1)  # (q_len, H, Hd)
         start += q_len
-    return out.reshape(t, h * hd)
+    return out

@@ -14,16 +14,18 @@ from moe_lightning.weights import ExpertWeights
 def route(
     x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool, p: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: (T, D), router: (E, D) -> weights (T, A) in x's dtype, expert ids (T, A).
+    """x: (T, D), router: (E, D) -> weights (T, A) in fp32, expert ids (T, A).
 
-    `normalize`: divide the top-k weights by their L_p norm (p = 1: they sum to 1; DBRX sets its p)."""
+    `normalize`: divide the top-k weights by their L_p norm (p = 1: they sum to 1; DBRX sets its p).
+    The weights stay fp32, as transformers' Mixtral router keeps them: a bf16 model then weights and sums
+    its experts' outputs in fp32 and rounds once, where the reference does (see `experts_forward`)."""
     logits = linear(x, router)  # (T, E)
     probs = torch.softmax(logits.float(), dim=-1)  # (T, E) in fp32, as the reference
     weights, ids = torch.topk(probs, top_k, dim=-1)  # (T, A)
     if normalize:
         norm = weights.sum(dim=-1, keepdim=True) if p == 1.0 else torch.norm(weights, p=p, dim=-1, keepdim=True)
         weights = weights / norm
-    return weights.to(x.dtype), ids
+    return weights, ids
 
 
 def expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
@@ -40,30 +42,36 @@ def experts_forward(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: Sequence[ExpertWeights],
-) -> torch.Tensor:
-    """Weighted sum of each token's top-k experts. x: (T, D), weights/ids: (T, A) -> (T, D).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weighted sum of each token's top-k experts. x: (T, D), weights/ids: (T, A) -> (T, D), and
+    the tokens each expert got (E,) on x's device (for hot-expert residency).
 
     `experts[e]` is only touched for experts that received tokens, so a caller can hand in a lazy
-    sequence that fetches streamed pages on demand.
+    sequence that fetches streamed pages on demand. The counts reach the host once (the one
+    device synchronisation of the stage): the loop needs them to slice. The weighted sum is accumulated
+    in fp32 and rounded to x's dtype once, as transformers' grouped experts path does (a bf16 sum per
+    expert rounded differently in about half the outputs of a bf16 model).
     """
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)  # (T * A,)
     order = torch.argsort(flat_ids, stable=True)  # (T * A,) assignments grouped by expert
-    counts = torch.bincount(flat_ids, minlength=len(experts)).tolist()
+    counts = expert_token_counts(flat_ids, len(experts))  # (E,)
     flat_weights = weights.reshape(-1)
-    out = torch.zeros_like(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, D)
     start = 0
-    for e, n in enumerate(counts):
+    for e, n in enumerate(counts.tolist()):
         if n == 0:
             continue
         assignment = order[start : start + n]  # (n,)
         start += n
         token = assignment // top_k  # (n,)
         y = expert_ffn(experts[e], x[token])  # (n, D)
-        out.index_add_(0, token, y * flat_weights[assignment, None])
-    return out
+        out.index_add_(0, token, y.float() * flat_weights[assignment, None].float())
+    return out.to(x.dtype), counts
 
 
 def expert_token_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """(E,) number of tokens routed to each expert; the input to hot-expert residency."""
-    return torch.bincount(ids.reshape(-1), minlength=num_experts)
+    """(E,) number of tokens routed to each expert. Not `bincount`: on CUDA it reads the largest
+    id back to the host to size its output, a synchronisation this needs no more than once."""
+    flat = ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))

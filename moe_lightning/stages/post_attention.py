@@ -20,19 +20,19 @@ def post_attention(
     attn_out: torch.Tensor,
     experts: Sequence[ExpertWeights] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual: (T, D), attn_out: (T, H * Hd) -> (new residual (T, D), expert ids (T, A)).
+    """residual: (T, D), attn_out: (T, H * Hd) -> (new residual (T, D), tokens per expert (E,)).
 
-    `experts` overrides `layer.experts` (streamed or remote experts); the ids are returned so the
-    caller can count routing for hot-expert residency; a dense layer returns (T, 0) ids.
+    `experts` overrides `layer.experts` (streamed or remote experts); the counts are returned so
+    the caller can count routing for hot-expert residency; a dense layer returns (0,) counts.
     """
     h = residual + linear(attn_out, layer.wo)  # (T, D)
     x = norm(spec, h, layer.ffn_norm)  # (T, D)
     if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
         assert layer.mlp is not None
-        return h + expert_ffn(layer.mlp, x), torch.empty(x.shape[0], 0, dtype=torch.long, device=x.device)
+        return h + expert_ffn(layer.mlp, x), torch.empty(0, dtype=torch.long, device=x.device)
     weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
-    moe = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D)
+    moe, counts = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D), (E,)
     if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate
         assert layer.shared_gate is not None
         moe = moe + torch.sigmoid(linear(x, layer.shared_gate)) * expert_ffn(layer.shared, x)  # (T, D)
-    return h + moe, ids
+    return h + moe, counts

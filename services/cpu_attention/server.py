@@ -7,25 +7,29 @@ import sys
 from collections.abc import Sequence
 
 import grpc
+import torch
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_attention_side
-from moe_lightning.service.convert import measurements_to_pb
+from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
-from moe_lightning.service.upstream import fetch_manifest
+from moe_lightning.service.upstream import arena_dtype, fetch_manifest
 from moe_lightning.timeline import TimelineRecorder
 from services.cpu_attention.worker import AttentionWorker
 
 SERVICE = "moe_lightning.api.cpu_attention.v1.CpuAttention"
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
     def __init__(self) -> None:
         self._worker: AttentionWorker | None = None
         self.measurements: Measurements | None = None
+        self.max_handoff_tokens = 0
 
     @property
     def worker(self) -> AttentionWorker:
@@ -43,6 +47,8 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
             free_blocks=cache.num_free_blocks,
             output_channel=self.worker.output.name,
             measurements=measurements_to_pb(self.measurements) if self.measurements else None,
+            max_handoff_tokens=self.max_handoff_tokens,
+            kv_dtype=DTYPE_TO_PB[str(cache.k.dtype).removeprefix("torch.")],
         )
 
     def Connect(
@@ -62,7 +68,16 @@ def build_parser() -> EnvDefaultsParser:
     add_service_flags(p, "127.0.0.1:50063")
     p.add_argument("--weight-store", required=True, help="address of the weight store (for the model spec)")
     p.add_argument(
-        "--kv-cache-memory", type=parse_size, default=parse_size("2GiB"), help="host memory for the KV cache (fp32)"
+        "--kv-cache-memory",
+        type=parse_size,
+        default=parse_size("2GiB"),
+        help="host memory for the KV cache; --kv-dtype decides how many tokens fit (bf16/fp16 hold twice fp32's)",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["auto", *KV_DTYPES],
+        default="auto",
+        help="dtype K/V are stored in (attention computes in fp32 whatever it is); auto: the arena's weight dtype",
     )
     add_worker_flags(p)
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
@@ -76,12 +91,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, "cpu_attention", SERVICE, cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server, servicer
     )
     try:
-        spec, _ = fetch_manifest(args.weight_store, stop=runtime)
+        spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
     except Exception as exc:  # the stack cannot start without a model: report and exit
         log.error("startup_failed", error=str(exc))
         runtime.stop()
         return 1
-    per_block = 2 * spec.num_layers * args.block_size * spec.num_kv_heads * spec.head_dim * 4
+    kv_name = arena_dtype(spec, manifest) if args.kv_dtype == "auto" else args.kv_dtype
+    kv_dtype = KV_DTYPES[kv_name]
+    per_block = PagedKVCache.bytes_per_block(spec, args.block_size, kv_dtype)
     num_blocks = args.kv_cache_memory // per_block
     if num_blocks < 1:
         log.error("startup_failed", error=f"--kv-cache-memory {args.kv_cache_memory} B holds no {per_block} B block")
@@ -93,10 +110,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.block_size,
         args.run_id,
         handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn"),
+        slots=args.handoff_slots,
         timeline=TimelineRecorder(args.timeline, "cpu_attention"),
+        kv_dtype=kv_dtype,
     )
-    key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}"
-    servicer.measurements = cached_measurements(key, lambda: measure_attention_side(spec), refresh=args.recalibrate)
+    key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}"
+    servicer.measurements = cached_measurements(
+        key,
+        lambda: measure_attention_side(spec, kv_dtype=kv_dtype),
+        refresh=args.recalibrate,
+        cache_dir=args.profile_cache,
+    )
+    servicer.max_handoff_tokens = args.max_tokens_per_handoff
     servicer._worker = worker
     runtime.on_shutdown(worker.stop)
     worker.start()
@@ -106,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_blocks=num_blocks,
         block_size=args.block_size,
         kv_tokens=num_blocks * args.block_size,
+        kv_dtype=kv_name,
         output_channel=worker.output.name,
     )
     runtime.wait()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
 import structlog
 import torch
 from prometheus_client import Counter, Gauge
 
+from moe_lightning.handoff import AttentionHandoff, HandoffHeader, QKVHandoff, SequenceBatch
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, KV_USAGE, SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
@@ -45,21 +47,19 @@ class AttentionWorker:
         slot_bytes: int,
         slots: int = 4,
         timeline: TimelineRecorder | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.spec = spec
         self.timeline = timeline or TimelineRecorder(None, "cpu_attention")
         self.log = structlog.get_logger()
         shape = PagedKVCache.storage_shape(spec, num_blocks, block_size)
-        numel = 1
-        for s in shape:
-            numel *= s
-        nbytes = numel * 4  # fp32 KV on the CPU
+        nbytes = num_blocks * PagedKVCache.bytes_per_block(spec, block_size, kv_dtype) // 2  # K, then V
         self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), 2 * nbytes)
         storage = (
-            self.kv_segment.tensor(0, torch.float32, shape),
-            self.kv_segment.tensor(nbytes, torch.float32, shape),
+            self.kv_segment.tensor(0, kv_dtype, shape),
+            self.kv_segment.tensor(nbytes, kv_dtype, shape),
         )
-        self.cache = PagedKVCache(spec, num_blocks, block_size, storage=storage)
+        self.cache = PagedKVCache(spec, num_blocks, block_size, kv_dtype, storage=storage)
         self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
         self.input: TensorChannel | None = None  # owned by the loop thread (see _take_reconnect)
         self._reconnect: _Reconnect | None = None
@@ -151,57 +151,60 @@ class AttentionWorker:
             HANDOFFS.labels("in").inc()
             HANDOFF_LATENCY.labels("in").inc(channel.last_latency_ns / 1e9)
             HANDOFF_WORK.labels("in").inc(channel.last_work_ns / 1e9)
-            if meta.get("sn", self.session) != self.session:  # left over from before a restart
+            msg = QKVHandoff.decode(meta, tensors)
+            if msg.header.session != self.session:  # left over from before a restart
                 channel.release()
-                self.log.warning("stale_handoff_dropped", step=meta.get("s"), layer=meta.get("l"))
+                self.log.warning("stale_handoff_dropped", step=msg.header.step, layer=msg.header.layer)
                 continue
-            reply, out = self._handle(meta, tensors)
+            reply = self._handle(msg)
             channel.release()
             try:
-                self.output.send(reply, out, timeout=30.0)
+                self.output.send(reply.header.pack(), reply.tensors(), timeout=30.0)
                 HANDOFFS.labels("out").inc()
                 HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
             except (PeerDiedError, ChannelClosedError, ChannelTimeoutError) as exc:
                 self.log.warning("output_lost", error=str(exc))
 
-    def _handle(self, meta: dict, tensors: list[torch.Tensor]) -> tuple[dict, list[torch.Tensor]]:
-        key = (meta["s"], meta["m"])
-        layer = meta["l"]
-        reply = {"s": meta["s"], "l": layer, "m": meta["m"], "sn": meta.get("sn", self.session)}
+    def _handle(self, msg: QKVHandoff) -> AttentionHandoff:
+        h = msg.header
+        key = (h.step, h.micro_batch)
+        layer = h.layer
         t0 = time.perf_counter_ns()
         try:
             if layer == 0:
-                self._batches[key] = self._begin(meta)
+                if msg.batch is None:
+                    raise LookupError(f"step {h.step} micro-batch {h.micro_batch} came without its sequences")
+                self._batches[key] = self._begin(msg.batch)
             mb = self._batches.get(key)
             if mb is None:
-                raise LookupError(f"step {meta['s']} micro-batch {meta['m']} was never started at layer 0")
-            q, k, v = tensors
-            cache_dtype = self.cache.k.dtype  # fp32 on the host: bf16 matmuls are slow (emulated) on CPUs
-            with self._lock:
-                write_kv(self.cache.k[layer], self.cache.v[layer], k.to(cache_dtype), v.to(cache_dtype), mb.write_slots)
-                out = paged_attention(q.to(cache_dtype), self.cache.k[layer], self.cache.v[layer], mb).to(q.dtype)
-            self.timeline.record("cpu", "attention", meta["s"], layer, meta["m"], t0)
+                raise LookupError(f"step {h.step} micro-batch {h.micro_batch} was never started at layer 0")
+            q, k, v = msg.q, msg.k, msg.v
+            with self._lock:  # K/V stored in the cache's dtype (--kv-dtype); attention computes in fp32
+                write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.write_slots)
+                out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb)  # in q's dtype
+            self.timeline.record("cpu", "attention", h.step, layer, h.micro_batch, t0)
             if layer == self.spec.num_layers - 1:
                 del self._batches[key]
         except KVCacheFullError as exc:
-            return self._error(reply, key, "RESOURCE_EXHAUSTED", str(exc))
+            return self._error(h, key, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (LookupError, ValueError) as exc:
-            return self._error(reply, key, "FAILED_PRECONDITION", str(exc))
+            return self._error(h, key, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(
             (time.perf_counter_ns() - t0) / 1e9
         )
-        return reply, [out]
+        return AttentionHandoff(h, out)
 
-    def _error(self, reply: dict, key: tuple[int, int], code: str, message: str) -> tuple[dict, list[torch.Tensor]]:
+    def _error(
+        self, header: HandoffHeader, key: tuple[int, int], code: grpc.StatusCode, message: str
+    ) -> AttentionHandoff:
         self._batches.pop(key, None)
-        ERRORS.labels(code).inc()
-        self.log.warning("attention_error", code=code, error=message)
-        return {**reply, "error": message, "code": code}, []
+        ERRORS.labels(code.name).inc()
+        self.log.warning("attention_error", code=code.name, error=message)
+        return AttentionHandoff.failed(header, code, message)
 
-    def _begin(self, meta: dict) -> AttentionPlan:
-        seqs, q_lens, starts = meta["seqs"], meta["q"], meta["p"]
+    def _begin(self, batch: SequenceBatch) -> AttentionPlan:
         with self._lock:
-            md = self.cache.begin(seqs, q_lens, starts)
+            md = self.cache.begin(batch.seq_ids, batch.q_lens, batch.starts)
             self._update_gauges()
         return plan_attention(md, self.spec.sliding_window)
 

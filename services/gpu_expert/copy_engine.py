@@ -12,7 +12,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
-import structlog
 import torch
 
 from moe_lightning.timeline import TimelineRecorder
@@ -22,7 +21,8 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (device slot, host source)
 
 class Ticket(Protocol):
     def wait(self) -> float:
-        """Makes the caller's compute see the copied page; returns the seconds the CPU blocked."""
+        """Makes the caller's compute see the copied page; returns the seconds the CPU blocked
+        (a device-side wait is measured later, by `CopyEngine.end_step`)."""
         ...
 
 
@@ -33,7 +33,10 @@ class CopyEngine(Protocol):
         """Compute issued so far is the last user of the slots freed now; later copies may reuse them."""
         ...
 
-    def flush_timeline(self) -> None: ...
+    def end_step(self) -> float:
+        """Between steps: the seconds the device waited for copies this step (device-side waits
+        only), and the copies' timeline spans recorded; never blocks the host."""
+        ...
 
     def close(self) -> None: ...
 
@@ -71,26 +74,30 @@ class ThreadCopyEngine:
     def slots_released(self) -> None:
         pass
 
-    def flush_timeline(self) -> None:
-        pass
+    def end_step(self) -> float:
+        return 0.0  # the CPU's waits were counted by the tickets
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class _EventTicket:
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+    def __init__(self, engine: CudaCopyEngine, event: torch.cuda.Event) -> None:
+        self.engine = engine
         self.event = event
-        self.device = device
 
     def wait(self) -> float:
-        torch.cuda.current_stream(self.device).wait_event(self.event)  # a GPU-side wait
+        self.engine.device_wait(self.event)
         return 0.0
 
 
 class CudaCopyEngine:
     """Async host-to-device copies on a side stream. The arena must be pinned (`pin_host_memory`)
-    for them to overlap with compute; unpinned sources still give correct, slower copies."""
+    for them to overlap with compute; unpinned sources still give correct, slower copies.
+
+    Every page's events are timed: how long compute actually waited for a page is only known on
+    the device (the compute stream's arrival at the wait vs the copy's end), and the timeline wants
+    the copies' spans. Both are read after the step, from events that have completed by then."""
 
     def __init__(self, device: torch.device, timeline: TimelineRecorder) -> None:
         self.device = device
@@ -98,71 +105,73 @@ class CudaCopyEngine:
         self.stream = torch.cuda.Stream(device)
         self._released: torch.cuda.Event | None = None
         self._spans: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (compute arrives, copy done)
         self._origin: tuple[int, torch.cuda.Event] | None = None
 
     def copy(self, pairs: list[Pair], layer: int) -> Ticket:
-        timed = self.timeline.enabled
-        start = torch.cuda.Event(enable_timing=timed)
-        done = torch.cuda.Event(enable_timing=timed)
+        start = torch.cuda.Event(enable_timing=True)
+        done = torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             if self._released is not None:
                 self.stream.wait_event(self._released)  # the slots' previous layer has finished computing
-            if timed and self._origin is None:
+            if self.timeline.enabled and self._origin is None:
                 origin = torch.cuda.Event(enable_timing=True)
                 origin.record(self.stream)
-                origin.synchronize()
+                origin.synchronize()  # once per process: anchors device time to the host clock
                 self._origin = (time.perf_counter_ns(), origin)
             start.record(self.stream)
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             done.record(self.stream)
-        if timed:
+        if self.timeline.enabled:
             self._spans.append((layer, start, done))
-        return _EventTicket(done, self.device)
+        return _EventTicket(self, done)
+
+    def device_wait(self, done: torch.cuda.Event) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        arrive = torch.cuda.Event(enable_timing=True)
+        arrive.record(stream)
+        stream.wait_event(done)  # a device-side wait: the host runs on
+        self._waits.append((arrive, done))
 
     def slots_released(self) -> None:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         self._released = event
 
-    def flush_timeline(self) -> None:
-        """Turns the copy events of the step into timeline spans (called between steps)."""
+    def end_step(self) -> float:
+        waited = 0.0
+        pending = []
+        for arrive, done in self._waits:
+            if arrive.query() and done.query():
+                waited += max(0.0, arrive.elapsed_time(done)) / 1e3
+            else:  # not reached yet (a prefetch for the next step): look again after it
+                pending.append((arrive, done))
+        self._waits = pending
+        self._flush_timeline()
+        return waited
+
+    def _flush_timeline(self) -> None:
+        """Turns the copies that have finished into timeline spans; a prefetch still in flight (the
+        next step's first layer) stays for later, so the host never waits for the copy stream."""
         if not self._spans or self._origin is None:
             return
         origin_ns, origin = self._origin
+        still = []
         for layer, start, done in self._spans:
-            done.synchronize()
+            if not done.query():
+                still.append((layer, start, done))
+                continue
             t0 = origin_ns + int(origin.elapsed_time(start) * 1e6)
             self.timeline.record(
                 "copy", "expert_copy", -1, layer, -1, t0, origin_ns + int(origin.elapsed_time(done) * 1e6)
             )
-        self._spans.clear()
+        self._spans = still
 
     def close(self) -> None:
         self.stream.synchronize()
+        self._flush_timeline()
 
 
 def make_copy_engine(device: torch.device, timeline: TimelineRecorder) -> CopyEngine:
     return CudaCopyEngine(device, timeline) if device.type == "cuda" else ThreadCopyEngine(timeline)
-
-
-def pin_host_memory(buffer: torch.Tensor) -> bool:
-    """Registers host memory (the weight arena) with CUDA as page-locked, so copies from it are DMA
-    transfers that overlap with compute. Returns False where that is not possible (no CUDA, or the
-    driver refused); copies then still work, staged through a pinned bounce buffer by the driver."""
-    if not torch.cuda.is_available():
-        return False
-    ptr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-    ok = int(getattr(err, "value", err)) == 0
-    log = structlog.get_logger()
-    if ok:
-        log.info("arena_pinned", bytes=size)
-    else:
-        log.warning("arena_not_pinned", bytes=size, cuda_error=str(err))
-    return ok
-
-
-def unpin_host_memory(buffer: torch.Tensor) -> None:
-    if torch.cuda.is_available():
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

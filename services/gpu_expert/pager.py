@@ -1,6 +1,6 @@
 """Serves each layer's experts: resident ones directly, streamed ones from a ring of buffer slots.
 
-The CGOPipe schedule (design.md): the streamed experts of layer l+1 are split into n_ub pages and
+The CGOPipe schedule (docs/design.md): the streamed experts of layer l+1 are split into n_ub pages and
 page m is issued after micro-batch m of layer l, so the transfer interleaves with compute at
 micro-batch grain. A page only takes slots that are free; when the ring is smaller than a double
 buffer, the rest are issued as soon as layer l ends and frees its slots. Layer l+1 then waits per
@@ -168,7 +168,11 @@ class ExpertPager:
             self._issue(following, self._pending(following))
 
     def end_step(self) -> None:
-        self.engine.flush_timeline()
+        """Between steps: device-side waits of the step are known now (CUDA), and copy spans go to
+        the timeline; a prefetch for the next step stays in flight."""
+        waited = self.engine.end_step()
+        self.wait_seconds += waited
+        WAITED.inc(waited)
 
     # --- residency changes and failures -------------------------------------------------------
     def update_residency(self, plan: ResidencyPlan) -> None:

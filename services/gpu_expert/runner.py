@@ -2,11 +2,14 @@
 
 The weights are views into the weight store's arena (zero-copy when the device is the CPU, one
 copy onto an accelerator). Sampler state (each sequence's random stream) lives here between steps.
+The micro-batches go through the layers in CGOPipe's order (`schedule.py`), or one at a time in
+the overlap-off baseline; with attention placed on the device there are no hand-offs at all.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,26 +18,39 @@ import structlog
 import torch
 from prometheus_client import Counter
 
-from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
+from moe_lightning.handoff import HandoffHeader, QKVHandoff, SequenceBatch, pipeline_window
+from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
 from moe_lightning.sampling import SamplingParams, sample, token_logprobs
-from moe_lightning.service.errors import NotReadyError, ServiceError
-from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, SHM_WAIT
+from moe_lightning.service.errors import NotReadyError, OutOfMemoryError, ServiceError, is_out_of_memory
+from moe_lightning.service.metrics import SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
-from moe_lightning.shm import ChannelTimeoutError, TensorChannel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
 from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
+from services.gpu_expert.clock import StageClock
+from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.pager import ExpertPager
 from services.gpu_expert.residency import plan_residency
+from services.gpu_expert.routing import EXPORT_EVERY, RoutingCounts
+from services.gpu_expert.schedule import SEND, cgopipe_order, sequential_order
 
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
-ROUTED = Counter("moe_lightning_expert_routed_tokens_total", "Tokens routed to each expert", ["layer", "expert"])
 RESIDENCY_CHANGES = Counter("moe_lightning_residency_changes_total", "Hot-expert residency updates")
-EXPORT_EVERY = 16  # decode steps between routing-counter flushes
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
+SYNCS = Counter("moe_lightning_cuda_syncs_total", "Host synchronisations with the device (--count-syncs)", ["kind"])
+OOMS = Counter("moe_lightning_step_out_of_memory_total", "Steps that ran out of memory")
+TIMINGS = (  # every step reports these, zero when a stage did not run
+    "pre_attention",
+    "post_attention",
+    "head",
+    "attention_wait",
+    "handoff_send",
+    "expert_wait",
+    "device_attention",
+)
 
 
 @dataclass(slots=True)
@@ -46,53 +62,52 @@ class _MicroBatchState:
     attention: AttentionPlan | None = None  # set when attention runs here, over the device KV cache
 
 
+def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor onto the device without blocking the host (pinned, then async)."""
+    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
+
+
 class ExpertRunner:
     def __init__(
         self,
         spec: ModelSpec,
         weights: ModelWeights,
         device: torch.device,
-        output: TensorChannel,
+        link: HandoffLink,
         pager: ExpertPager | None = None,
         kv: PagedKVCache | None = None,
-        handoff_timeout: float = 60.0,
         residency_interval: int = 0,
         timeline: TimelineRecorder | None = None,
         overlap: bool = True,
-        experts_on_host: bool = False,
+        count_syncs: bool = False,
     ) -> None:
         self.spec = spec
         self.weights = weights
         self.device = device
-        self.output = output
+        self.link = link
         self.pager = pager
         self.kv = kv  # the device KV cache (attention placed on the device); None: attention service only
-        self.input: TensorChannel | None = None
-        self.session = 0
-        self.handoff_timeout = handoff_timeout
+        self.connected = False
         self.samplers: dict[int, tuple[SamplingParams, torch.Generator | None]] = {}
         self.log = structlog.get_logger()
         self.residency_interval = residency_interval
         self.overlap = overlap
-        self.experts_on_host = experts_on_host  # placement: streamed experts run on the host, not copied
-        self.timeline = timeline or TimelineRecorder(None, "gpu_expert")
-        self.route_counts = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long, device=device)
-        self._exported = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long)
+        self.count_syncs = count_syncs and device.type == "cuda"
+        self.experts_on_host = False  # placement: streamed experts run on the host, not copied
+        self.clock = StageClock(device, timeline or TimelineRecorder(None, "gpu_expert"))
+        self.routing = RoutingCounts(spec.num_layers, spec.num_experts, device)
         self._decode_steps = 0
 
     def connect(self, input_channel: str, session: int = 0) -> None:
         """Wires the attention channel and starts a new session (see the attention worker's connect):
         sampler streams, the device KV cache and prefetched pages of earlier requests are dropped."""
-        self.session = session  # stamped on every hand-off; replies of another session are stale
         self.samplers.clear()
         if self.kv is not None:
             self.kv.reset()
         if self.pager is not None:
             self.pager.reset()
-        if self.input is not None:  # closed first: its 'closed' flag must not land after the new attach
-            self.input.close()
-            self.input = None
-        self.input = TensorChannel.attach(input_channel)
+        self.link.connect(input_channel, session)  # stamped on every hand-off; replies of another session are stale
+        self.connected = True
         self.log.info("input_connected", channel=input_channel)
 
     def _prepare(self, plan: StepPlan) -> list[_MicroBatchState]:
@@ -108,7 +123,7 @@ class ExpertRunner:
             )
         if self.pager is not None and plan.experts_on_host != self.experts_on_host:
             self.pager.reset()  # placement changed: pages prefetched for the old one are dropped
-            self.experts_on_host = plan.experts_on_host
+        self.experts_on_host = plan.experts_on_host
         states = []
         for mb in plan.micro_batches:
             if not mb:
@@ -123,135 +138,150 @@ class ExpertRunner:
                     )
                 if not w.token_ids:
                     raise ServiceError(f"sequence {w.seq_id} has no new tokens", grpc.StatusCode.INVALID_ARGUMENT)
-            tokens = torch.tensor([t for w in mb for t in w.token_ids], dtype=torch.long, device=self.device)
-            positions = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in mb]).to(self.device)
+            tokens = _to_device(torch.tensor([t for w in mb for t in w.token_ids], dtype=torch.long), self.device)
+            positions = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in mb])
             last = torch.tensor([len(w.token_ids) for w in mb]).cumsum(0) - 1
-            st = _MicroBatchState(mb, positions, embed_tokens(self.weights.embed, tokens), last.to(self.device))
+            st = _MicroBatchState(
+                mb,
+                _to_device(positions, self.device),
+                embed_tokens(self.weights.embed, tokens),
+                _to_device(last, self.device),
+            )
             if plan.attention_on_device:
                 assert self.kv is not None
                 try:
                     md = self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
                 except ValueError as exc:
                     raise ServiceError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
-                st.attention = plan_attention(md, self.spec.sliding_window)
+                st.attention = plan_attention(md, self.spec.sliding_window, device=self.device)
             states.append(st)
         return states
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
-        if self.input is None and not plan.attention_on_device:
+        if not self.connected and not plan.attention_on_device:
             raise NotReadyError("gpu_expert is not connected to an attention service yet")
+        kind = "decode" if plan.num_tokens == plan.num_sequences else "prefill"
+        if not self.count_syncs:
+            return self._step(plan, kind)
+        with warnings.catch_warnings(record=True) as caught:  # set_sync_debug_mode warns once per sync
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = self._step(plan, kind)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        SYNCS.labels(kind).inc(sum("synchroniz" in str(w.message) for w in caught))
+        return out
+
+    def _step(self, plan: StepPlan, kind: str) -> StepOutput:
         t_start = time.perf_counter_ns()
-        timings = {
-            "pre_attention": 0,
-            "post_attention": 0,
-            "head": 0,
-            "attention_wait": 0,
-            "handoff_send": 0,
-            "expert_wait": 0,
-            "device_attention": 0,
-        }
-        states = self._prepare(plan)
-        outstanding = 0
+        timings = dict.fromkeys(TIMINGS, 0)
+        self.clock.begin_step()
+        waited = self.pager.wait_seconds if self.pager is not None else 0.0
         try:
-            for layer_idx, layer in enumerate(self.weights.layers):
-                if plan.attention_on_device:  # no hand-offs: the pages of the next layer still interleave
-                    experts = self._experts(layer_idx, timings)
-                    self._prefetch(layer_idx + 1, 0, len(states))
-                    for m, st in enumerate(states):
-                        self._attend_here(plan, layer_idx, layer, m, st, experts, timings)
-                        self._prefetch(layer_idx + 1, m + 1, len(states))
-                elif self.overlap:
-                    # every micro-batch's q/k/v goes out before the first result is awaited: attention
-                    # on micro-batch k+1 runs while this process does post-attention for k, and page
-                    # k+1 of the next layer's streamed experts copies meanwhile
-                    for m, st in enumerate(states):
-                        self._send(plan, layer_idx, layer, m, st, timings)
-                        outstanding += 1
-                    experts = self._experts(layer_idx, timings)
-                    self._prefetch(layer_idx + 1, 0, len(states))
-                    for m, st in enumerate(states):
-                        self._receive(plan, layer_idx, layer, m, st, experts, timings)
-                        outstanding -= 1
-                        self._prefetch(layer_idx + 1, m + 1, len(states))
-                else:  # the FlexGen/DeepSpeed-style schedule: each stage waits for the previous one
-                    experts = self._experts(layer_idx, timings)
-                    for m, st in enumerate(states):
-                        self._send(plan, layer_idx, layer, m, st, timings)
-                        outstanding += 1
-                        self._receive(plan, layer_idx, layer, m, st, experts, timings)
-                        outstanding -= 1
-                if self.pager is not None and not self.experts_on_host:
-                    self.pager.end_layer(layer_idx)
-        except BaseException:
-            self._drain(outstanding)
+            states = self._prepare(plan)
+            if plan.attention_on_device:
+                self._run_with_local_attention(plan, states)
+            else:
+                self._run_pipeline(plan, states, timings)
             if self.pager is not None:
-                self.pager.reset()
+                self.pager.end_step()
+            self.link.end_step()
+            t0 = self.clock.mark()
+            hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
+            logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
+            works = [w for st in states for w in st.works]
+            chosen = [self.samplers[w.seq_id] for w in works]
+            tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
+            logprobs = {
+                w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
+                for b, (w, c) in enumerate(zip(works, chosen, strict=True))
+                if c[0].logprobs
+            }
+            self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
+        except BaseException as exc:
+            self._recover()
+            if is_out_of_memory(exc):
+                OOMS.inc()
+                raise OutOfMemoryError(
+                    f"the step ({plan.num_sequences} sequences, {plan.num_tokens} tokens) ran out of memory on "
+                    f"{self.device}: {str(exc).splitlines()[0]}; retry with fewer or shorter requests"
+                ) from exc
             raise
+        for key, ns in self.clock.finish(plan.step_id).items():
+            timings[key] = timings.get(key, 0) + ns
         if self.pager is not None:
-            self.pager.end_step()
-        t0 = time.perf_counter_ns()
-        hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
-        logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
-        works = [w for st in states for w in st.works]
-        chosen = [self.samplers[w.seq_id] for w in works]
-        tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
-        logprobs = {
-            w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
-            for b, (w, c) in enumerate(zip(works, chosen, strict=True))
-            if c[0].logprobs
-        }
-        timings["head"] = time.perf_counter_ns() - t0
-        self.timeline.record("device", "head", plan.step_id, -1, -1, t0)
+            timings["expert_wait"] = int((self.pager.wait_seconds - waited) * 1e9)
         timings["step"] = time.perf_counter_ns() - t_start
-        BUSY.labels("pre_attention").inc(timings["pre_attention"] / 1e9)
-        BUSY.labels("post_attention").inc(timings["post_attention"] / 1e9)
-        BUSY.labels("head").inc(timings["head"] / 1e9)
+        for stage in ("pre_attention", "post_attention", "head"):
+            BUSY.labels(stage).inc(timings[stage] / 1e9)
         SHM_WAIT.inc(timings["attention_wait"] / 1e9)
-        decode = plan.num_tokens == plan.num_sequences
-        STEPS.labels("decode" if decode else "prefill").inc()
+        STEPS.labels(kind).inc()
         TOKENS.inc(len(tokens))
-        if decode:
-            self._decode_steps += 1
-            if self._decode_steps % EXPORT_EVERY == 0:
-                self.export_routing()
-            if self.residency_interval and self._decode_steps % self.residency_interval == 0:
-                self.rebalance()
+        if kind == "decode":
+            self._after_decode_step()
         return StepOutput([w.seq_id for w in works], tokens, timings, logprobs)
 
+    def _recover(self) -> None:
+        """After a failed step: consume the results still owed, drop prefetched pages and free the
+        device's cached blocks (an out-of-memory step must not leave the next one short)."""
+        self.link.drain()
+        if self.pager is not None:
+            self.pager.reset()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- schedules ------------------------------------------------------------------------------
+    def _run_pipeline(self, plan: StepPlan, states: list[_MicroBatchState], timings: dict[str, int]) -> None:
+        n_ub = len(states)
+        layers = self.spec.num_layers
+        if self.overlap:
+            order = cgopipe_order(layers, n_ub, pipeline_window(n_ub, *self.link.slots))
+        else:
+            order = sequential_order(layers, n_ub)
+        experts: Sequence[ExpertWeights] | None = None
+        for op in order:
+            layer, m = self.weights.layers[op.layer], op.micro_batch
+            if op.kind == SEND:
+                if not self.overlap and m == 0:  # the baseline copies a layer's experts before it starts
+                    experts = self._begin_layer(op.layer)
+                self._send(plan, op.layer, layer, m, states[m], timings)
+                continue
+            if self.overlap and m == 0:
+                experts = self._begin_layer(op.layer)
+                self._prefetch(op.layer + 1, 0, n_ub)
+            self._receive(plan, op.layer, layer, m, states[m], experts, timings)
+            self._prefetch(op.layer + 1, m + 1, n_ub)
+            if m == n_ub - 1:
+                self._end_layer(op.layer)
+
+    def _run_with_local_attention(self, plan: StepPlan, states: list[_MicroBatchState]) -> None:
+        """No hand-offs: the pages of the next layer still interleave with the micro-batches."""
+        for layer_idx, layer in enumerate(self.weights.layers):
+            experts = self._begin_layer(layer_idx)
+            self._prefetch(layer_idx + 1, 0, len(states))
+            for m, st in enumerate(states):
+                self._attend_here(plan, layer_idx, layer, m, st, experts)
+                self._prefetch(layer_idx + 1, m + 1, len(states))
+            self._end_layer(layer_idx)
+
+    # ---- stages ---------------------------------------------------------------------------------
     def _send(
         self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: _MicroBatchState, timings: dict[str, int]
     ) -> None:
-        t0 = time.perf_counter_ns()
+        t0 = self.clock.mark()
         q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
-        t1 = time.perf_counter_ns()
-        self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
-        meta: dict = {"s": plan.step_id, "l": layer_idx, "m": m, "sn": self.session}
+        self.clock.span("pre_attention", "pre_attention", layer_idx, m, t0, self.clock.mark())
+        h0 = time.perf_counter_ns()
+        batch = None
         if layer_idx == 0:
-            meta.update(
-                seqs=[w.seq_id for w in st.works], q=[len(w.token_ids) for w in st.works], p=[w.start for w in st.works]
+            batch = SequenceBatch(
+                [w.seq_id for w in st.works], [len(w.token_ids) for w in st.works], [w.start for w in st.works]
             )
-        self.output.send(meta, [q, k, v], timeout=self.handoff_timeout)
-        HANDOFFS.labels("out").inc()
-        HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
-        timings["pre_attention"] += t1 - t0
-        timings["handoff_send"] += time.perf_counter_ns() - t1
-
-    def _experts(self, layer_idx: int, timings: dict[str, int]) -> Sequence[ExpertWeights] | None:
-        if self.pager is None:
-            return None
-        if self.experts_on_host:  # non-resident experts compute where they live: no transfer
-            resident = self.pager.resident[layer_idx]
-            host = self.weights.layers[layer_idx].experts
-            return [resident.get(e) or host[e] for e in range(len(host))]
-        t0 = time.perf_counter_ns()
-        experts = self.pager.begin_layer(layer_idx)
-        timings["expert_wait"] += time.perf_counter_ns() - t0
-        return experts
-
-    def _prefetch(self, layer_idx: int, page: int, num_pages: int) -> None:
-        if self.pager is not None and not self.experts_on_host:
-            self.pager.prefetch_page(layer_idx, page, num_pages)
+        header = HandoffHeader(plan.step_id, layer_idx, m, self.link.session)
+        self.link.send(QKVHandoff(header, q, k, v, batch))
+        timings["handoff_send"] += time.perf_counter_ns() - h0
 
     def _receive(
         self,
@@ -263,23 +293,13 @@ class ExpertRunner:
         experts: Sequence[ExpertWeights] | None,
         timings: dict[str, int],
     ) -> None:
-        assert self.input is not None
-        t0 = time.perf_counter_ns()
-        reply, tensors = self.input.recv(timeout=self.handoff_timeout)
-        while reply.get("sn", self.session) != self.session:  # left over from a session before a restart
-            self.input.release()
-            self.log.warning("stale_handoff_dropped", step=reply.get("s"), layer=reply.get("l"))
-            reply, tensors = self.input.recv(timeout=self.handoff_timeout)
-        HANDOFFS.labels("in").inc()
-        HANDOFF_LATENCY.labels("in").inc(self.input.last_latency_ns / 1e9)
-        HANDOFF_WORK.labels("in").inc(self.input.last_work_ns / 1e9)
-        t1 = time.perf_counter_ns()
-        self._check_reply(reply, plan.step_id, layer_idx, m)
-        self._post_attention(layer_idx, layer, st, tensors[0].to(self.device), experts)
-        self.input.release()
-        timings["attention_wait"] += t1 - t0
-        timings["post_attention"] += time.perf_counter_ns() - t1
-        self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t1)
+        h0 = time.perf_counter_ns()
+        attn = self.link.receive(plan.step_id, layer_idx, m)
+        timings["attention_wait"] += time.perf_counter_ns() - h0
+        t0 = self.clock.mark()
+        self._post_attention(layer_idx, layer, st, attn, experts)
+        self.clock.span("post_attention", "post_attention", layer_idx, m, t0, self.clock.mark())
+        self.link.done_with_input()
 
     def _post_attention(
         self,
@@ -291,9 +311,8 @@ class ExpertRunner:
     ) -> None:
         """The stage after attention, wherever attention ran; routing is counted for hot-expert
         residency (a dense layer routes nothing)."""
-        st.hidden, ids = post_attention(self.spec, layer, st.hidden, attn, experts)
-        if ids.numel():
-            self.route_counts[layer_idx] += torch.bincount(ids.reshape(-1), minlength=self.spec.num_experts)
+        st.hidden, counts = post_attention(self.spec, layer, st.hidden, attn, experts)
+        self.routing.add(layer_idx, counts)
 
     def _attend_here(
         self,
@@ -303,39 +322,51 @@ class ExpertRunner:
         m: int,
         st: _MicroBatchState,
         experts: Sequence[ExpertWeights] | None,
-        timings: dict[str, int],
     ) -> None:
         assert self.kv is not None and st.attention is not None
-        t0 = time.perf_counter_ns()
+        t0 = self.clock.mark()
         q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
-        t1 = time.perf_counter_ns()
+        t1 = self.clock.mark()
         write_kv(self.kv.k[layer_idx], self.kv.v[layer_idx], k, v, st.attention.write_slots)
         attn = paged_attention(q, self.kv.k[layer_idx], self.kv.v[layer_idx], st.attention)
-        t2 = time.perf_counter_ns()
+        t2 = self.clock.mark()
         self._post_attention(layer_idx, layer, st, attn, experts)
-        t3 = time.perf_counter_ns()
-        self.timeline.record("device", "pre_attention", plan.step_id, layer_idx, m, t0, t1)
-        self.timeline.record("device", "attention", plan.step_id, layer_idx, m, t1, t2)
-        self.timeline.record("device", "post_attention", plan.step_id, layer_idx, m, t2, t3)
-        timings["pre_attention"] += t1 - t0
-        timings["device_attention"] += t2 - t1
-        timings["post_attention"] += t3 - t2
+        t3 = self.clock.mark()
+        self.clock.span("pre_attention", "pre_attention", layer_idx, m, t0, t1)
+        self.clock.span("device_attention", "attention", layer_idx, m, t1, t2)
+        self.clock.span("post_attention", "post_attention", layer_idx, m, t2, t3)
 
-    def export_routing(self) -> None:
-        """Routing counters per (layer, expert), flushed in batches: a label lookup per series per step
-        would cost more than the step's hand-offs."""
-        counts = self.route_counts.cpu()
-        new = counts - self._exported
-        self._exported = counts
-        for layer, expert in new.nonzero().tolist():
-            ROUTED.labels(str(layer), str(expert)).inc(int(new[layer, expert]))
+    # ---- streamed experts -----------------------------------------------------------------------
+    def _begin_layer(self, layer_idx: int) -> Sequence[ExpertWeights] | None:
+        if self.pager is None:
+            return None
+        if self.experts_on_host:  # non-resident experts compute where they live: no transfer
+            resident = self.pager.resident[layer_idx]
+            host = self.weights.layers[layer_idx].experts
+            return [resident.get(e) or host[e] for e in range(len(host))]
+        return self.pager.begin_layer(layer_idx)
+
+    def _prefetch(self, layer_idx: int, page: int, num_pages: int) -> None:
+        if self.pager is not None and not self.experts_on_host:
+            self.pager.prefetch_page(layer_idx, page, num_pages)
+
+    def _end_layer(self, layer_idx: int) -> None:
+        if self.pager is not None and not self.experts_on_host:
+            self.pager.end_layer(layer_idx)
+
+    # ---- hot-expert residency -------------------------------------------------------------------
+    def _after_decode_step(self) -> None:
+        self._decode_steps += 1
+        if self._decode_steps % EXPORT_EVERY == 0:
+            self.routing.export()
+        if self.residency_interval and self._decode_steps % self.residency_interval == 0:
+            self.rebalance()
 
     def rebalance(self) -> None:
         """Between steps: keep the experts that routing uses most resident (hot-expert residency)."""
         pager = self.pager
         if pager is None or pager.plan.max_streamed == 0:
             return
-        hot = self.route_counts.cpu().tolist()
         p = pager.plan
         new = plan_residency(
             self.spec.num_layers,
@@ -343,7 +374,7 @@ class ExpertRunner:
             p.expert_bytes,
             p.dense_bytes,
             p.budget,
-            hot=hot,
+            hot=self.routing.ranking(),
             stream=p.ring_slots > 0,
             dense_layers=self.spec.dense_layers,
         )
@@ -352,28 +383,4 @@ class ExpertRunner:
             pager.update_residency(new)
             RESIDENCY_CHANGES.inc()
             self.log.info("residency_updated", experts_swapped=moved, after_decode_steps=self._decode_steps)
-        self.route_counts //= 2  # decay: recent routing counts most
-
-    def _check_reply(self, reply: dict, step: int, layer: int, m: int) -> None:
-        if "error" in reply:
-            if reply.get("code") == "RESOURCE_EXHAUSTED":
-                raise KVCacheFullError(reply["error"])
-            raise ServiceError(
-                f"attention failed: {reply['error']}",
-                getattr(grpc.StatusCode, reply.get("code", "INTERNAL"), grpc.StatusCode.INTERNAL),
-            )
-        if (reply["s"], reply["l"], reply["m"]) != (step, layer, m):
-            raise ServiceError(
-                f"hand-off out of order: expected {(step, layer, m)}, got {(reply['s'], reply['l'], reply['m'])}"
-            )
-
-    def _drain(self, outstanding: int) -> None:
-        """After a failure, consume the replies still owed so the next step starts clean."""
-        if self.input is None:
-            return
-        for _ in range(outstanding):
-            try:
-                self.input.recv(timeout=5.0)
-                self.input.release()
-            except (ChannelTimeoutError, RuntimeError):
-                return
+        self.routing.decay()

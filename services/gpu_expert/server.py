@@ -19,19 +19,28 @@ from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
 from moe_lightning.kv_cache import PagedKVCache
-from moe_lightning.service.convert import layout_from_pb, measurements_to_pb, step_output_to_pb, step_plan_from_pb
+from moe_lightning.service.convert import (
+    DTYPE_FROM_PB,
+    layout_from_pb,
+    measurements_to_pb,
+    step_output_to_pb,
+    step_plan_from_pb,
+)
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.shm import Segment, TensorChannel, segment_name
-from moe_lightning.spec import ModelSpec
+from moe_lightning.spec import DTYPES, ModelSpec
 from moe_lightning.timeline import TimelineRecorder
-from services.gpu_expert.copy_engine import pin_host_memory, unpin_host_memory
+from services.gpu_expert.handoff_link import HandoffLink
+from services.gpu_expert.memory import default_budget
 from services.gpu_expert.pager import ExpertPager
+from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
 from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
 SERVICE = "moe_lightning.api.gpu_expert.v1.GpuExpert"
+STEP_EXIT_WAIT = 10.0  # seconds cleanup waits for a running step
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
 DEVICE_BUDGET = Gauge("moe_lightning_device_memory_budget_bytes", "--device-memory")
 RESIDENT = Gauge("moe_lightning_resident_experts", "Expert pages kept on the device (of layers x experts)")
@@ -46,7 +55,8 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self.budget = 0
         self.measurements: Measurements | None = None
         self.residency: ResidencyPlan | None = None
-        self._step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
+        self.max_handoff_tokens = 0
+        self.step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
 
     @property
     def runner(self) -> ExpertRunner:
@@ -61,25 +71,26 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
             device=self.device,
             weight_bytes=self.weight_bytes,
             device_memory_bytes=self.budget,
-            output_channel=self.runner.output.name,
+            output_channel=self.runner.link.output.name,
             measurements=measurements_to_pb(self.measurements) if self.measurements else None,
             device_kv_blocks=self.runner.kv.allocator.num_blocks if self.runner.kv is not None else 0,
             device_kv_block_size=self.runner.kv.block_size if self.runner.kv is not None else 0,
             resident_experts=sum(len(r) for r in self.residency.resident) if self.residency else 0,
             expert_ring_slots=self.residency.ring_slots if self.residency else 0,
+            max_handoff_tokens=self.max_handoff_tokens,
         )
 
     def Connect(
         self, request: gpu_expert_pb2.ConnectRequest, context: grpc.ServicerContext
     ) -> gpu_expert_pb2.ConnectResponse:
-        with self._step_lock:
+        with self.step_lock:
             self.runner.connect(request.input_channel, request.session)
         return gpu_expert_pb2.ConnectResponse()
 
     def Step(self, request: gpu_expert_pb2.StepRequest, context: grpc.ServicerContext) -> gpu_expert_pb2.StepResponse:
         t0 = time.perf_counter_ns()
         plan = step_plan_from_pb(request)
-        with self._step_lock:
+        with self.step_lock:
             out = self.runner.step(plan)
         out.timings_ns["handler"] = time.perf_counter_ns() - t0  # the step plus its protobuf conversion
         return step_output_to_pb(out)
@@ -94,7 +105,8 @@ def build_parser() -> EnvDefaultsParser:
         "--device-memory",
         type=parse_size,
         default=None,
-        help="device memory budget for weights, e.g. 16GiB (default: all of the device)",
+        help="device memory budget for weights and the device KV cache, e.g. 16GiB (default: the device's free "
+        "memory less what the CUDA runtime, the activations of the largest micro-batch and the head need)",
     )
     p.add_argument(
         "--device-kv-memory",
@@ -115,15 +127,13 @@ def build_parser() -> EnvDefaultsParser:
         default=256,
         help="decode steps between hot-expert residency updates when experts stream (0 = never)",
     )
+    p.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count the host's synchronisations with the device in each step (CUDA; for checks: "
+        "moe_lightning_cuda_syncs_total, slower)",
+    )
     return p
-
-
-def _device_capacity(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _device_kv_cache(
@@ -132,7 +142,7 @@ def _device_kv_cache(
     """A KV cache on the device for attention placed there, in the weights' compute dtype."""
     if nbytes <= 0:
         return None
-    per_block = 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    per_block = PagedKVCache.bytes_per_block(spec, block_size, dtype)
     if nbytes < per_block:
         raise ValueError(f"--device-kv-memory {nbytes} B holds no {per_block} B KV block")
     return PagedKVCache(spec, nbytes // per_block, block_size, dtype=dtype, device=device)
@@ -146,7 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device(args.device)
         spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
         layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
-        budget = args.device_memory if args.device_memory is not None else _device_capacity(device)
+        itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
+        budget, reserve = default_budget(device, spec, args.max_tokens_per_handoff, itemsize)
+        if args.device_memory is not None:
+            if device.type == "cuda" and args.device_memory > budget:
+                log.warning("device_memory_above_free", asked=args.device_memory, free_less_reserve=budget)
+            budget = args.device_memory
+        elif reserve:
+            log.info("device_memory_default", budget=budget, kept_back=reserve)
         first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
         w13, w2 = (layout.pages[n] for n in expert_page_names(first, 0))
         expert_bytes = w13.nbytes + w2.nbytes
@@ -159,16 +176,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
             log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
         arena = Segment.attach(manifest.region)
-        pinned = device.type == "cuda" and pin_host_memory(arena.bytes())
+        pinned = pin_host_memory(arena.bytes(), device)
         weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
         timeline = TimelineRecorder(args.timeline, "gpu_expert")
         pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
         kv = _device_kv_cache(spec, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
         output = TensorChannel.create(
             segment_name(args.run_id, "gpu_expert", "qkv"),
-            4,
+            args.handoff_slots,
             handoff_slot_bytes(spec, args.max_tokens_per_handoff, "qkv"),
         )
+        link = HandoffLink(output, device)
     except Exception as exc:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
@@ -178,20 +196,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
     key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
     measurements = cached_measurements(
-        key, lambda: measure_expert_side(experts, str(device), budget), refresh=args.recalibrate
+        key,
+        lambda: measure_expert_side(experts, str(device), budget),
+        refresh=args.recalibrate,
+        cache_dir=args.profile_cache,
     )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the calibration buffers' blocks go back to the device for activations
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
     servicer.measurements = measurements
     runner = ExpertRunner(
         spec,
         weights,
         device,
-        output,
+        link,
         pager,
         kv,
         residency_interval=args.residency_interval,
         timeline=timeline,
         overlap=not args.no_overlap,
+        count_syncs=args.count_syncs,
     )
     RESIDENT.set(sum(len(r) for r in residency.resident))
     BUFFER_SLOTS.set(residency.ring_slots)
@@ -207,18 +231,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     servicer.device, servicer.weight_bytes, servicer.budget = str(device), layout.total_bytes, budget
     servicer.residency = residency
+    servicer.max_handoff_tokens = args.max_tokens_per_handoff
     servicer._runner = runner
     DEVICE_BYTES.set(residency.device_bytes)
     DEVICE_BUDGET.set(budget)
 
     def cleanup() -> None:
-        output.close()
+        # a step may still run past the grace period: unregistering memory a copy is using would
+        # fault it, so then the pinning is left to the process's exit
+        idle = servicer.step_lock.acquire(timeout=STEP_EXIT_WAIT)
+        if not idle:
+            log.warning("step_still_running_at_exit", action="memory left pinned until exit")
+        link.close(unpin=idle)
         pager.close()
         timeline.close()
-        if runner.input is not None:
-            runner.input.close()
-        if pinned:
-            unpin_host_memory(arena.bytes())
+        if pinned and idle:
+            unpin_host_memory(arena.bytes(), device)
         arena.close()
 
     runtime.on_shutdown(cleanup)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
@@ -14,7 +15,7 @@ from moe_lightning.flags import EnvDefaultsParser, add_service_flags
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.runtime import bootstrap
-from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.spec import DTYPE_CHOICES, ModelSpec, resolve_dtype
 from moe_lightning.tokenizer import TextTokenizer
 from services.weight_store.store import ARENA, READY, LoadReport, WeightArena
 
@@ -52,7 +53,12 @@ def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-weight-store", description=__doc__)
     add_service_flags(p, "127.0.0.1:50061")
     p.add_argument("--model", required=True, type=Path, help="HF checkpoint directory")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="dtype of the arena's weights")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="dtype of the arena's weights (auto: the checkpoint's 16-bit dtype when a GPU is visible, else float32)",
+    )
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -80,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = TextTokenizer.from_model_dir(args.model)
         if tokenizer is not None:
             tokenizer.check_fits(spec.vocab_size, args.model)
-        arena = WeightArena(args.model, spec, args.dtype, None if args.no_cache else args.cache_dir, args.run_id)
+        dtype = resolve_dtype(args.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+        arena = WeightArena(args.model, spec, dtype, None if args.no_cache else args.cache_dir, args.run_id)
         runtime.on_shutdown(arena.close)
         report = arena.load(progress=not args.no_progress)
     except (ValueError, OSError) as exc:

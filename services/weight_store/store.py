@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
+from prometheus_client import Gauge
 from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
@@ -23,6 +24,8 @@ from moe_lightning.shm.segment import SHM_DIR, adopt, pid_alive, stale_segments
 from moe_lightning.spec import ModelSpec
 
 READ_CHUNK = 256 << 20
+# A benchmark waits for 0: the copy's reads of the arena compete with the stack's for memory bandwidth
+COPY_PENDING = Gauge("moe_lightning_arena_copy_pending", "1 while the converted copy is being written to disk")
 
 
 ARENA, READY = "arena", "arena-ready"  # segment <what>s; bootstrap keeps them for adoption
@@ -111,6 +114,7 @@ class WeightArena:
         if self.cache_dir is not None and not copy_ok:
             # Written after we are serving; a crash mid-write leaves only a .tmp file behind.
             self._writer = threading.Thread(target=self._write_copy, args=(key,), name="arena-copy", daemon=True)
+            COPY_PENDING.set(1)
             self._writer.start()
         return report
 
@@ -174,6 +178,8 @@ class WeightArena:
         except (OSError, ValueError) as exc:
             tmp.unlink(missing_ok=True)  # a partial copy is never left behind
             self.log.warning("arena_copy_failed", error=str(exc))
+        finally:
+            COPY_PENDING.set(0)
 
     def wait_for_copy(self, timeout: float | None = None) -> None:
         if self._writer is not None:

@@ -12,18 +12,22 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("num_blocks", "block_size", "free_blocks", "output_channel", "measurements")
+    __slots__ = ("num_blocks", "block_size", "free_blocks", "output_channel", "measurements", "max_handoff_tokens", "kv_dtype")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     MEASUREMENTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HANDOFF_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_size: int
     free_blocks: int
     output_channel: str
     measurements: _common_pb2.HardwareMeasurements
-    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_blocks: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ...) -> None: ...
+    max_handoff_tokens: int
+    kv_dtype: _common_pb2.DType
+    def __init__(self, num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., free_blocks: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., max_handoff_tokens: _Optional[int] = ..., kv_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("input_channel", "session")

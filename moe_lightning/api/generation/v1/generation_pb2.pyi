@@ -144,17 +144,21 @@ class GetServerMetadataRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerMetadataResponse(_message.Message):
-    __slots__ = ("version", "device", "max_batch_size", "kv_cache_tokens", "max_queue_size", "max_batch_prompts")
+    __slots__ = ("version", "device", "max_batch_size", "kv_cache_tokens", "max_queue_size", "max_batch_prompts", "micro_batch_size", "kv_cache_dtype")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     version: str
     device: str
     max_batch_size: int
     kv_cache_tokens: int
     max_queue_size: int
     max_batch_prompts: int
-    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., max_batch_prompts: _Optional[int] = ...) -> None: ...
+    micro_batch_size: int
+    kv_cache_dtype: str
+    def __init__(self, version: _Optional[str] = ..., device: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., max_batch_prompts: _Optional[int] = ..., micro_batch_size: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/gpu_expert/v1/gpu_expert.proto\x12\x1fmoe_lightning.api.gpu_expert.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xa3\x02\n\x10\x44\x65scribeResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x18\n\x10\x64\x65vice_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14\x64\x65vice_kv_block_size\x18\x07 \x01(\r\x12\x18\n\x10resident_experts\x18\x08 \x01(\r\x12\x19\n\x11\x65xpert_ring_slots\x18\t \x01(\r\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse\"\x89\x01\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12=\n\x08sampling\x18\x04 \x01(\x0b\x32+.moe_lightning.api.common.v1.SamplingParams\"O\n\nMicroBatch\x12\x41\n\tsequences\x18\x01 \x03(\x0b\x32..moe_lightning.api.gpu_expert.v1.SequenceInput\"\xb1\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x42\n\rmicro_batches\x18\x02 \x03(\x0b\x32+.moe_lightning.api.gpu_expert.v1.MicroBatch\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\x12\x1b\n\x13\x61ttention_on_device\x18\x04 \x01(\x08\x12\x17\n\x0f\x65xperts_on_host\x18\x05 \x01(\x08\"\xc5\x01\n\x0cStepResponse\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12:\n\x07timings\x18\x03 \x01(\x0b\x32).moe_lightning.api.common.v1.StageTimings\x12\x17\n\x0flogprob_seq_ids\x18\x04 \x03(\x04\x12<\n\x08logprobs\x18\x05 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs2\xcf\x02\n\tGpuExpert\x12o\n\x08\x44\x65scribe\x12\x30.moe_lightning.api.gpu_expert.v1.DescribeRequest\x1a\x31.moe_lightning.api.gpu_expert.v1.DescribeResponse\x12l\n\x07\x43onnect\x12/.moe_lightning.api.gpu_expert.v1.ConnectRequest\x1a\x30.moe_lightning.api.gpu_expert.v1.ConnectResponse\x12\x63\n\x04Step\x12,.moe_lightning.api.gpu_expert.v1.StepRequest\x1a-.moe_lightning.api.gpu_expert.v1.StepResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/gpu_expert/v1/gpu_expert.proto\x12\x1fmoe_lightning.api.gpu_expert.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xbf\x02\n\x10\x44\x65scribeResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x18\n\x10\x64\x65vice_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14\x64\x65vice_kv_block_size\x18\x07 \x01(\r\x12\x18\n\x10resident_experts\x18\x08 \x01(\r\x12\x19\n\x11\x65xpert_ring_slots\x18\t \x01(\r\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse\"\x89\x01\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12=\n\x08sampling\x18\x04 \x01(\x0b\x32+.moe_lightning.api.common.v1.SamplingParams\"O\n\nMicroBatch\x12\x41\n\tsequences\x18\x01 \x03(\x0b\x32..moe_lightning.api.gpu_expert.v1.SequenceInput\"\xb1\x01\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x42\n\rmicro_batches\x18\x02 \x03(\x0b\x32+.moe_lightning.api.gpu_expert.v1.MicroBatch\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\x12\x1b\n\x13\x61ttention_on_device\x18\x04 \x01(\x08\x12\x17\n\x0f\x65xperts_on_host\x18\x05 \x01(\x08\"\xc5\x01\n\x0cStepResponse\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12:\n\x07timings\x18\x03 \x01(\x0b\x32).moe_lightning.api.common.v1.StageTimings\x12\x17\n\x0flogprob_seq_ids\x18\x04 \x03(\x04\x12<\n\x08logprobs\x18\x05 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs2\xcf\x02\n\tGpuExpert\x12o\n\x08\x44\x65scribe\x12\x30.moe_lightning.api.gpu_expert.v1.DescribeRequest\x1a\x31.moe_lightning.api.gpu_expert.v1.DescribeResponse\x12l\n\x07\x43onnect\x12/.moe_lightning.api.gpu_expert.v1.ConnectRequest\x1a\x30.moe_lightning.api.gpu_expert.v1.ConnectResponse\x12\x63\n\x04Step\x12,.moe_lightning.api.gpu_expert.v1.StepRequest\x1a-.moe_lightning.api.gpu_expert.v1.StepResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,19 +35,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DESCRIBEREQUEST']._serialized_start=127
   _globals['_DESCRIBEREQUEST']._serialized_end=144
   _globals['_DESCRIBERESPONSE']._serialized_start=147
-  _globals['_DESCRIBERESPONSE']._serialized_end=438
-  _globals['_CONNECTREQUEST']._serialized_start=440
-  _globals['_CONNECTREQUEST']._serialized_end=496
-  _globals['_CONNECTRESPONSE']._serialized_start=498
-  _globals['_CONNECTRESPONSE']._serialized_end=515
-  _globals['_SEQUENCEINPUT']._serialized_start=518
-  _globals['_SEQUENCEINPUT']._serialized_end=655
-  _globals['_MICROBATCH']._serialized_start=657
-  _globals['_MICROBATCH']._serialized_end=736
-  _globals['_STEPREQUEST']._serialized_start=739
-  _globals['_STEPREQUEST']._serialized_end=916
-  _globals['_STEPRESPONSE']._serialized_start=919
-  _globals['_STEPRESPONSE']._serialized_end=1116
-  _globals['_GPUEXPERT']._serialized_start=1119
-  _globals['_GPUEXPERT']._serialized_end=1454
+  _globals['_DESCRIBERESPONSE']._serialized_end=466
+  _globals['_CONNECTREQUEST']._serialized_start=468
+  _globals['_CONNECTREQUEST']._serialized_end=524
+  _globals['_CONNECTRESPONSE']._serialized_start=526
+  _globals['_CONNECTRESPONSE']._serialized_end=543
+  _globals['_SEQUENCEINPUT']._serialized_start=546
+  _globals['_SEQUENCEINPUT']._serialized_end=683
+  _globals['_MICROBATCH']._serialized_start=685
+  _globals['_MICROBATCH']._serialized_end=764
+  _globals['_STEPREQUEST']._serialized_start=767
+  _globals['_STEPREQUEST']._serialized_end=944
+  _globals['_STEPRESPONSE']._serialized_start=947
+  _globals['_STEPRESPONSE']._serialized_end=1144
+  _globals['_GPUEXPERT']._serialized_start=1147
+  _globals['_GPUEXPERT']._serialized_end=1482
 # @@protoc_insertion_point(module_scope)

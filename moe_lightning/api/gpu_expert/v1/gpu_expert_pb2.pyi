@@ -12,7 +12,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("device", "weight_bytes", "device_memory_bytes", "output_channel", "measurements", "device_kv_blocks", "device_kv_block_size", "resident_experts", "expert_ring_slots")
+    __slots__ = ("device", "weight_bytes", "device_memory_bytes", "output_channel", "measurements", "device_kv_blocks", "device_kv_block_size", "resident_experts", "expert_ring_slots", "max_handoff_tokens")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class DescribeResponse(_message.Message):
     DEVICE_KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HANDOFF_TOKENS_FIELD_NUMBER: _ClassVar[int]
     device: str
     weight_bytes: int
     device_memory_bytes: int
@@ -31,7 +32,8 @@ class DescribeResponse(_message.Message):
     device_kv_block_size: int
     resident_experts: int
     expert_ring_slots: int
-    def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., device_kv_blocks: _Optional[int] = ..., device_kv_block_size: _Optional[int] = ..., resident_experts: _Optional[int] = ..., expert_ring_slots: _Optional[int] = ...) -> None: ...
+    max_handoff_tokens: int
+    def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., device_kv_blocks: _Optional[int] = ..., device_kv_block_size: _Optional[int] = ..., resident_experts: _Optional[int] = ..., expert_ring_slots: _Optional[int] = ..., max_handoff_tokens: _Optional[int] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("input_channel", "session")

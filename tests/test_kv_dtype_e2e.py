@@ -1,0 +1,69 @@
+"""The host KV cache in the weights' precision: a bf16 stack (arena and KV cache in bf16, attention in fp32
+over it) gives transformers' bf16 greedy tokens, and says which dtype its cache holds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.spec import ModelSpec
+
+from reference import E2E_PROMPTS
+
+PROMPTS = E2E_PROMPTS[:6]  # bf16 matmuls are emulated on AVX2 CPUs: few prompts, few tokens
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(hf_dir: Path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    out = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def test_bf16_stack_gives_transformers_bf16_tokens(
+    hf_dir: Path, bf16_reference: list[list[int]], tmp_path: Path
+) -> None:
+    config = StackConfig(
+        model=hf_dir,
+        run_id=f"kv16{os.getpid()}",
+        port=0,
+        log_dir=tmp_path,
+        dtype="bfloat16",
+        kv_dtype="auto",  # the arena's: bf16
+        kv_cache_memory="8MiB",
+        max_batch_size=8,
+        micro_batch_size=3,  # ragged micro-batches, prefill split across them
+    )
+    with Stack(config) as stack, GenerationClient(stack.api_address, timeout=300) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=NEW_TOKENS) for p in PROMPTS])
+        meta = c.server_metadata()
+    assert [d.token_ids for d in done] == bf16_reference
+    assert meta.kv_cache_dtype == "bfloat16"
+    spec = ModelSpec.from_pretrained(hf_dir)
+    per_block = PagedKVCache.bytes_per_block(spec, 16, torch.bfloat16)  # half an fp32 block: twice the tokens
+    assert meta.kv_cache_tokens == (8 << 20) // per_block * 16
+    lines = (tmp_path / "orchestrator.log").read_text().splitlines()
+    planned = next(json.loads(x) for x in lines if '"planned"' in x)
+    assert planned["kv_cache_dtype"] == "bfloat16"
+    assert planned["kv_cache_sequences"] == meta.kv_cache_tokens // (77 + 64)  # --expected-prompt/gen-len
+    assert stack.leaked_segments() == []

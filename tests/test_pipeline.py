@@ -1,0 +1,177 @@
+"""CGOPipe's order and the hand-off's flow control: the schedule as a pure function, then the real
+expert runner and attention worker over real shared-memory channels with far more micro-batches
+than slots, exact against the in-process engine."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
+from moe_lightning.engine import InProcessEngine
+from moe_lightning.handoff import handoff_slot_bytes, pipeline_window
+from moe_lightning.plan import SequenceWork, StepPlan
+from moe_lightning.request import GenerationRequest
+from moe_lightning.sampling import SamplingParams
+from moe_lightning.shm import TensorChannel, segment_name
+from moe_lightning.shm.segment import list_segments
+from moe_lightning.spec import ModelSpec
+from services.cpu_attention.worker import AttentionWorker
+from services.gpu_expert.handoff_link import HandoffLink
+from services.gpu_expert.pager import ExpertPager
+from services.gpu_expert.residency import plan_residency
+from services.gpu_expert.routing import EXPORT_EVERY
+from services.gpu_expert.runner import ExpertRunner
+from services.gpu_expert.schedule import RECEIVE, SEND, cgopipe_order, sequential_order
+
+
+@pytest.mark.parametrize(("layers", "n_ub", "window"), [(1, 1, 1), (3, 5, 2), (4, 16, 4), (2, 3, 8), (8, 20, 20)])
+def test_the_order_keeps_the_window_and_each_micro_batchs_layer_order(layers: int, n_ub: int, window: int) -> None:
+    ops = list(cgopipe_order(layers, n_ub, window))
+    sends = [(o.layer, o.micro_batch) for o in ops if o.kind == SEND]
+    receives = [(o.layer, o.micro_batch) for o in ops if o.kind == RECEIVE]
+    flat = [divmod(i, n_ub) for i in range(layers * n_ub)]
+    assert sends == flat and receives == flat  # both channels are FIFO
+    outstanding, done = 0, set()
+    for o in ops:
+        if o.kind == SEND:
+            assert o.layer == 0 or (o.layer - 1, o.micro_batch) in done  # its input is layer l-1's result
+            outstanding += 1
+            assert outstanding <= min(window, n_ub)
+        else:
+            outstanding -= 1
+            done.add((o.layer, o.micro_batch))
+    assert outstanding == 0
+
+
+def test_with_a_full_window_a_result_is_followed_by_the_next_layers_send() -> None:
+    """receive (l, m) -> post-attention -> pre-attention (l+1, m) -> send (l+1, m): no layer barrier,
+    attention of (l+1, m) overlaps the device's work on (l, m+1)."""
+    ops = list(cgopipe_order(3, 4, 4))
+    for a, b in itertools.pairwise(ops):
+        if a.kind == RECEIVE and a.layer < 2:
+            assert (b.kind, b.layer, b.micro_batch) == (SEND, a.layer + 1, a.micro_batch)
+    baseline = list(sequential_order(2, 3))
+    assert [o.kind for o in baseline] == [SEND, RECEIVE] * 6
+
+
+def test_the_window_is_bounded_by_both_channels_and_the_micro_batches() -> None:
+    assert pipeline_window(16, 4, 4) == 4
+    assert pipeline_window(3, 4, 8) == 3
+    assert pipeline_window(20, 8, 2) == 2
+    assert pipeline_window(1, 1, 1) == 1
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> tuple[ModelSpec, torch.Tensor, ArenaLayout]:
+    """The tiny model in an arena buffer, as the weight store lays it out."""
+    spec = ModelSpec.from_pretrained(tiny_model)
+    layout = ArenaLayout.for_spec(spec, "float32")
+    arena = torch.empty(layout.total_bytes, dtype=torch.uint8)
+    fill_arena(arena, layout, tiny_model, spec, progress=False)
+    return spec, arena, layout
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(
+    params=[("cpu", True), ("cpu", False), pytest.param(("cuda", True), marks=CUDA)],
+    ids=["cgopipe", "overlap-off", "cuda-cgopipe"],
+)
+def pair(request: pytest.FixtureRequest, model: tuple) -> Iterator[ExpertRunner]:
+    """A runner and an attention worker wired as the services wire them, with 2-slot channels; on CUDA
+    the hand-offs go through the pinned, asynchronous path."""
+    spec, arena, layout = model
+    device, overlap = torch.device(request.param[0]), request.param[1]
+    weights = weights_from_arena(arena, layout, spec, device, experts_on_host=True)
+    run = f"pipe{os.getpid()}{device.type}{int(overlap)}"
+    worker = AttentionWorker(spec, 256, 4, run, handoff_slot_bytes(spec, 256, "attn"), slots=2)
+    worker.start()
+    out = TensorChannel.create(segment_name(run, "gpu_expert", "qkv"), 2, handoff_slot_bytes(spec, 256, "qkv"))
+    expert_bytes = sum(t.numel() * 4 for t in (weights.layers[0].experts[0].w13, weights.layers[0].experts[0].w2))
+    # a ring of 7 slots for the 8 experts: every expert streams (residency is re-planned every 2 steps)
+    residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, 0, 7 * expert_bytes)
+    assert residency.ring_slots == 7
+    pager = ExpertPager(weights, residency, device, lookahead=overlap)
+    link = HandoffLink(out, device)
+    runner = ExpertRunner(
+        spec, weights, device, link, pager, residency_interval=2, overlap=overlap, count_syncs=device.type == "cuda"
+    )
+    runner.connect(worker.output.name, session=7)
+    worker.connect(out.name, session=7)
+    yield runner
+    pager.close()
+    runner.link.close()
+    worker.stop()
+    assert list_segments(run) == []
+
+
+def _syncs() -> float:
+    return REGISTRY.get_sample_value("moe_lightning_cuda_syncs_total", {"kind": "decode"}) or 0.0
+
+
+def _plan(step: int, works: list[SequenceWork], n_ub: int) -> StepPlan:
+    return StepPlan(step, [works[m::n_ub] for m in range(n_ub)])
+
+
+def test_twelve_micro_batches_through_two_slot_channels_are_exact(pair: ExpertRunner, model: tuple) -> None:
+    spec, arena, layout = model
+    weights = weights_from_arena(arena, layout, spec)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, spec.vocab_size, (int(n),), generator=g).tolist() for n in torch.randint(1, 9, (36,))]
+    steps = 6
+    want, _ = InProcessEngine(spec, weights, block_size=4).generate(
+        [GenerationRequest(p, max_new_tokens=steps, ignore_eos=True) for p in prompts]
+    )
+    out = pair.step(_plan(1, [SequenceWork(i, p, 0, SamplingParams()) for i, p in enumerate(prompts)], 12))
+    syncs_before = _syncs()
+    tokens = {i: [t] for i, t in zip(out.seq_ids, out.token_ids, strict=True)}
+    for step in range(2, steps + 1):
+        works = [SequenceWork(i, [tokens[i][-1]], len(p) + len(tokens[i]) - 1) for i, p in enumerate(prompts)]
+        out = pair.step(_plan(step, works, 12))
+        for i, t in zip(out.seq_ids, out.token_ids, strict=True):
+            tokens[i].append(t)
+        assert out.timings_ns["attention_wait"] > 0 and out.timings_ns["post_attention"] > 0
+    assert [tokens[i] for i in range(len(prompts))] == [r.token_ids for r in want]
+    assert pair.link.outstanding == 0
+    if pair.device.type == "cuda":  # the hand-off channels are pinned, and the host rarely waits
+        assert len(pair.link._pinned) == 2
+        syncs = _syncs() - syncs_before
+        # one read of the routing counts per (sparse layer, micro-batch), the sampled tokens, a little slack
+        assert syncs / (steps - 1) <= spec.num_sparse_layers * 12 + 4
+
+
+def _routed_total(spec: ModelSpec) -> float:
+    return sum(
+        REGISTRY.get_sample_value("moe_lightning_expert_routed_tokens_total", {"layer": str(lay), "expert": str(e)})
+        or 0.0
+        for lay in range(spec.num_layers)
+        for e in range(spec.num_experts)
+    )
+
+
+def test_the_routing_counter_rises_by_exactly_the_routed_tokens_past_rebalances(
+    pair: ExpertRunner, model: tuple
+) -> None:
+    """Hot-expert residency halves its counts at every update; the exported counter must not see
+    that (it once went negative on CUDA, and stopped rising on a CPU)."""
+    spec = model[0]
+    batch, n_ub = 10, 3
+    pair.step(_plan(1, [SequenceWork(i, [5 + i, 7], 0, SamplingParams()) for i in range(batch)], n_ub))
+    before = _routed_total(spec)
+    tokens = {i: 0 for i in range(batch)}
+    decode_steps = 2 * EXPORT_EVERY
+    for step in range(decode_steps):
+        out = pair.step(_plan(step + 2, [SequenceWork(i, [tokens[i]], 2 + step) for i in range(batch)], n_ub))
+        tokens.update(zip(out.seq_ids, out.token_ids, strict=True))
+    # the prefill's 2 tokens per sequence were not flushed yet: the first export carries them
+    routed = (decode_steps + 2) * batch * spec.top_k * spec.num_sparse_layers
+    assert _routed_total(spec) - before == routed
+    assert int(pair.routing.hot.sum()) < routed  # while residency's counts were halved every 2 steps
