@@ -192,10 +192,12 @@ def _buffer(slot: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch
     n = math.prod(shape)
     if device.type != "cpu" or n * dtype.itemsize > 4 * CHUNK_BYTES["cpu"]:
         return torch.empty(shape, dtype=dtype, device=device)
-    kept: dict[tuple[str, torch.dtype], torch.Tensor] = _workspace.__dict__.setdefault("buffers", {})
-    buf = kept.get((slot, dtype))
+    # a buffer made under inference_mode cannot be written outside it (nor the reverse): one of each
+    key = (slot, dtype, torch.is_inference_mode_enabled())
+    kept: dict[tuple[str, torch.dtype, bool], torch.Tensor] = _workspace.__dict__.setdefault("buffers", {})
+    buf = kept.get(key)
     if buf is None or buf.numel() < n:
-        buf = kept[(slot, dtype)] = torch.empty(n, dtype=dtype)
+        buf = kept[key] = torch.empty(n, dtype=dtype)
     return buf[:n].view(shape)
 
 

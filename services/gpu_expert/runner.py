@@ -185,9 +185,6 @@ class ExpertRunner:
                 self._run_with_local_attention(plan, states)
             else:
                 self._run_pipeline(plan, states, timings)
-            if self.pager is not None:
-                self.pager.end_step()
-            self.link.end_step()
             t0 = self.clock.mark()
             hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
             logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
@@ -200,6 +197,11 @@ class ExpertRunner:
                 if c[0].logprobs
             }
             self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
+            # after the sampled tokens reached the host: the step's events have all completed, so the
+            # device-side expert waits are known without waiting for anything
+            if self.pager is not None:
+                self.pager.end_step()
+            self.link.end_step()
         except BaseException as exc:
             self._recover()
             if is_out_of_memory(exc):
