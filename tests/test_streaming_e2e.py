@@ -103,6 +103,16 @@ def test_timeline_shows_attention_and_copies_overlapping_device_work(streaming_s
     assert {e.micro_batch for e in events if e.resource == "cpu"} >= {0, 1, 2}
     summary = summarize(events)
     assert summary["overlap_seconds"]["cpu&device"] > 0
+    # CGOPipe's order across layers: attention of (l+1, m) starts before the device finishes
+    # post-attention of (l, m+1) -- no barrier at the layer boundary
+    attention = {(e.step, e.layer, e.micro_batch): e for e in events if e.resource == "cpu"}
+    post = {(e.step, e.layer, e.micro_batch): e for e in events if e.stage == "post_attention"}
+    crossing = [
+        (step, layer, m)
+        for (step, layer, m), a in attention.items()
+        if layer > 0 and (step, layer - 1, m + 1) in post and a.start_ns < post[(step, layer - 1, m + 1)].end_ns
+    ]
+    assert crossing, "no attention of layer l+1 ran during the device's work on layer l"
     assert summary["overlap_seconds"]["copy&device"] > 0
     r = subprocess.run(
         [
