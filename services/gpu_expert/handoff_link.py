@@ -19,7 +19,7 @@ import grpc
 import structlog
 import torch
 
-from moe_lightning.handoff import AttentionHandoff, HandoffHeader, QKVHandoff, SequenceBatch
+from moe_lightning.handoff import AttentionHandoff, QKVHandoff
 from moe_lightning.kv_cache import KVCacheFullError
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS
@@ -121,11 +121,11 @@ class HandoffLink:
         meta = msg.header.pack()
         if not self.cuda:
             self.output.send(meta, tensors, timeout=self.timeout)
-        else:
+            HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
+        else:  # the copy and the post happen off this thread: there is no host work to count
             self._send_async(meta, tensors)
         self.outstanding += 1
         HANDOFFS.labels("out").inc()
-        HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
 
     def _send_async(self, meta: bytes, tensors: list[torch.Tensor]) -> None:
         slot = self.output.reserve([(t.dtype, tuple(t.shape)) for t in tensors], timeout=self.timeout)
@@ -230,9 +230,3 @@ def _check(msg: AttentionHandoff, expected: tuple[int, int, int]) -> None:
     if msg.header.key != expected:
         raise ServiceError(f"hand-off out of order: expected {expected}, got {msg.header.key}")
 
-
-def qkv_message(
-    step: int, layer: int, micro_batch: int, session: int, qkv: tuple[torch.Tensor, ...], batch: SequenceBatch | None
-) -> QKVHandoff:
-    q, k, v = qkv
-    return QKVHandoff(HandoffHeader(step, layer, micro_batch, session), q, k, v, batch)
