@@ -6,6 +6,11 @@ q (T, H, Hd), k (T, K, Hd), v (T, K, Hd); at layer 0 also the micro-batch's sequ
 the later layers of the step. Attention -> expert: the same header and one tensor (T, H * Hd), or
 a non-zero status (a gRPC status code number) and the error text as a uint8 tensor.
 
+Finished sequences leave the same way (docs/design.md, "Releasing a sequence"): a step's release
+list goes ahead of its first hand-off as `ReleaseHandoff` messages (layer `RELEASE_LAYER`, one
+(R,) int64 tensor of ids, as many messages as the slot size needs). Attention frees their KV
+blocks before it starts the step's new sequences, and sends no reply.
+
 Flow control (docs/design.md, CGOPipe): the expert side keeps at most `pipeline_window(...)`
 messages outstanding (sent, reply not yet read). Both channels then hold at most that many
 messages, so neither side ever blocks on a full channel while the other waits for it: any number
@@ -27,6 +32,8 @@ DEFAULT_SLOTS = 4  # per direction: attention works on up to this many micro-bat
 DEFAULT_MAX_TOKENS = 8192  # tokens of one micro-batch (a slot's size)
 MAX_ERROR_BYTES = 4096  # an error's text is cut to this (it still travels in the slot)
 _HEADER = struct.Struct("<QQIII")  # step, session, layer, micro-batch, status
+RELEASE_LAYER = 0xFFFFFFFF  # the header's layer of a release message (no layer has this index)
+_ALIGN = 64  # the channel aligns each tensor in a slot to this
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -96,6 +103,34 @@ class QKVHandoff:
 
 
 @dataclass(slots=True)
+class ReleaseHandoff:
+    """Sequences that finished: attention drops their KV blocks. No reply."""
+
+    header: HandoffHeader
+    seq_ids: list[int]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [torch.tensor(self.seq_ids, dtype=torch.int64)]
+
+    @classmethod
+    def chunks(cls, step: int, session: int, seq_ids: list[int], slot_bytes: int) -> list[ReleaseHandoff]:
+        """The messages that carry `seq_ids` through slots of `slot_bytes`."""
+        per_message = max(1, (slot_bytes - _ALIGN) // 8)
+        header = HandoffHeader(step, RELEASE_LAYER, 0, session)
+        return [cls(header, seq_ids[i : i + per_message]) for i in range(0, len(seq_ids), per_message)]
+
+
+def decode_expert_message(meta: bytes, tensors: list[torch.Tensor]) -> QKVHandoff | ReleaseHandoff:
+    """What the expert side sent: q/k/v of one (layer, micro-batch), or a release list."""
+    header = HandoffHeader.unpack(meta)
+    if header.layer == RELEASE_LAYER:
+        if len(tensors) != 1:
+            raise ValueError(f"a release hand-off carries 1 tensor, got {len(tensors)}")
+        return ReleaseHandoff(header, tensors[0].tolist())
+    return QKVHandoff.decode(meta, tensors)
+
+
+@dataclass(slots=True)
 class AttentionHandoff:
     header: HandoffHeader
     out: torch.Tensor | None = None  # (T, H * Hd); None with an error
@@ -128,7 +163,7 @@ def pipeline_window(num_micro_batches: int, out_slots: int, in_slots: int) -> in
 
 def handoff_slot_bytes(spec: ModelSpec, max_tokens: int, kind: str) -> int:
     """Slot size for one message of up to `max_tokens` tokens; kind is "qkv" or "attn"."""
-    align = 4 * 64  # up to four tensors, each 64-byte aligned
+    align = 4 * _ALIGN  # up to four tensors, each aligned
     if kind == "qkv":
         per_token = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * BYTES_PER_ELEMENT
         per_token += 3 * 8  # the layer-0 sequence table: at most one sequence per token

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 
+from moe_lightning.placement import Placement
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
+
+
+class StepKind(StrEnum):
+    PREFILL = "prefill"  # new sequences' prompts
+    DECODE = "decode"  # one token for each running sequence
 
 
 @dataclass(slots=True)
@@ -19,9 +26,11 @@ class SequenceWork:
 class StepPlan:
     step_id: int
     micro_batches: list[list[SequenceWork]]
-    release: list[int] = field(default_factory=list)  # finished sequences: drop their sampler state
-    attention_on_device: bool = False  # placement: attention in gpu_expert, over its own KV cache
-    experts_on_host: bool = False  # placement: non-resident experts computed on the host, not streamed
+    kind: StepKind  # the scheduler's, which knows it (a one-token prompt is still a prefill)
+    # finished sequences: their KV blocks and sampler state are dropped before this step's work
+    # (gpu_expert forwards the list to cpu_attention with the step's first hand-off)
+    release: list[int] = field(default_factory=list)
+    placement: Placement = field(default_factory=Placement)
 
     @property
     def num_sequences(self) -> int:
@@ -33,8 +42,32 @@ class StepPlan:
 
 
 @dataclass(slots=True)
+class StepTimings:
+    """gpu_expert's time in one step, in nanoseconds, by stage (docs/design.md, "Step timings").
+    The stages of every layer and micro-batch are summed; a stage that did not run is 0."""
+
+    kind: StepKind = StepKind.DECODE
+    pre_attention: int = 0  # device: norm, q/k/v projections, RoPE
+    post_attention: int = 0  # device: output projection, router, experts (resident, streamed or on the host)
+    head: int = 0  # final norm, LM head, sampling
+    attention_wait: int = 0  # host: waiting for cpu_attention's results (its compute plus two hand-offs)
+    handoff_send: int = 0  # host: putting q/k/v into the channel
+    expert_wait: int = 0  # device: waiting for expert pages the copy engine had not delivered yet
+    device_attention: int = 0  # device: attention over gpu_expert's own KV cache (attention placed there)
+    step: int = 0  # the whole step inside the runner
+    handler: int = 0  # the step plus its protobuf conversion, inside the RPC handler
+
+    def stages(self) -> dict[str, int]:
+        """Stage name -> nanoseconds (every field but the kind)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "kind"}
+
+    def add(self, stage: str, ns: int) -> None:
+        setattr(self, stage, getattr(self, stage) + ns)
+
+
+@dataclass(slots=True)
 class StepOutput:
     seq_ids: list[int]
     token_ids: list[int]
-    timings_ns: dict[str, int]
+    timings: StepTimings
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq id -> this step's (if asked)

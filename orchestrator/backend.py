@@ -13,6 +13,7 @@ from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.handoff import DEFAULT_MAX_TOKENS
 from moe_lightning.hrm.calibrate import Measurements
+from moe_lightning.placement import Side
 from moe_lightning.plan import StepOutput, StepPlan
 from moe_lightning.service.convert import (
     DTYPE_FROM_PB,
@@ -25,6 +26,19 @@ from moe_lightning.spec import ModelSpec
 
 GPU_EXPERT = "moe_lightning.api.gpu_expert.v1.GpuExpert"
 CPU_ATTENTION = "moe_lightning.api.cpu_attention.v1.CpuAttention"
+
+
+@dataclass(frozen=True, slots=True)
+class KVCapacity:
+    """One KV cache as the scheduler admits against it."""
+
+    blocks: int
+    block_size: int
+    dtype: str
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
 
 
 @dataclass(slots=True)
@@ -42,12 +56,19 @@ class Capacity:
     max_handoff_tokens: int = DEFAULT_MAX_TOKENS  # the largest micro-batch both workers' channels carry
     kv_dtype: str = "float32"  # what cpu_attention's KV cache stores (its --kv-dtype)
 
-    def placements(self, spec: ModelSpec) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """(attention, experts) placements the running services support."""
-        attention = ("cpu", "gpu") if self.device_kv_blocks else ("cpu",)
+    def placements(self, spec: ModelSpec) -> tuple[tuple[Side, ...], tuple[Side, ...]]:
+        """(attention, experts) sides the running services support."""
+        attention = (Side.HOST, Side.DEVICE) if self.device_kv_blocks else (Side.HOST,)
         if self.resident_experts >= spec.total_experts:
-            return attention, ("gpu",)  # everything is on the device: nothing to place
-        return attention, (("gpu", "cpu") if self.expert_ring_slots else ("cpu",))
+            return attention, (Side.DEVICE,)  # everything is on the device: nothing to place
+        return attention, ((Side.DEVICE, Side.HOST) if self.expert_ring_slots else (Side.HOST,))
+
+    def kv_cache(self, attention: Side) -> KVCapacity:
+        """The KV cache attention reads where it is placed: gpu_expert's own (it stores the weights'
+        dtype) or cpu_attention's (its --kv-dtype)."""
+        if attention is Side.DEVICE:
+            return KVCapacity(self.device_kv_blocks, self.device_kv_block_size, self.weight_dtype)
+        return KVCapacity(self.kv_blocks, self.block_size, self.kv_dtype)
 
 
 class Backend:
@@ -60,7 +81,6 @@ class Backend:
         self._gpu: gpu_expert_pb2_grpc.GpuExpertStub | None = None
         self._cpu: cpu_attention_pb2_grpc.CpuAttentionStub | None = None
         self._channels: list[grpc.Channel] = []
-        self.attention_on_device = False  # set from the policy: KV then lives in gpu_expert
 
     def connect(self, timeout: float = 600.0, stop: object | None = None) -> Capacity:
         """Waits for the three services, then tells each where the other's channel is. Connecting
@@ -103,13 +123,6 @@ class Backend:
     def step(self, plan: StepPlan) -> StepOutput:
         assert self._gpu is not None, "connect() first"
         return step_output_from_pb(self._gpu.Step(step_plan_to_pb(plan), timeout=self.step_timeout))
-
-    def release(self, seq_ids: list[int]) -> None:
-        assert self._cpu is not None, "connect() first"
-        if self.attention_on_device:
-            return  # gpu_expert frees its device KV when the next step lists the sequence as released
-        # short: this runs under the scheduler's lock, and a dead peer must not stall it
-        self._cpu.Release(cpu_attention_pb2.ReleaseRequest(seq_ids=seq_ids), timeout=2)
 
     def unhealthy(self, timeout: float = 1.0) -> list[str]:
         """The services that do not answer SERVING right now."""

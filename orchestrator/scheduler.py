@@ -21,7 +21,8 @@ import structlog
 
 from moe_lightning.batching import balance
 from moe_lightning.hrm.costmodel import Policy
-from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
+from moe_lightning.placement import Placement
+from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.errors import (
@@ -35,7 +36,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stopping import StopChecker
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator import metrics
-from orchestrator.backend import Backend
+from orchestrator.backend import Backend, KVCapacity
 from orchestrator.planner import Planner
 
 # (new token ids, their log-probabilities when the request asked for them, else [])
@@ -86,26 +87,23 @@ class Scheduler:
         spec: ModelSpec,
         backend: Backend,
         tokenizer: TextTokenizer | None,
-        kv_blocks: int,
-        block_size: int,
+        kv: KVCapacity,
         config: SchedulerConfig,
         planner: Planner | None = None,
-        attention_on_device: bool = False,
-        experts_on_host: bool = False,
+        placement: Placement | None = None,
     ) -> None:
         self.spec = spec
         self.backend = backend
         self.tokenizer = tokenizer
-        self.kv_blocks = kv_blocks
-        self.block_size = block_size
+        self.kv_blocks = kv.blocks
+        self.block_size = kv.block_size
         self.config = config
         self.planner = planner
-        self.attention_on_device = attention_on_device  # placement, sent with every step
-        self.experts_on_host = experts_on_host
+        self.placement = placement or Placement()  # sent with every step
         self.log = structlog.get_logger()
         self._waiting: deque[Ticket] = deque()
         self._running: list[Ticket] = []
-        self._free_blocks = kv_blocks
+        self._free_blocks = kv.blocks
         self._cv = threading.Condition()
         self._stopping = False
         self._closed = False
@@ -221,11 +219,11 @@ class Scheduler:
             self._cv.notify_all()
         return len(ended)
 
-    def resume(self, kv_blocks: int, block_size: int) -> None:
+    def resume(self, kv: KVCapacity) -> None:
         """After the backend was re-wired (a new session: every KV block is free again)."""
         with self._cv:
-            self.kv_blocks, self.block_size = kv_blocks, block_size
-            self._free_blocks = kv_blocks
+            self.kv_blocks, self.block_size = kv.blocks, kv.block_size
+            self._free_blocks = kv.blocks
             self._release_next = []
             self._suspended = None
             self.backend_lost.clear()
@@ -286,7 +284,8 @@ class Scheduler:
             contexts = [w.start + 1 for w in works]
             mbs = [[works[i] for i in group] for group in balance(contexts, -(-len(works) // size))]
         release, self._release_next = self._release_next, []
-        return StepPlan(next(self._step_ids), mbs, release, self.attention_on_device, self.experts_on_host)
+        kind = StepKind.PREFILL if prefill else StepKind.DECODE
+        return StepPlan(next(self._step_ids), mbs, kind, release, self.placement)
 
     def _run_step(self, tickets: list[Ticket], prefill: bool) -> None:
         session = self._session
@@ -308,11 +307,11 @@ class Scheduler:
                     self._finish(t, exc, "failed")
             return
         wall = time.perf_counter() - t0
-        metrics.observe_step(kind, len(tickets), wall, out.timings_ns)
+        metrics.observe_step(kind, len(tickets), wall, out.timings.stages())
         if self.planner is not None and not prefill:
             try:  # the planner is advice: its failure must not cost the requests their tokens
                 mu = max(len(mb) for mb in plan.micro_batches)
-                policy = self.planner.observe_step(len(tickets), mu, out.timings_ns)
+                policy = self.planner.observe_step(len(tickets), mu, out.timings.stages())
                 with self._cv:
                     self._apply_policy(policy)
             except Exception:
@@ -327,7 +326,8 @@ class Scheduler:
             self.config.max_batch_size = policy.batch
         if self.planner is not None and self.planner.fixed_micro_batch is None:
             self.config.micro_batch_size = policy.micro_batch
-        self.experts_on_host = policy.experts == "cpu"  # attention placement never changes: its KV lives there
+        # attention placement never changes: its KV lives there
+        self.placement = Placement(self.placement.attention, policy.experts)
 
     def _apply(self, tickets: list[Ticket], out: StepOutput) -> None:
         by_seq = dict(zip(out.seq_ids, out.token_ids, strict=True))
@@ -358,11 +358,6 @@ class Scheduler:
         if t.admitted:
             self._free_blocks += t.blocks
             self._release_next.append(t.seq_id)
-        if t.admitted and not self.backend_lost.is_set() and self._suspended is None:
-            try:
-                self.backend.release([t.seq_id])
-            except grpc.RpcError as exc:
-                self.log.warning("release_failed", seq_id=t.seq_id, error=str(exc))
         metrics.RUNNING.set(len(self._running))
         metrics.KV_USAGE.set(1 - self._free_blocks / self.kv_blocks)
         if error is not None:

@@ -12,6 +12,7 @@ from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
+from moe_lightning.placement import Side
 from moe_lightning.service.runtime import bootstrap
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
@@ -112,7 +113,7 @@ def _check_handoff_limits(args: argparse.Namespace, max_tokens: int) -> None:
             )
 
 
-def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -> tuple[tuple[Side, ...], ...]:
     """The placements the planner may choose from: what the services support, narrowed by the flags."""
     attention, experts = capacity.placements(spec)
     chosen = []
@@ -123,7 +124,7 @@ def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -
         if flag == "auto":
             chosen.append(supported)
         elif flag in supported:
-            chosen.append((flag,))
+            chosen.append((Side(flag),))
         else:
             raise ValueError(f"placement {flag!r} is not available: {why}; available: {', '.join(supported)}")
     return tuple(chosen)
@@ -160,11 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             profile_from(capacity.expert_measurements, capacity.attention_measurements),
             Workload(args.expected_prompt_len, args.expected_gen_len),
             capacity.weight_dtype,
-            capacity.kv_blocks * capacity.block_size,
+            capacity.kv_cache(Side.HOST).tokens,
             PlannerConfig(patience=10**9) if args.no_replan else None,
             attention=attention,
             experts=experts,
-            device_kv_tokens=capacity.device_kv_blocks * capacity.device_kv_block_size,
+            device_kv_tokens=capacity.kv_cache(Side.DEVICE).tokens,
             resident_experts=capacity.resident_experts,
             max_micro_batch=capacity.max_handoff_tokens,
             kv_dtype=capacity.kv_dtype,
@@ -175,12 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     planner.fixed_batch, planner.fixed_micro_batch = args.max_batch_size, args.micro_batch_size
     policy = planner.policy
-    # the cache attention reads: gpu_expert's (weights' dtype) when placed there, else cpu_attention's
-    kv_tokens, kv_dtype = (
-        (capacity.device_kv_blocks * capacity.device_kv_block_size, capacity.weight_dtype)
-        if policy.attention == "gpu"
-        else (capacity.kv_blocks * capacity.block_size, capacity.kv_dtype)
-    )
+    kv = capacity.kv_cache(policy.attention)  # the cache attention reads: its KV lives there for good
     config = SchedulerConfig(
         args.max_batch_size if args.max_batch_size is not None else policy.batch,
         args.micro_batch_size if args.micro_batch_size is not None else policy.micro_batch,
@@ -193,36 +189,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         micro_batch_size=policy.micro_batch,
         predicted_decode_tokens_per_second=round(planner.estimate.tokens_per_second, 2),
         binding=planner.estimate.binding,
-        attention=policy.attention,
-        experts=policy.experts,
+        placement=str(policy.placement),
         resident_experts=capacity.resident_experts,
         placements_predicted_tokens_per_second=planner.alternatives,
         in_force_batch=config.max_batch_size,
         in_force_micro_batch=config.micro_batch_size,
-        kv_cache_dtype=kv_dtype,
-        kv_cache_sequences=kv_tokens // int(planner.workload.max_context),  # of the expected s + n tokens
+        kv_cache_dtype=kv.dtype,
+        kv_cache_sequences=kv.tokens // int(planner.workload.max_context),  # of the expected s + n tokens
     )
-    on_device = policy.attention == "gpu"
-    backend.attention_on_device = on_device
     scheduler = Scheduler(
-        backend.spec,
-        backend,
-        tokenizer,
-        capacity.device_kv_blocks if on_device else capacity.kv_blocks,
-        capacity.device_kv_block_size if on_device else capacity.block_size,
-        config,
-        None if args.no_replan else planner,
-        attention_on_device=on_device,
-        experts_on_host=policy.experts == "cpu",
+        backend.spec, backend, tokenizer, kv, config, None if args.no_replan else planner, policy.placement
     )
     servicer.scheduler, servicer.device, servicer.model_path = scheduler, capacity.device, backend.model_path
-    servicer.kv_cache_dtype = kv_dtype
-    supervisor = BackendSupervisor(
-        backend,
-        scheduler,
-        runtime.set_serving,
-        lambda c: (c.device_kv_blocks, c.device_kv_block_size) if on_device else (c.kv_blocks, c.block_size),
-    )
+    servicer.kv_cache_dtype = kv.dtype
+    supervisor = BackendSupervisor(backend, scheduler, runtime.set_serving, lambda c: c.kv_cache(policy.attention))
     runtime.on_drain(supervisor.stop)
     runtime.on_drain(lambda: scheduler.stop(args.drain_seconds))
     runtime.on_shutdown(backend.close)
@@ -233,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serving",
         address=args.address,
         port=runtime.port,
-        kv_tokens=capacity.kv_blocks * capacity.block_size,
+        kv_tokens=kv.tokens,
         device=capacity.device,
         tokenizer=tokenizer is not None,
     )

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import structlog
 from prometheus_client import Counter
 
-from orchestrator.backend import Backend, Capacity
+from orchestrator.backend import Backend, Capacity, KVCapacity
 from orchestrator.scheduler import Scheduler
 
 RECOVERIES = Counter("moe_lightning_backend_recoveries_total", "Times the backend was re-wired after a fault")
@@ -31,12 +31,12 @@ class BackendSupervisor:
         backend: Backend,
         scheduler: Scheduler,
         set_serving: Callable[[bool], None],
-        capacity_of: Callable[[Capacity], tuple[int, int]],
+        capacity_of: Callable[[Capacity], KVCapacity],
         interval: float = 0.5,
         reconnect_timeout: float = 600.0,
     ) -> None:
-        """`capacity_of`: the (KV blocks, block size) the scheduler admits against, from a new
-        Capacity (the placement chosen at start decides which cache that is)."""
+        """`capacity_of`: the KV cache the scheduler admits against, from a new Capacity (the
+        placement chosen at start decides which cache that is)."""
         self.backend = backend
         self.scheduler = scheduler
         self.set_serving = set_serving
@@ -90,7 +90,7 @@ class BackendSupervisor:
                 self._stop.wait(1.0)
         else:
             return
-        self.scheduler.resume(*self.capacity_of(capacity))
+        self.scheduler.resume(self.capacity_of(capacity))
         RECOVERIES.inc()
         self.set_serving(True)
         self.log.info("backend_recovered", seconds=round(time.monotonic() - t0, 2))

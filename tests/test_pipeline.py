@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
 from moe_lightning.engine import InProcessEngine
 from moe_lightning.handoff import handoff_slot_bytes, pipeline_window
-from moe_lightning.plan import SequenceWork, StepPlan
+from moe_lightning.plan import SequenceWork, StepKind, StepPlan
 from moe_lightning.request import GenerationRequest
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.shm import TensorChannel, segment_name
@@ -118,7 +118,8 @@ def _syncs() -> float:
 
 
 def _plan(step: int, works: list[SequenceWork], n_ub: int) -> StepPlan:
-    return StepPlan(step, [works[m::n_ub] for m in range(n_ub)])
+    kind = StepKind.PREFILL if works[0].sampling is not None else StepKind.DECODE  # a first step carries sampling
+    return StepPlan(step, [works[m::n_ub] for m in range(n_ub)], kind)
 
 
 def test_twelve_micro_batches_through_two_slot_channels_are_exact(pair: ExpertRunner, model: tuple) -> None:
@@ -138,7 +139,7 @@ def test_twelve_micro_batches_through_two_slot_channels_are_exact(pair: ExpertRu
         out = pair.step(_plan(step, works, 12))
         for i, t in zip(out.seq_ids, out.token_ids, strict=True):
             tokens[i].append(t)
-        assert out.timings_ns["attention_wait"] > 0 and out.timings_ns["post_attention"] > 0
+        assert out.timings.attention_wait > 0 and out.timings.post_attention > 0
     assert [tokens[i] for i in range(len(prompts))] == [r.token_ids for r in want]
     assert pair.link.outstanding == 0
     if pair.device.type == "cuda":  # the hand-off channels are pinned, and the host rarely waits

@@ -16,11 +16,10 @@ import math
 from dataclasses import dataclass, field
 
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.placement import Placement, Side
 from moe_lightning.spec import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-ATTENTION_PLACES = ("cpu", "gpu")
-EXPERT_PLACES = ("gpu", "cpu")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,22 +45,29 @@ class Workload:
 class Policy:
     batch: int  # N sequences decoded per step
     micro_batch: int  # mu sequences per micro-batch
-    attention: str = "cpu"  # where attention runs
-    experts: str = "gpu"  # where expert FFNs run
+    attention: Side = Side.HOST  # where attention runs ("cpu" / "gpu" accepted)
+    experts: Side = Side.DEVICE  # where non-resident expert FFNs run
     resident_experts: int = 0  # (layer, expert) pages kept on the device, of L * E (r_w = this / (L * E))
     kv_gpu_fraction: float = 0.0  # r_c: share of the KV cache on the device (attention on GPU)
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
             raise ValueError(f"batch ({self.batch}) must be a positive multiple of micro_batch ({self.micro_batch})")
-        if self.attention not in ATTENTION_PLACES or self.experts not in EXPERT_PLACES:
-            raise ValueError(f"attention in {ATTENTION_PLACES}, experts in {EXPERT_PLACES}")
+        sides = tuple(Side)
+        if self.attention not in sides or self.experts not in sides:
+            raise ValueError(f"attention and experts must be one of {', '.join(sides)}")
+        object.__setattr__(self, "attention", Side(self.attention))
+        object.__setattr__(self, "experts", Side(self.experts))
         if not 0.0 <= self.kv_gpu_fraction <= 1.0 or self.resident_experts < 0:
             raise ValueError("kv_gpu_fraction in [0, 1], resident_experts >= 0")
 
     @property
     def num_micro_batches(self) -> int:
         return self.batch // self.micro_batch
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(self.attention, self.experts)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import TypeVar
+
+import grpc
 
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.arena import ArenaLayout, Page
 from moe_lightning.hrm.calibrate import Measurements
-from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
+from moe_lightning.placement import Placement, Side
+from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
+from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
+
+_E = TypeVar("_E")
 
 DTYPE_TO_PB = {
     "float32": common_pb2.DTYPE_FLOAT32,
@@ -19,6 +26,10 @@ DTYPE_TO_PB = {
     "bfloat16": common_pb2.DTYPE_BFLOAT16,
 }
 DTYPE_FROM_PB = {v: k for k, v in DTYPE_TO_PB.items()}
+SIDE_TO_PB = {Side.HOST: gpu_expert_pb2.SIDE_HOST, Side.DEVICE: gpu_expert_pb2.SIDE_DEVICE}
+SIDE_FROM_PB = {v: k for k, v in SIDE_TO_PB.items()}
+STEP_KIND_TO_PB = {StepKind.PREFILL: gpu_expert_pb2.STEP_KIND_PREFILL, StepKind.DECODE: gpu_expert_pb2.STEP_KIND_DECODE}
+STEP_KIND_FROM_PB = {v: k for k, v in STEP_KIND_TO_PB.items()}
 
 
 def model_info_to_pb(spec: ModelSpec, model_path: str = "") -> common_pb2.ModelInfo:
@@ -100,8 +111,10 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
             for mb in plan.micro_batches
         ],
         release_seq_ids=plan.release,
-        attention_on_device=plan.attention_on_device,
-        experts_on_host=plan.experts_on_host,
+        placement=gpu_expert_pb2.Placement(
+            attention=SIDE_TO_PB[plan.placement.attention], experts=SIDE_TO_PB[plan.placement.experts]
+        ),
+        kind=STEP_KIND_TO_PB[plan.kind],
     )
 
 
@@ -120,9 +133,12 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
             ]
             for mb in m.micro_batches
         ],
+        kind=_enum_from_pb(STEP_KIND_FROM_PB, m.kind, "kind"),
         release=list(m.release_seq_ids),
-        attention_on_device=m.attention_on_device,
-        experts_on_host=m.experts_on_host,
+        placement=Placement(
+            _enum_from_pb(SIDE_FROM_PB, m.placement.attention, "placement.attention"),
+            _enum_from_pb(SIDE_FROM_PB, m.placement.experts, "placement.experts"),
+        ),
     )
 
 
@@ -130,7 +146,9 @@ def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
     return gpu_expert_pb2.StepResponse(
         seq_ids=out.seq_ids,
         token_ids=out.token_ids,
-        timings=common_pb2.StageTimings(duration_ns=out.timings_ns),
+        timings=gpu_expert_pb2.StepTimings(
+            kind=STEP_KIND_TO_PB[out.timings.kind], **{f"{k}_ns": v for k, v in out.timings.stages().items()}
+        ),
         logprob_seq_ids=list(out.logprobs),
         logprobs=[logprobs_to_pb(t) for t in out.logprobs.values()],
     )
@@ -138,7 +156,23 @@ def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
 
 def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
     logprobs = {s: logprobs_from_pb(t) for s, t in zip(m.logprob_seq_ids, m.logprobs, strict=True)}
-    return StepOutput(list(m.seq_ids), list(m.token_ids), dict(m.timings.duration_ns), logprobs)
+    t = m.timings
+    timings = StepTimings(
+        _enum_from_pb(STEP_KIND_FROM_PB, t.kind, "timings.kind"),
+        **{k: getattr(t, f"{k}_ns") for k in StepTimings().stages()},
+    )
+    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs)
+
+
+def _enum_from_pb(table: dict[int, _E], value: int, field: str) -> _E:
+    """An enum field an older peer left unset is a contract error, not a default."""
+    try:
+        return table[value]
+    except KeyError:
+        raise ServiceError(
+            f"{field} must be set (one of {', '.join(str(v) for v in table.values())}), got {value}",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ) from None
 
 
 def measurements_to_pb(m: Measurements) -> common_pb2.HardwareMeasurements:

@@ -57,11 +57,6 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
         self.worker.connect(request.input_channel, request.session)
         return cpu_attention_pb2.ConnectResponse()
 
-    def Release(
-        self, request: cpu_attention_pb2.ReleaseRequest, context: grpc.ServicerContext
-    ) -> cpu_attention_pb2.ReleaseResponse:
-        return cpu_attention_pb2.ReleaseResponse(free_blocks=self.worker.release(list(request.seq_ids)))
-
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-cpu-attention", description=__doc__)

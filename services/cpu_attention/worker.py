@@ -10,7 +10,14 @@ import structlog
 import torch
 from prometheus_client import Counter, Gauge
 
-from moe_lightning.handoff import AttentionHandoff, HandoffHeader, QKVHandoff, SequenceBatch
+from moe_lightning.handoff import (
+    AttentionHandoff,
+    HandoffHeader,
+    QKVHandoff,
+    ReleaseHandoff,
+    SequenceBatch,
+    decode_expert_message,
+)
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, KV_USAGE, SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
@@ -63,7 +70,7 @@ class AttentionWorker:
         self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
         self.input: TensorChannel | None = None  # owned by the loop thread (see _take_reconnect)
         self._reconnect: _Reconnect | None = None
-        self._lock = threading.Lock()  # guards the cache between the loop and Release calls
+        self._lock = threading.Lock()  # guards the cache between the loop and connect()
         self._connected = threading.Condition()
         self._stop = threading.Event()
         self._batches: dict[tuple[int, int], AttentionPlan] = {}
@@ -115,12 +122,11 @@ class AttentionWorker:
         request.done.set()
         return channel
 
-    def release(self, seq_ids: list[int]) -> int:
+    def _release(self, seq_ids: list[int]) -> None:
         with self._lock:
             for s in seq_ids:
                 self.cache.free(s)
             self._update_gauges()
-            return self.cache.num_free_blocks
 
     def _update_gauges(self) -> None:
         a = self.cache.allocator
@@ -151,10 +157,14 @@ class AttentionWorker:
             HANDOFFS.labels("in").inc()
             HANDOFF_LATENCY.labels("in").inc(channel.last_latency_ns / 1e9)
             HANDOFF_WORK.labels("in").inc(channel.last_work_ns / 1e9)
-            msg = QKVHandoff.decode(meta, tensors)
+            msg = decode_expert_message(meta, tensors)
             if msg.header.session != self.session:  # left over from before a restart
                 channel.release()
                 self.log.warning("stale_handoff_dropped", step=msg.header.step, layer=msg.header.layer)
+                continue
+            if isinstance(msg, ReleaseHandoff):  # finished sequences, ahead of the step's first q/k/v
+                self._release(msg.seq_ids)
+                channel.release()
                 continue
             reply = self._handle(msg)
             channel.release()

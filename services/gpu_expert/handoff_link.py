@@ -19,7 +19,7 @@ import grpc
 import structlog
 import torch
 
-from moe_lightning.handoff import AttentionHandoff, QKVHandoff
+from moe_lightning.handoff import AttentionHandoff, QKVHandoff, ReleaseHandoff
 from moe_lightning.kv_cache import KVCacheFullError
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS
@@ -126,6 +126,14 @@ class HandoffLink:
             self._send_async(meta, tensors)
         self.outstanding += 1
         HANDOFFS.labels("out").inc()
+
+    def send_release(self, step: int, seq_ids: list[int]) -> None:
+        """A step's finished sequences, ahead of its first hand-off; attention sends no reply."""
+        if self.cuda:
+            self._publisher.flush()  # slots post in order: none may still wait behind this send
+        for msg in ReleaseHandoff.chunks(step, self.session, seq_ids, self.output.slot_bytes):
+            self.output.send(msg.header.pack(), msg.tensors(), timeout=self.timeout)
+            HANDOFFS.labels("release").inc()
 
     def _send_async(self, meta: bytes, tensors: list[torch.Tensor]) -> None:
         slot = self.output.reserve([(t.dtype, tuple(t.shape)) for t in tensors], timeout=self.timeout)

@@ -20,7 +20,8 @@ from prometheus_client import Counter
 
 from moe_lightning.handoff import HandoffHeader, QKVHandoff, SequenceBatch, pipeline_window
 from moe_lightning.kv_cache import PagedKVCache
-from moe_lightning.plan import SequenceWork, StepOutput, StepPlan
+from moe_lightning.placement import Side
+from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, sample, token_logprobs
 from moe_lightning.service.errors import NotReadyError, OutOfMemoryError, ServiceError, is_out_of_memory
 from moe_lightning.service.metrics import SHM_WAIT
@@ -42,15 +43,6 @@ RESIDENCY_CHANGES = Counter("moe_lightning_residency_changes_total", "Hot-expert
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
 SYNCS = Counter("moe_lightning_cuda_syncs_total", "Host synchronisations with the device (--count-syncs)", ["kind"])
 OOMS = Counter("moe_lightning_step_out_of_memory_total", "Steps that ran out of memory")
-TIMINGS = (  # every step reports these, zero when a stage did not run
-    "pre_attention",
-    "post_attention",
-    "head",
-    "attention_wait",
-    "handoff_send",
-    "expert_wait",
-    "device_attention",
-)
 
 
 @dataclass(slots=True)
@@ -93,7 +85,8 @@ class ExpertRunner:
         self.residency_interval = residency_interval
         self.overlap = overlap
         self.count_syncs = count_syncs and device.type == "cuda"
-        self.experts_on_host = False  # placement: streamed experts run on the host, not copied
+        self._pages_for: Side | None = None  # the experts placement the pager's prefetched pages serve
+        self._unsent_release: list[int] = []  # finished sequences cpu_attention has not been told of
         self.clock = StageClock(device, timeline or TimelineRecorder(None, "gpu_expert"))
         self.routing = RoutingCounts(spec.num_layers, spec.num_experts, device)
         self._decode_steps = 0
@@ -102,6 +95,7 @@ class ExpertRunner:
         """Wires the attention channel and starts a new session (see the attention worker's connect):
         sampler streams, the device KV cache and prefetched pages of earlier requests are dropped."""
         self.samplers.clear()
+        self._unsent_release.clear()
         if self.kv is not None:
             self.kv.reset()
         if self.pager is not None:
@@ -115,15 +109,17 @@ class ExpertRunner:
             self.samplers.pop(seq, None)
             if self.kv is not None:
                 self.kv.free(seq)
-        if plan.attention_on_device and self.kv is None:
+        if not plan.placement.attention_on_device:  # kept until sent: a step that fails first must not lose them
+            self._unsent_release.extend(plan.release)
+        if plan.placement.attention_on_device and self.kv is None:
             raise ServiceError(
                 "attention on the device was asked for, but this gpu_expert has no device KV cache "
                 "(start it with --device-kv-memory)",
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
-        if self.pager is not None and plan.experts_on_host != self.experts_on_host:
+        if self.pager is not None and plan.placement.experts != self._pages_for:
             self.pager.reset()  # placement changed: pages prefetched for the old one are dropped
-        self.experts_on_host = plan.experts_on_host
+        self._pages_for = plan.placement.experts
         states = []
         for mb in plan.micro_batches:
             if not mb:
@@ -147,7 +143,7 @@ class ExpertRunner:
                 embed_tokens(self.weights.embed, tokens),
                 _to_device(last, self.device),
             )
-            if plan.attention_on_device:
+            if plan.placement.attention_on_device:
                 assert self.kv is not None
                 try:
                     md = self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
@@ -159,29 +155,28 @@ class ExpertRunner:
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
-        if not self.connected and not plan.attention_on_device:
+        if not self.connected and not plan.placement.attention_on_device:
             raise NotReadyError("gpu_expert is not connected to an attention service yet")
-        kind = "decode" if plan.num_tokens == plan.num_sequences else "prefill"
         if not self.count_syncs:
-            return self._step(plan, kind)
+            return self._step(plan)
         with warnings.catch_warnings(record=True) as caught:  # set_sync_debug_mode warns once per sync
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                out = self._step(plan, kind)
+                out = self._step(plan)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        SYNCS.labels(kind).inc(sum("synchroniz" in str(w.message) for w in caught))
+        SYNCS.labels(plan.kind).inc(sum("synchroniz" in str(w.message) for w in caught))
         return out
 
-    def _step(self, plan: StepPlan, kind: str) -> StepOutput:
+    def _step(self, plan: StepPlan) -> StepOutput:
         t_start = time.perf_counter_ns()
-        timings = dict.fromkeys(TIMINGS, 0)
+        timings = StepTimings(plan.kind)
         self.clock.begin_step()
         waited = self.pager.wait_seconds if self.pager is not None else 0.0
         try:
             states = self._prepare(plan)
-            if plan.attention_on_device:
+            if plan.placement.attention_on_device:
                 self._run_with_local_attention(plan, states)
             else:
                 self._run_pipeline(plan, states, timings)
@@ -211,17 +206,17 @@ class ExpertRunner:
                     f"{self.device}: {str(exc).splitlines()[0]}; retry with fewer or shorter requests"
                 ) from exc
             raise
-        for key, ns in self.clock.finish(plan.step_id).items():
-            timings[key] = timings.get(key, 0) + ns
+        for stage, ns in self.clock.finish(plan.step_id).items():
+            timings.add(stage, ns)
         if self.pager is not None:
-            timings["expert_wait"] = int((self.pager.wait_seconds - waited) * 1e9)
-        timings["step"] = time.perf_counter_ns() - t_start
+            timings.expert_wait = int((self.pager.wait_seconds - waited) * 1e9)
+        timings.step = time.perf_counter_ns() - t_start
         for stage in ("pre_attention", "post_attention", "head"):
-            BUSY.labels(stage).inc(timings[stage] / 1e9)
-        SHM_WAIT.inc(timings["attention_wait"] / 1e9)
-        STEPS.labels(kind).inc()
+            BUSY.labels(stage).inc(getattr(timings, stage) / 1e9)
+        SHM_WAIT.inc(timings.attention_wait / 1e9)
+        STEPS.labels(plan.kind).inc()
         TOKENS.inc(len(tokens))
-        if kind == "decode":
+        if plan.kind is StepKind.DECODE:
             self._after_decode_step()
         return StepOutput([w.seq_id for w in works], tokens, timings, logprobs)
 
@@ -235,7 +230,10 @@ class ExpertRunner:
             torch.cuda.empty_cache()
 
     # ---- schedules ------------------------------------------------------------------------------
-    def _run_pipeline(self, plan: StepPlan, states: list[_MicroBatchState], timings: dict[str, int]) -> None:
+    def _run_pipeline(self, plan: StepPlan, states: list[_MicroBatchState], timings: StepTimings) -> None:
+        if self._unsent_release:  # ahead of layer 0, which may start new sequences in the freed blocks
+            self.link.send_release(plan.step_id, self._unsent_release)
+            self._unsent_release = []
         n_ub = len(states)
         layers = self.spec.num_layers
         if self.overlap:
@@ -247,30 +245,30 @@ class ExpertRunner:
             layer, m = self.weights.layers[op.layer], op.micro_batch
             if op.kind == SEND:
                 if not self.overlap and m == 0:  # the baseline copies a layer's experts before it starts
-                    experts = self._begin_layer(op.layer)
+                    experts = self._begin_layer(plan, op.layer)
                 self._send(plan, op.layer, layer, m, states[m], timings)
                 continue
             if self.overlap and m == 0:
-                experts = self._begin_layer(op.layer)
-                self._prefetch(op.layer + 1, 0, n_ub)
+                experts = self._begin_layer(plan, op.layer)
+                self._prefetch(plan, op.layer + 1, 0, n_ub)
             self._receive(plan, op.layer, layer, m, states[m], experts, timings)
-            self._prefetch(op.layer + 1, m + 1, n_ub)
+            self._prefetch(plan, op.layer + 1, m + 1, n_ub)
             if m == n_ub - 1:
-                self._end_layer(op.layer)
+                self._end_layer(plan, op.layer)
 
     def _run_with_local_attention(self, plan: StepPlan, states: list[_MicroBatchState]) -> None:
         """No hand-offs: the pages of the next layer still interleave with the micro-batches."""
         for layer_idx, layer in enumerate(self.weights.layers):
-            experts = self._begin_layer(layer_idx)
-            self._prefetch(layer_idx + 1, 0, len(states))
+            experts = self._begin_layer(plan, layer_idx)
+            self._prefetch(plan, layer_idx + 1, 0, len(states))
             for m, st in enumerate(states):
                 self._attend_here(plan, layer_idx, layer, m, st, experts)
-                self._prefetch(layer_idx + 1, m + 1, len(states))
-            self._end_layer(layer_idx)
+                self._prefetch(plan, layer_idx + 1, m + 1, len(states))
+            self._end_layer(plan, layer_idx)
 
     # ---- stages ---------------------------------------------------------------------------------
     def _send(
-        self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: _MicroBatchState, timings: dict[str, int]
+        self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: _MicroBatchState, timings: StepTimings
     ) -> None:
         t0 = self.clock.mark()
         q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
@@ -283,7 +281,7 @@ class ExpertRunner:
             )
         header = HandoffHeader(plan.step_id, layer_idx, m, self.link.session)
         self.link.send(QKVHandoff(header, q, k, v, batch))
-        timings["handoff_send"] += time.perf_counter_ns() - h0
+        timings.handoff_send += time.perf_counter_ns() - h0
 
     def _receive(
         self,
@@ -293,11 +291,11 @@ class ExpertRunner:
         m: int,
         st: _MicroBatchState,
         experts: Sequence[ExpertWeights] | None,
-        timings: dict[str, int],
+        timings: StepTimings,
     ) -> None:
         h0 = time.perf_counter_ns()
         attn = self.link.receive(plan.step_id, layer_idx, m)
-        timings["attention_wait"] += time.perf_counter_ns() - h0
+        timings.attention_wait += time.perf_counter_ns() - h0
         t0 = self.clock.mark()
         self._post_attention(layer_idx, layer, st, attn, experts)
         self.clock.span("post_attention", "post_attention", layer_idx, m, t0, self.clock.mark())
@@ -339,21 +337,21 @@ class ExpertRunner:
         self.clock.span("post_attention", "post_attention", layer_idx, m, t2, t3)
 
     # ---- streamed experts -----------------------------------------------------------------------
-    def _begin_layer(self, layer_idx: int) -> Sequence[ExpertWeights] | None:
+    def _begin_layer(self, plan: StepPlan, layer_idx: int) -> Sequence[ExpertWeights] | None:
         if self.pager is None:
             return None
-        if self.experts_on_host:  # non-resident experts compute where they live: no transfer
+        if plan.placement.experts_on_host:  # non-resident experts compute where they live: no transfer
             resident = self.pager.resident[layer_idx]
             host = self.weights.layers[layer_idx].experts
             return [resident.get(e) or host[e] for e in range(len(host))]
         return self.pager.begin_layer(layer_idx)
 
-    def _prefetch(self, layer_idx: int, page: int, num_pages: int) -> None:
-        if self.pager is not None and not self.experts_on_host:
+    def _prefetch(self, plan: StepPlan, layer_idx: int, page: int, num_pages: int) -> None:
+        if self.pager is not None and not plan.placement.experts_on_host:
             self.pager.prefetch_page(layer_idx, page, num_pages)
 
-    def _end_layer(self, layer_idx: int) -> None:
-        if self.pager is not None and not self.experts_on_host:
+    def _end_layer(self, plan: StepPlan, layer_idx: int) -> None:
+        if self.pager is not None and not plan.placement.experts_on_host:
             self.pager.end_layer(layer_idx)
 
     # ---- hot-expert residency -------------------------------------------------------------------

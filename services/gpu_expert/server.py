@@ -92,7 +92,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         plan = step_plan_from_pb(request)
         with self.step_lock:
             out = self.runner.step(plan)
-        out.timings_ns["handler"] = time.perf_counter_ns() - t0  # the step plus its protobuf conversion
+        out.timings.handler = time.perf_counter_ns() - t0  # the step plus its protobuf conversion
         return step_output_to_pb(out)
 
 

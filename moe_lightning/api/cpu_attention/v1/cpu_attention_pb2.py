@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6moe_lightning/api/cpu_attention/v1/cpu_attention.proto\x12\"moe_lightning.api.cpu_attention.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x82\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\x12\x34\n\x08kv_dtype\x18\x0b \x01(\x0e\x32\".moe_lightning.api.common.v1.DType\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\"&\n\x0fReleaseResponse\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\r2\xed\x02\n\x0c\x43puAttention\x12u\n\x08\x44\x65scribe\x12\x33.moe_lightning.api.cpu_attention.v1.DescribeRequest\x1a\x34.moe_lightning.api.cpu_attention.v1.DescribeResponse\x12r\n\x07\x43onnect\x12\x32.moe_lightning.api.cpu_attention.v1.ConnectRequest\x1a\x33.moe_lightning.api.cpu_attention.v1.ConnectResponse\x12r\n\x07Release\x12\x32.moe_lightning.api.cpu_attention.v1.ReleaseRequest\x1a\x33.moe_lightning.api.cpu_attention.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6moe_lightning/api/cpu_attention/v1/cpu_attention.proto\x12\"moe_lightning.api.cpu_attention.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x82\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\x12\x34\n\x08kv_dtype\x18\x0b \x01(\x0e\x32\".moe_lightning.api.common.v1.DType\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse2\xf9\x01\n\x0c\x43puAttention\x12u\n\x08\x44\x65scribe\x12\x33.moe_lightning.api.cpu_attention.v1.DescribeRequest\x1a\x34.moe_lightning.api.cpu_attention.v1.DescribeResponse\x12r\n\x07\x43onnect\x12\x32.moe_lightning.api.cpu_attention.v1.ConnectRequest\x1a\x33.moe_lightning.api.cpu_attention.v1.ConnectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,10 +40,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTREQUEST']._serialized_end=472
   _globals['_CONNECTRESPONSE']._serialized_start=474
   _globals['_CONNECTRESPONSE']._serialized_end=491
-  _globals['_RELEASEREQUEST']._serialized_start=493
-  _globals['_RELEASEREQUEST']._serialized_end=526
-  _globals['_RELEASERESPONSE']._serialized_start=528
-  _globals['_RELEASERESPONSE']._serialized_end=566
-  _globals['_CPUATTENTION']._serialized_start=569
-  _globals['_CPUATTENTION']._serialized_end=934
+  _globals['_CPUATTENTION']._serialized_start=494
+  _globals['_CPUATTENTION']._serialized_end=743
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,7 @@
 from moe_lightning.api.common.v1 import common_pb2 as _common_pb2
-from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -40,15 +39,3 @@ class ConnectRequest(_message.Message):
 class ConnectResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
-
-class ReleaseRequest(_message.Message):
-    __slots__ = ("seq_ids",)
-    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class ReleaseResponse(_message.Message):
-    __slots__ = ("free_blocks",)
-    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    free_blocks: int
-    def __init__(self, free_blocks: _Optional[int] = ...) -> None: ...

@@ -27,7 +27,8 @@ if _version_not_supported:
 
 class CpuAttentionStub:
     """Owns the paged KV cache in host memory; attention requests arrive through a shared-memory
-    channel from the expert service, not through these RPCs.
+    channel from the expert service, not through these RPCs. Finished sequences are released the
+    same way: the expert service forwards a step's release list with its first hand-off.
     """
 
     def __init__(self, channel):
@@ -46,16 +47,12 @@ class CpuAttentionStub:
                 request_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectResponse.FromString,
                 _registered_method=True)
-        self.Release = channel.unary_unary(
-                '/moe_lightning.api.cpu_attention.v1.CpuAttention/Release',
-                request_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ReleaseResponse.FromString,
-                _registered_method=True)
 
 
 class CpuAttentionServicer:
     """Owns the paged KV cache in host memory; attention requests arrive through a shared-memory
-    channel from the expert service, not through these RPCs.
+    channel from the expert service, not through these RPCs. Finished sequences are released the
+    same way: the expert service forwards a step's release list with its first hand-off.
     """
 
     def Describe(self, request, context):
@@ -65,12 +62,6 @@ class CpuAttentionServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Connect(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,11 +80,6 @@ def add_CpuAttentionServicer_to_server(servicer, server):
                     request_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectRequest.FromString,
                     response_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectResponse.SerializeToString,
             ),
-            'Release': grpc.unary_unary_rpc_method_handler(
-                    servicer.Release,
-                    request_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ReleaseRequest.FromString,
-                    response_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ReleaseResponse.SerializeToString,
-            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'moe_lightning.api.cpu_attention.v1.CpuAttention', rpc_method_handlers)
@@ -104,7 +90,8 @@ def add_CpuAttentionServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class CpuAttention:
     """Owns the paged KV cache in host memory; attention requests arrive through a shared-memory
-    channel from the expert service, not through these RPCs.
+    channel from the expert service, not through these RPCs. Finished sequences are released the
+    same way: the expert service forwards a step's release list with its first hand-off.
     """
 
     @staticmethod
@@ -151,33 +138,6 @@ class CpuAttention:
             '/moe_lightning.api.cpu_attention.v1.CpuAttention/Connect',
             moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectRequest.SerializeToString,
             moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Release(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/moe_lightning.api.cpu_attention.v1.CpuAttention/Release',
-            moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ReleaseRequest.SerializeToString,
-            moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

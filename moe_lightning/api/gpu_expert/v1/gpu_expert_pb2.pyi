@@ -1,11 +1,30 @@
 from moe_lightning.api.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class StepKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_KIND_UNSPECIFIED: _ClassVar[StepKind]
+    STEP_KIND_PREFILL: _ClassVar[StepKind]
+    STEP_KIND_DECODE: _ClassVar[StepKind]
+
+class Side(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SIDE_UNSPECIFIED: _ClassVar[Side]
+    SIDE_HOST: _ClassVar[Side]
+    SIDE_DEVICE: _ClassVar[Side]
+STEP_KIND_UNSPECIFIED: StepKind
+STEP_KIND_PREFILL: StepKind
+STEP_KIND_DECODE: StepKind
+SIDE_UNSPECIFIED: Side
+SIDE_HOST: Side
+SIDE_DEVICE: Side
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
@@ -65,19 +84,51 @@ class MicroBatch(_message.Message):
     sequences: _containers.RepeatedCompositeFieldContainer[SequenceInput]
     def __init__(self, sequences: _Optional[_Iterable[_Union[SequenceInput, _Mapping]]] = ...) -> None: ...
 
+class Placement(_message.Message):
+    __slots__ = ("attention", "experts")
+    ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    attention: Side
+    experts: Side
+    def __init__(self, attention: _Optional[_Union[Side, str]] = ..., experts: _Optional[_Union[Side, str]] = ...) -> None: ...
+
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "attention_on_device", "experts_on_host")
+    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "placement", "kind")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
-    ATTENTION_ON_DEVICE_FIELD_NUMBER: _ClassVar[int]
-    EXPERTS_ON_HOST_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     micro_batches: _containers.RepeatedCompositeFieldContainer[MicroBatch]
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
-    attention_on_device: bool
-    experts_on_host: bool
-    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., attention_on_device: _Optional[bool] = ..., experts_on_host: _Optional[bool] = ...) -> None: ...
+    placement: Placement
+    kind: StepKind
+    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ...) -> None: ...
+
+class StepTimings(_message.Message):
+    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PRE_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
+    POST_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_NS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_SEND_NS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_NS_FIELD_NUMBER: _ClassVar[int]
+    kind: StepKind
+    pre_attention_ns: int
+    post_attention_ns: int
+    head_ns: int
+    attention_wait_ns: int
+    handoff_send_ns: int
+    expert_wait_ns: int
+    device_attention_ns: int
+    step_ns: int
+    handler_ns: int
+    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs")
@@ -88,7 +139,7 @@ class StepResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    timings: _common_pb2.StageTimings
+    timings: StepTimings
     logprob_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[_common_pb2.StageTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
