@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from prometheus_client import REGISTRY
 
 from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
 from moe_lightning.engine import InProcessEngine
-from moe_lightning.handoff import handoff_slot_bytes, pipeline_window
+from moe_lightning.handoff import (
+    RELEASE_LAYER,
+    ReleaseHandoff,
+    decode_expert_message,
+    handoff_slot_bytes,
+    pipeline_window,
+)
 from moe_lightning.plan import SequenceWork, StepKind, StepPlan
 from moe_lightning.request import GenerationRequest
 from moe_lightning.sampling import SamplingParams
@@ -176,3 +183,32 @@ def test_the_routing_counter_rises_by_exactly_the_routed_tokens_past_rebalances(
     routed = (decode_steps + 2) * batch * spec.top_k * spec.num_sparse_layers
     assert _routed_total(spec) - before == routed
     assert int(pair.routing.hot.sum()) < routed  # while residency's counts were halved every 2 steps
+
+
+def _kv_blocks_used() -> float:
+    return REGISTRY.get_sample_value("moe_lightning_kv_cache_blocks", {"state": "used"}) or 0.0
+
+
+def test_finished_sequences_leave_through_the_plan(pair: ExpertRunner) -> None:
+    """A plan's release list reaches the attention worker ahead of the step's first hand-off, and a
+    plan with nothing to run but releases frees the blocks at once (the orchestrator went idle)."""
+    pair.step(_plan(1, [SequenceWork(i, [5 + i, 7, 9], 0, SamplingParams()) for i in range(4)], 2))
+    assert _kv_blocks_used() == 4  # one 4-token block per sequence
+    out = pair.step(StepPlan(2, [[SequenceWork(0, [3], 3)]], StepKind.DECODE, release=[1, 2]))
+    assert out.seq_ids == [0] and _kv_blocks_used() == 2  # freed before the step's work
+    assert set(pair.samplers) == {0, 3}
+    out = pair.step(StepPlan(3, [], StepKind.DECODE, release=[0, 3]))
+    assert out.seq_ids == [] and pair.samplers == {}
+    deadline = time.monotonic() + 10  # no reply comes back for a release: wait for the worker
+    while _kv_blocks_used() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _kv_blocks_used() == 0
+
+
+def test_a_long_release_list_is_split_to_fit_the_slots() -> None:
+    chunks = ReleaseHandoff.chunks(5, 9, list(range(100)), slot_bytes=64 + 8 * 30)
+    assert [len(c.seq_ids) for c in chunks] == [30, 30, 30, 10]
+    assert [i for c in chunks for i in c.seq_ids] == list(range(100))
+    assert all(c.header.layer == RELEASE_LAYER and c.header.session == 9 for c in chunks)
+    decoded = decode_expert_message(chunks[0].header.pack(), chunks[0].tensors())
+    assert isinstance(decoded, ReleaseHandoff) and decoded.seq_ids == list(range(30))

@@ -157,6 +157,10 @@ class ExpertRunner:
     def step(self, plan: StepPlan) -> StepOutput:
         if not self.connected and not plan.placement.attention_on_device:
             raise NotReadyError("gpu_expert is not connected to an attention service yet")
+        if not plan.micro_batches:  # release only: the orchestrator went idle with sequences finished
+            self._prepare(plan)
+            self._send_release(plan)
+            return StepOutput([], [], StepTimings(plan.kind))
         if not self.count_syncs:
             return self._step(plan)
         with warnings.catch_warnings(record=True) as caught:  # set_sync_debug_mode warns once per sync
@@ -231,9 +235,7 @@ class ExpertRunner:
 
     # ---- schedules ------------------------------------------------------------------------------
     def _run_pipeline(self, plan: StepPlan, states: list[_MicroBatchState], timings: StepTimings) -> None:
-        if self._unsent_release:  # ahead of layer 0, which may start new sequences in the freed blocks
-            self.link.send_release(plan.step_id, self._unsent_release)
-            self._unsent_release = []
+        self._send_release(plan)  # ahead of layer 0, which may start new sequences in the freed blocks
         n_ub = len(states)
         layers = self.spec.num_layers
         if self.overlap:
@@ -255,6 +257,11 @@ class ExpertRunner:
             self._prefetch(plan, op.layer + 1, m + 1, n_ub)
             if m == n_ub - 1:
                 self._end_layer(plan, op.layer)
+
+    def _send_release(self, plan: StepPlan) -> None:
+        if self._unsent_release and not plan.placement.attention_on_device:
+            self.link.send_release(plan.step_id, self._unsent_release)
+            self._unsent_release = []
 
     def _run_with_local_attention(self, plan: StepPlan, states: list[_MicroBatchState]) -> None:
         """No hand-offs: the pages of the next layer still interleave with the micro-batches."""
