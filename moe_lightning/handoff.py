@@ -6,7 +6,7 @@ q (T, H, Hd), k (T, K, Hd), v (T, K, Hd); at layer 0 also the micro-batch's sequ
 the later layers of the step. Attention -> expert: the same header and one tensor (T, H * Hd), or
 a non-zero status (a gRPC status code number) and the error text as a uint8 tensor.
 
-Finished sequences leave the same way (docs/design.md, "Releasing a sequence"): a step's release
+Finished sequences leave the same way (docs/design.md, "The hand-off message"): a step's release
 list goes ahead of its first hand-off as `ReleaseHandoff` messages (layer `RELEASE_LAYER`, one
 (R,) int64 tensor of ids, as many messages as the slot size needs). Attention frees their KV
 blocks before it starts the step's new sequences, and sends no reply.
