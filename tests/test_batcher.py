@@ -4,10 +4,11 @@ and length finishes, prefill/decode alternation, and what each plan carries (no 
 from __future__ import annotations
 
 import pytest
+from fake_backend import FakeBackend
 
 from moe_lightning.demo_model import build_tokenizer
 from moe_lightning.placement import Placement, Side
-from moe_lightning.plan import StepKind, StepOutput, StepPlan, StepTimings
+from moe_lightning.plan import StepKind, StepPlan
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ResourceExhaustedError
@@ -17,28 +18,6 @@ from orchestrator.backend import KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, SchedulerConfig, Sequence
 
 EOS = 2
-
-
-class FakeBackend:
-    """Answers a plan as gpu_expert would, with scripted tokens: sequence s's i-th generated token is
-    `script[s][i]` when scripted, else a token that is never EOS. Records every plan."""
-
-    def __init__(self, script: dict[int, list[int]] | None = None) -> None:
-        self.script = script or {}
-        self.plans: list[StepPlan] = []
-        self.generated: dict[int, int] = {}
-
-    def step(self, plan: StepPlan) -> StepOutput:
-        self.plans.append(plan)
-        seq_ids, tokens = [], []
-        for mb in plan.micro_batches:
-            for w in mb:
-                i = self.generated.get(w.seq_id, 0)
-                self.generated[w.seq_id] = i + 1
-                script = self.script.get(w.seq_id)
-                seq_ids.append(w.seq_id)
-                tokens.append(script[i] if script and i < len(script) else 10 + (w.seq_id + i) % 50)
-        return StepOutput(seq_ids, tokens, StepTimings(plan.kind))
 
 
 def _batcher(blocks: int = 64, block_size: int = 4, **config: int) -> Batcher:

@@ -1,0 +1,106 @@
+"""The scheduler loop around the batcher, with a fake backend in its place: waiters get their
+results, a failed step fails only its requests, a lost backend suspends and resumes, cancellation
+and shutdown end what is in flight (real threads, no processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from fake_backend import FakeBackend
+
+from moe_lightning.placement import Placement
+from moe_lightning.plan import StepKind
+from moe_lightning.request import FINISH_LENGTH, GenerationRequest
+from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
+from moe_lightning.spec import ModelSpec
+from orchestrator.backend import KVCapacity
+from orchestrator.scheduler import Scheduler, SchedulerConfig, StreamSink
+
+KV = KVCapacity(256, 4, "float32")
+
+
+@pytest.fixture()
+def loop(tiny_model: Path) -> Iterator[tuple[Scheduler, FakeBackend]]:
+    backend = FakeBackend()
+    s = Scheduler(ModelSpec.from_pretrained(tiny_model), backend, None, KV, SchedulerConfig(), None, Placement())  # type: ignore[arg-type]
+    s.start()
+    yield s, backend
+    backend.gate.set()
+    s.stop()
+
+
+def _request(max_new: int = 4) -> GenerationRequest:
+    return GenerationRequest([5, 6, 7], max_new, ignore_eos=True)
+
+
+def test_requests_finish_and_stream_their_tokens(loop: tuple[Scheduler, FakeBackend]) -> None:
+    s, backend = loop
+    sink = StreamSink()
+    streamed = s.submit(_request(5), sink)
+    others = [s.submit(_request(3 + i)) for i in range(20)]
+    results = [t.wait(30) for t in (streamed, *others)]
+    assert [len(r.token_ids) for r in results] == [5, *[3 + i for i in range(20)]]
+    assert all(r.finish_reason == FINISH_LENGTH for r in results)
+    tokens = []
+    while not sink.queue.empty():
+        tokens += sink.queue.get()[0]
+    assert tokens == results[0].token_ids
+    assert backend.plans[0].kind is StepKind.PREFILL
+    assert s.stats() == {"waiting": 0, "running": 0, "free_blocks": KV.blocks}
+    released = sorted(i for p in backend.plans for i in p.release)
+    assert released == sorted(t.seq.seq_id for t in (streamed, *others))  # every finish reached the workers
+
+
+def test_a_failed_step_fails_its_requests_and_the_loop_goes_on(loop: tuple[Scheduler, FakeBackend]) -> None:
+    s, backend = loop
+    backend.fail = ServiceError("attention failed: boom", grpc.StatusCode.INTERNAL)
+    first = s.submit(_request())
+    with pytest.raises(ServiceError, match="boom"):
+        first.wait(30)
+    assert not s.backend_lost.is_set()  # not a lost service: no recovery
+    assert s.submit(_request()).wait(30).finish_reason == FINISH_LENGTH
+    assert s.stats()["free_blocks"] == KV.blocks
+
+
+def test_a_lost_backend_flags_recovery_and_suspend_resume_start_a_new_session(
+    loop: tuple[Scheduler, FakeBackend],
+) -> None:
+    s, backend = loop
+    backend.fail = UnavailableError("gpu_expert is unreachable")
+    with pytest.raises(UnavailableError):
+        s.submit(_request()).wait(30)
+    assert s.backend_lost.wait(5)
+    backend.gate.clear()
+    backend.entered.clear()
+    running = s.submit(_request(50))
+    assert backend.entered.wait(10)  # its step is in flight when the supervisor suspends
+    assert s.suspend("backend service down: gpu_expert") == 1
+    with pytest.raises(UnavailableError, match="retry it"):
+        running.wait(5)
+    with pytest.raises(UnavailableError, match="retry shortly"):
+        s.submit(_request())
+    backend.gate.set()
+    s.resume(KVCapacity(128, 4, "float32"))
+    assert not s.backend_lost.is_set() and s.kv_blocks == 128
+    assert s.submit(_request()).wait(30).finish_reason == FINISH_LENGTH
+
+
+def test_cancel_and_shutdown_end_what_is_in_flight(loop: tuple[Scheduler, FakeBackend]) -> None:
+    s, backend = loop
+    long = s.submit(_request(500))
+    s.cancel(long)
+    with pytest.raises(ServiceError) as info:
+        long.wait(30)
+    assert status_for(info.value) == grpc.StatusCode.CANCELLED
+    backend.gate.clear()
+    backend.entered.clear()
+    pending = [s.submit(_request(100)) for _ in range(3)]
+    assert backend.entered.wait(10)
+    backend.gate.set()
+    s.stop(drain_timeout=0.0)
+    for t in pending:
+        with pytest.raises(ServiceError, match="shut down"):
+            t.wait(5)
