@@ -14,7 +14,9 @@ from pathlib import Path
 import torch
 
 from moe_lightning.client import Completion, GenerationClient, Prompt
+from moe_lightning.hrm.costmodel import Policy
 from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.plan import StepKind, StepTimings
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
 
@@ -155,37 +157,44 @@ def transformers_generate(
     return {"generated_tokens_per_second": generated / wall, "seconds": wall, "padded_width": width}
 
 
-# gpu_expert's per-step timings that a decode-stage comparison reads (orchestrator metric labels)
-DECODE_STAGES = ("pre_attention", "post_attention", "head", "expert_wait", "device_attention", "step")
+def policy_that_ran(policy: dict[str, str], resident_experts: float, sequences: int, micro_batch: int | None) -> Policy:
+    """The cost model's Policy for a batch of `sequences`: the orchestrator's policy labels
+    (`StackRun.policy()`), gpu_expert's resident experts, and the operator's micro-batch size when
+    fixed (else the policy's); the last micro-batch is modelled as full."""
+    mu = micro_batch or min(int(policy.get("micro_batch_size") or sequences), sequences)
+    return Policy(
+        -(-sequences // mu) * mu,
+        mu,
+        policy.get("attention", "cpu"),
+        policy.get("experts", "gpu"),
+        int(resident_experts),
+    )
 
 
-def stages_per_layer(
-    predicted: dict[str, float], layer_seconds: float, measured: dict[str, float], decode_steps: float, layers: int
-) -> dict[str, dict[str, float]]:
-    """HRM predicted vs measured seconds per layer of a decode step, by stage.
+@dataclass
+class DecodeTotals:
+    """A batch's decode steps as the HRM comparison (moe_lightning/hrm/measured.py) reads them."""
 
-    `predicted`: the cost model's stage_seconds (per layer); `measured`: decode-step totals of
-    gpu_expert's timings (DECODE_STAGES) plus "cpu_attention" (the attention service's decode busy
-    time). The head is amortised over the layers, as the model does; "expert page wait" is only the
-    copy time compute did not hide, so it is compared with the copy the model predicts."""
-    n = decode_steps * layers
-    if n <= 0:
-        return {}
-    p = predicted.get
+    steps: float  # decode steps the orchestrator ran
+    timings: StepTimings  # gpu_expert's timings summed over them (the orchestrator's per-stage counters)
+    cpu_attention: float  # cpu_attention's decode busy seconds
 
-    def row(pred: float, meas: float) -> dict[str, float]:
-        return {"predicted": pred, "measured": meas / n}
+    def seconds(self) -> dict[str, float]:
+        """Stage -> seconds (the JSON's decode_stage_seconds)."""
+        out = {stage: ns / 1e9 for stage, ns in self.timings.stages().items()}
+        out["cpu_attention"] = self.cpu_attention
+        return out
 
-    attention = measured.get("cpu_attention", 0.0) + measured.get("device_attention", 0.0)
-    return {
-        "device: dense + experts": row(
-            sum(p(k, 0.0) for k in ("gpu_dense", "gpu_experts", "cpu_experts")),
-            measured.get("pre_attention", 0.0) + measured.get("post_attention", 0.0),
-        ),
-        "attention": row(p("cpu_attention", 0.0) + p("gpu_attention", 0.0), attention),
-        "head": row(p("gpu_head", 0.0), measured.get("head", 0.0)),
-        "expert copy (exposed wait)": row(
-            p("gpu_expert_copy", 0.0) + p("link_weights", 0.0), measured.get("expert_wait", 0.0)
-        ),
-        "layer (the step / L)": row(layer_seconds, measured.get("step", 0.0)),
-    }
+
+def decode_totals(run: StackRun) -> DecodeTotals:
+    """The batch's decode steps, from the orchestrator's and cpu_attention's metrics around it."""
+    d = run.delta
+    timings = StepTimings(StepKind.DECODE)
+    for stage in timings.stages():
+        key = f'moe_lightning_stage_seconds_total{{kind="decode",stage="{stage}"}}'
+        setattr(timings, stage, round(d("orchestrator", key) * 1e9))
+    return DecodeTotals(
+        d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'),
+        timings,
+        d("cpu_attention", 'moe_lightning_stage_busy_seconds_total{stage="decode_attention"}'),
+    )

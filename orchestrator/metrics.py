@@ -2,6 +2,7 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -35,11 +36,13 @@ DECODE_BATCH = Histogram(
 )
 
 
-def observe_step(kind: str, sequences: int, wall: float, timings_ns: dict[str, int]) -> None:
-    """One finished step: its wall time, gpu_expert's stage times and, for decode, its batch size."""
+def observe_step(sequences: int, wall: float, timings: StepTimings) -> None:
+    """One finished step (its kind from the timings): its wall time, gpu_expert's stage times and,
+    for decode, its batch size."""
+    kind = timings.kind.value
     STEP_SECONDS.labels(kind).observe(wall)
-    for stage, ns in timings_ns.items():
+    for stage, ns in timings.stages().items():
         STAGE_SECONDS.labels(stage, kind).inc(ns / 1e9)
-    CONTROL_OVERHEAD.inc(max(0.0, wall - timings_ns.get("step", 0) / 1e9))
-    if kind == "decode":
+    CONTROL_OVERHEAD.inc(max(0.0, wall - timings.step / 1e9))
+    if timings.kind is StepKind.DECODE:
         DECODE_BATCH.observe(sequences)

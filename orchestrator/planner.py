@@ -1,9 +1,10 @@
 """The HRM in the running stack: plan at start, compare predictions with what the services measure,
 correct the profile and re-plan between batches when they drift apart.
 
-Measured per layer of a decode step (from gpu_expert's step timings): the device's compute
-(pre- plus post-attention) and what it waits for attention (cpu_attention's compute plus the two
-hand-offs). Predicted: the cost model at the batch and micro-batch that actually ran. When one
+Per layer of a decode step, the "device" and "attention" rows of moe_lightning/hrm/measured.py:
+gpu_expert's compute (pre- plus post-attention less the exposed expert-page waits, host-computed
+experts included) and what it waits for attention (cpu_attention's compute plus the two
+hand-offs), against the cost model at the batch and micro-batch that actually ran. When one
 side is off by more than `threshold` for `patience` consecutive decode steps, that resource's roofs
 are scaled by predicted/measured (so the hand-off cost folds into the attention roof, as it should
 for planning) and the optimizer runs again. The workload (prompt and generation lengths) is learned
@@ -20,7 +21,9 @@ from prometheus_client import Counter, Gauge, Info
 
 from moe_lightning.hrm.costmodel import Estimate, Policy, Workload, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.measured import measured_per_layer, predicted_per_layer
 from moe_lightning.hrm.optimizer import optimize
+from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.spec import ModelSpec
 
 PREDICTED = Gauge("moe_lightning_stage_predicted_seconds", "HRM-predicted time per layer of a decode step", ["stage"])
@@ -29,6 +32,7 @@ PREDICTED_TPS = Gauge("moe_lightning_predicted_decode_tokens_per_second", "HRM t
 REPLANS = Counter("moe_lightning_replans_total", "Re-plans, by reason", ["reason"])
 POLICY = Info("moe_lightning_policy", "The policy in force")
 EWMA = 0.2
+DRIFT_ROWS = ("device", "attention")  # rows of hrm.measured: device roofs, then the CPU's
 
 
 @dataclass(slots=True)
@@ -75,7 +79,7 @@ class Planner:
         self.log = structlog.get_logger()
         self._lock = threading.Lock()
         self._measured: dict[str, float] = {}
-        self._drift_steps = {"device": 0, "attention": 0}
+        self._drift_steps = dict.fromkeys(DRIFT_ROWS, 0)
         self.estimate = self._optimize()
         self._publish("initial plan")
 
@@ -162,29 +166,26 @@ class Planner:
                 )
             return None
 
-    def observe_step(self, batch: int, micro_batch: int, timings_ns: dict[str, int]) -> Policy | None:
-        """A decode step's timings from gpu_expert; returns a new policy when it re-planned."""
-        layers = self.spec.num_layers
-        measured = {
-            "device": (timings_ns.get("pre_attention", 0) + timings_ns.get("post_attention", 0)) / 1e9 / layers,
-            "attention": (timings_ns.get("attention_wait", 0) + timings_ns.get("device_attention", 0)) / 1e9 / layers,
-        }
+    def observe_step(self, batch: int, micro_batch: int, timings: StepTimings) -> Policy | None:
+        """A decode step's timings from gpu_expert; returns a new policy when it re-planned (a
+        prefill step's timings are not compared: None)."""
+        if timings.kind is not StepKind.DECODE:
+            return None
+        rows = measured_per_layer(timings, 1, self.spec.num_layers)
+        measured = {row: rows[row] for row in DRIFT_ROWS}
         n_ub = -(-batch // micro_batch)  # the last micro-batch may be partial: model it as full
         with self._lock:
             p = self.policy
             policy = Policy(n_ub * micro_batch, micro_batch, p.attention, p.experts, p.resident_experts)
             est = estimate(self.spec, self.workload, self.profile, policy, self.dtype, kv_dtype=self.kv_dtype)
-            s = est.stage_seconds
-            predicted = {
-                "device": sum(s.get(k, 0.0) for k in ("gpu_dense", "gpu_experts", "cpu_experts", "gpu_expert_copy")),
-                "attention": s.get("cpu_attention", 0.0) + s.get("gpu_attention", 0.0),
-            }
+            predicted = predicted_per_layer(est)
             for stage in measured:
                 prev = self._measured.get(stage, measured[stage])
                 self._measured[stage] = prev + EWMA * (measured[stage] - prev)
                 PREDICTED.labels(stage).set(predicted[stage])
                 MEASURED.labels(stage).set(self._measured[stage])
-                off = abs(self._measured[stage] / predicted[stage] - 1) if predicted[stage] else 0.0
+                known = predicted[stage] and self._measured[stage]  # a zero on either side is no evidence
+                off = abs(self._measured[stage] / predicted[stage] - 1) if known else 0.0
                 self._drift_steps[stage] = self._drift_steps[stage] + 1 if off > self.config.threshold else 0
             drifted = [st for st, n in self._drift_steps.items() if n >= self.config.patience]
             if not drifted:

@@ -15,6 +15,7 @@ from moe_lightning.hrm.archs import ARCHS
 from moe_lightning.hrm.costmodel import Headroom, Policy, Workload, estimate
 from moe_lightning.hrm.hardware import PRESETS, HardwareProfile
 from moe_lightning.hrm.optimizer import max_batch, optimize
+from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.spec import ModelSpec
 from orchestrator.planner import Planner
 
@@ -65,7 +66,7 @@ def test_planner_plans_with_the_attention_services_kv_dtype() -> None:
     assert per_seq["bfloat16"] == pytest.approx(per_seq["float32"] / 2)
     assert per_seq["float32"] == 2 * spec.kv_size * 4 * spec.num_layers * 96  # 64 + 32 tokens
     p = plans["bfloat16"]  # predictions after a step use the same dtype
-    timings = {"pre_attention": 10**6, "post_attention": 10**7, "attention_wait": 10**6}
+    timings = StepTimings(StepKind.DECODE, pre_attention=10**6, post_attention=10**7, attention_wait=10**6)
     p.observe_step(p.policy.batch, p.policy.micro_batch, timings)
     assert p.estimate.kv_host_bytes / p.policy.batch == per_seq["bfloat16"]
 

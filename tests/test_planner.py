@@ -7,6 +7,7 @@ import pytest
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.costmodel import Policy, Workload, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.spec import ModelSpec
 from orchestrator.planner import Planner, PlannerConfig
 
@@ -25,16 +26,17 @@ HOST = HardwareProfile(
 )
 
 
-def timings_for(planner: Planner, batch: int, device_factor: float, attention_factor: float) -> dict[str, int]:
+def timings_for(planner: Planner, batch: int, device_factor: float, attention_factor: float) -> StepTimings:
     """Step timings as gpu_expert reports them on a machine `factor` times slower than HOST says."""
     s = estimate(SPEC, planner.workload, HOST, Policy(batch, batch), "float32").stage_seconds
     layers = SPEC.num_layers
     device = (s["gpu_dense"] + s["gpu_experts"]) * device_factor * layers
-    return {
-        "pre_attention": int(0.1 * device * 1e9),
-        "post_attention": int(0.9 * device * 1e9),
-        "attention_wait": int(s["cpu_attention"] * attention_factor * layers * 1e9),
-    }
+    return StepTimings(
+        StepKind.DECODE,
+        pre_attention=int(0.1 * device * 1e9),
+        post_attention=int(0.9 * device * 1e9),
+        attention_wait=int(s["cpu_attention"] * attention_factor * layers * 1e9),
+    )
 
 
 def test_plan_fits_the_kv_cache_and_stays_when_predictions_hold() -> None:

@@ -108,7 +108,7 @@ def _ours(
     experts: str | None = None,
 ) -> dict[str, Any]:
     """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory."""
-    from moe_lightning.benchmark import DECODE_STAGES, run_batch
+    from moe_lightning.benchmark import decode_totals, run_batch
     from moe_lightning.timeline import load, summarize
 
     files = [trace_dir / f"gpu-{tag}.jsonl", trace_dir / f"cpu-{tag}.jsonl"]
@@ -133,22 +133,18 @@ def _ours(
     )
     d = run.delta
     generated = sum(c.completion_tokens for c in run.done)
-    decode = {
-        stage: d("orchestrator", f'moe_lightning_stage_seconds_total{{kind="decode",stage="{stage}"}}')
-        for stage in DECODE_STAGES
-    }
-    decode["cpu_attention"] = d("cpu_attention", 'moe_lightning_stage_busy_seconds_total{stage="decode_attention"}')
+    decode = decode_totals(run)
     decode_s = d("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
     events = load(files)
     policy = run.policy()
-    steps = d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}')
+    steps = decode.steps
     syncs = d("gpu_expert", 'moe_lightning_cuda_syncs_total{kind="decode"}')
     counted = args.count_syncs and args.device.startswith("cuda")  # gpu_expert counts only on CUDA
     return {
         "generated_tokens_per_second": generated / run.wall_seconds,
         "decode_tokens_per_second": (generated - len(run.done)) / decode_s if decode_s else 0.0,
         "seconds": run.wall_seconds,
-        "decode_steps": d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'),
+        "decode_steps": decode.steps,
         "policy": policy,
         # the operator's size when fixed: the policy gauge shows the planner's, which is then not in force
         "micro_batches": _micro_batches(
@@ -159,7 +155,8 @@ def _ours(
         "residency_changes": d("gpu_expert", "moe_lightning_residency_changes_total"),
         "resident_experts": run.after["gpu_expert"].get("moe_lightning_resident_experts", 0.0),
         "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
-        "decode_stage_seconds": decode,
+        "decode_stage_seconds": decode.seconds(),
+        "_decode": decode,
         "timeline": summarize(events),
         "_events": events,
     }
@@ -170,9 +167,10 @@ def _public(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lightning.benchmark import stages_per_layer
+    from moe_lightning.benchmark import policy_that_ran
+    from moe_lightning.hrm import measured
     from moe_lightning.hrm.calibrate import cached_profile
-    from moe_lightning.hrm.costmodel import Policy, Workload, estimate
+    from moe_lightning.hrm.costmodel import Workload, estimate
     from moe_lightning.spec import ModelSpec, resolve_dtype
     from moe_lightning.timeline import write
 
@@ -232,14 +230,7 @@ def run(args: argparse.Namespace) -> int:
         results["transformers"] = transformers_generate(args.model, prompts, args.gen_len, args.device, args.dtype)
         rows.append(("(a) transformers generate", results["transformers"], "ours / it", 3.0))
     profile = cached_profile(spec, args.device)
-    mu = min(int(policy.get("micro_batch_size", n)), n) if args.micro_batch_size is None else args.micro_batch_size
-    ran = Policy(
-        -(-n // mu) * mu,
-        mu,
-        policy.get("attention", "cpu"),
-        policy.get("experts", "gpu"),
-        int(ours["resident_experts"]),
-    )
+    ran = policy_that_ran(policy, ours["resident_experts"], n, args.micro_batch_size)
     kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
     bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype, kv_dtype=kv_dtype)
     results["roofline_decode_tokens_per_second"] = bound.tokens_per_second
@@ -264,14 +255,11 @@ def run(args: argparse.Namespace) -> int:
     results.setdefault("ratios", {})["decode / roofline"] = decode_ratio
     name = "(c) HRM roofline bound, decode"
     print(f"{name:34} {bound.tokens_per_second:8.1f} {decode_ratio:6.2f} {'of it':>13} {'>= 0.6':>7}")
-    stages = stages_per_layer(
-        bound.stage_seconds, bound.layer_seconds, ours["decode_stage_seconds"], ours["decode_steps"], spec.num_layers
-    )
-    results["stages_per_layer"] = stages
+    dec = ours["_decode"]
+    stages = measured.compare(bound, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
+    results["stages_per_layer"] = measured.as_json(stages)
     print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours):")
-    for name, r in stages.items():
-        ratio = f"{r['measured'] / r['predicted']:6.2f}" if r["predicted"] else f"{'-':>6}"
-        print(f"  {name:32} {1e3 * r['predicted']:8.2f} {1e3 * r['measured']:8.2f} {ratio} measured / predicted")
+    print("\n".join(measured.table(stages)))
     tl = ours["timeline"]
     print(
         "busy fraction "
