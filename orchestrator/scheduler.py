@@ -235,11 +235,11 @@ class Scheduler:
         wall = time.perf_counter() - t0
         if not plan.micro_batches:
             return  # it only released finished sequences
-        metrics.observe_step(plan.kind, plan.num_sequences, wall, out.timings.stages())
+        metrics.observe_step(plan.num_sequences, wall, out.timings)
         if self.planner is not None and not step.admitted:
             try:  # the planner is advice: its failure must not cost the requests their tokens
                 mu = max(len(mb) for mb in plan.micro_batches)
-                policy = self.planner.observe_step(plan.num_sequences, mu, out.timings.stages())
+                policy = self.planner.observe_step(plan.num_sequences, mu, out.timings)
                 with self._cv:
                     self._apply_policy(policy)
             except Exception:
