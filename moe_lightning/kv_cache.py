@@ -74,6 +74,15 @@ class PagedKVCache:
         """K and V of one block across all layers: the unit a KV memory budget is divided into."""
         return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
 
+    @classmethod
+    def blocks_in(cls, nbytes: int, spec: ModelSpec, block_size: int, dtype: torch.dtype, budget: str) -> int:
+        """Whole blocks a KV memory budget of `nbytes` holds; `budget` names it (the flag) in the
+        error, since a budget below one block is an operator's mistake to report at start-up."""
+        per_block = cls.bytes_per_block(spec, block_size, dtype)
+        if nbytes < per_block:
+            raise ValueError(f"{budget} {nbytes} B holds no {per_block} B KV block")
+        return nbytes // per_block
+
     @property
     def num_free_blocks(self) -> int:
         return self.allocator.num_free

@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from moe_lightning.service import names
 from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
 from moe_lightning.spec import ModelSpec, resolve_dtype
 
-SERVICES = {
-    "weight_store": ("services.weight_store", "moe_lightning.api.weight_store.v1.WeightStore"),
-    "cpu_attention": ("services.cpu_attention", "moe_lightning.api.cpu_attention.v1.CpuAttention"),
-    "gpu_expert": ("services.gpu_expert", "moe_lightning.api.gpu_expert.v1.GpuExpert"),
-    "orchestrator": ("orchestrator", "moe_lightning.api.generation.v1.Generation"),
+SERVICES = {  # start order: (module run with -m, the gRPC service whose health says ready)
+    "weight_store": ("services.weight_store", names.WEIGHT_STORE),
+    "cpu_attention": ("services.cpu_attention", names.CPU_ATTENTION),
+    "gpu_expert": ("services.gpu_expert", names.GPU_EXPERT),
+    "orchestrator": ("orchestrator", names.GENERATION),
 }
 
 

@@ -21,11 +21,9 @@ from moe_lightning.service.convert import (
     step_output_from_pb,
     step_plan_to_pb,
 )
-from moe_lightning.service.upstream import WEIGHT_STORE, fetch_manifest, health_status, open_channel, wait_serving
+from moe_lightning.service.names import CPU_ATTENTION, GPU_EXPERT, WEIGHT_STORE
+from moe_lightning.service.upstream import fetch_manifest, health_status, open_channel, wait_serving
 from moe_lightning.spec import ModelSpec
-
-GPU_EXPERT = "moe_lightning.api.gpu_expert.v1.GpuExpert"
-CPU_ATTENTION = "moe_lightning.api.cpu_attention.v1.CpuAttention"
 
 
 @dataclass(frozen=True, slots=True)

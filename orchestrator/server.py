@@ -7,13 +7,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.placement import Side
-from moe_lightning.service.runtime import bootstrap
+from moe_lightning.service.names import GENERATION
+from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer
@@ -21,8 +23,6 @@ from orchestrator.backend import Backend, Capacity
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 from orchestrator.supervisor import BackendSupervisor
-
-SERVICE = "moe_lightning.api.generation.v1.Generation"
 
 
 def build_parser() -> EnvDefaultsParser:
@@ -130,50 +130,33 @@ def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -
     return tuple(chosen)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
-    servicer = GenerationServicer()
-    log, runtime = bootstrap(
-        args,
-        "orchestrator",
-        SERVICE,
-        generation_pb2_grpc.add_GenerationServicer_to_server,
-        servicer,
-        grace_seconds=args.drain_seconds,
-        max_workers=args.rpc_threads,
+def _start(
+    args: argparse.Namespace, backend: Backend, servicer: GenerationServicer, runtime: ServiceRuntime
+) -> dict[str, Any]:
+    """Waits for the workers, plans the batch and the placement, starts the scheduler; the fields of
+    the `serving` line. A peer that never comes up and a plan the services cannot run alike fail it."""
+    log = runtime.log
+    capacity = backend.connect(stop=runtime)
+    assert backend.spec is not None
+    tokenizer = TextTokenizer.from_model_dir(args.tokenizer or backend.model_path)
+    if tokenizer is not None:
+        tokenizer.check_fits(backend.spec.vocab_size, args.tokenizer or backend.model_path)
+    _check_handoff_limits(args, capacity.max_handoff_tokens)
+    attention, experts = _placements(args, capacity, backend.spec)
+    planner = Planner(
+        backend.spec,
+        profile_from(capacity.expert_measurements, capacity.attention_measurements),
+        Workload(args.expected_prompt_len, args.expected_gen_len),
+        capacity.weight_dtype,
+        capacity.kv_cache(Side.HOST).tokens,
+        PlannerConfig(patience=10**9) if args.no_replan else None,
+        attention=attention,
+        experts=experts,
+        device_kv_tokens=capacity.kv_cache(Side.DEVICE).tokens,
+        resident_experts=capacity.resident_experts,
+        max_micro_batch=capacity.max_handoff_tokens,
+        kv_dtype=capacity.kv_dtype,
     )
-    try:
-        capacity = backend.connect(stop=runtime)
-        assert backend.spec is not None
-        tokenizer = TextTokenizer.from_model_dir(args.tokenizer or backend.model_path)
-        if tokenizer is not None:
-            tokenizer.check_fits(backend.spec.vocab_size, args.tokenizer or backend.model_path)
-    except Exception as exc:
-        log.error("startup_failed", error=str(exc))
-        runtime.stop()
-        return 1
-    try:
-        _check_handoff_limits(args, capacity.max_handoff_tokens)
-        attention, experts = _placements(args, capacity, backend.spec)
-        planner = Planner(
-            backend.spec,
-            profile_from(capacity.expert_measurements, capacity.attention_measurements),
-            Workload(args.expected_prompt_len, args.expected_gen_len),
-            capacity.weight_dtype,
-            capacity.kv_cache(Side.HOST).tokens,
-            PlannerConfig(patience=10**9) if args.no_replan else None,
-            attention=attention,
-            experts=experts,
-            device_kv_tokens=capacity.kv_cache(Side.DEVICE).tokens,
-            resident_experts=capacity.resident_experts,
-            max_micro_batch=capacity.max_handoff_tokens,
-            kv_dtype=capacity.kv_dtype,
-        )
-    except ValueError as exc:
-        log.error("startup_failed", error=str(exc))
-        runtime.stop()
-        return 1
     planner.fixed_batch, planner.fixed_micro_batch = args.max_batch_size, args.micro_batch_size
     policy = planner.policy
     kv = capacity.kv_cache(policy.attention)  # the cache attention reads: its KV lives there for good
@@ -208,17 +191,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     runtime.on_shutdown(backend.close)
     scheduler.start()
     supervisor.start()
-    runtime.set_serving(True)
-    log.info(
-        "serving",
-        address=args.address,
-        port=runtime.port,
-        kv_tokens=kv.tokens,
-        device=capacity.device,
-        tokenizer=tokenizer is not None,
+    return {
+        "address": args.address,
+        "port": runtime.port,
+        "kv_tokens": kv.tokens,
+        "device": capacity.device,
+        "tokenizer": tokenizer is not None,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
+    servicer = GenerationServicer()
+    return serve(
+        args,
+        "orchestrator",
+        GENERATION,
+        generation_pb2_grpc.add_GenerationServicer_to_server,
+        servicer,
+        lambda runtime: _start(args, backend, servicer, runtime),
+        grace_seconds=args.drain_seconds,
+        max_workers=args.rpc_threads,
     )
-    runtime.wait()
-    return 0
 
 
 if __name__ == "__main__":

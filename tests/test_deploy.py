@@ -7,12 +7,14 @@ from pathlib import Path
 
 import yaml
 
+from moe_lightning.service import names
+
 ROOT = Path(__file__).resolve().parents[1]
-HEALTH_NAMES = {
-    "weight_store": "moe_lightning.api.weight_store.v1.WeightStore",
-    "cpu_attention": "moe_lightning.api.cpu_attention.v1.CpuAttention",
-    "gpu_expert": "moe_lightning.api.gpu_expert.v1.GpuExpert",
-    "orchestrator": "moe_lightning.api.generation.v1.Generation",
+HEALTH_NAMES = {  # the compose file's YAML must spell them out: check it against the protos
+    "weight_store": names.WEIGHT_STORE,
+    "cpu_attention": names.CPU_ATTENTION,
+    "gpu_expert": names.GPU_EXPERT,
+    "orchestrator": names.GENERATION,
 }
 
 

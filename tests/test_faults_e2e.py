@@ -19,12 +19,12 @@ from grpc_health.v1 import health_pb2
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.service.names import GENERATION as API
 from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.shm.segment import list_segments, pid_alive
 
 from reference import E2E_PROMPTS as PROMPTS
 
-API = "moe_lightning.api.generation.v1.Generation"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.service.names import GENERATION as API
 from moe_lightning.service.upstream import health_status, open_channel
 
 from reference import E2E_PROMPTS as PROMPTS
 
-API = "moe_lightning.api.generation.v1.Generation"
 # what the README's bad-input table documents for requests that are not served
 DOCUMENTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -111,7 +111,7 @@ def test_invalid_utf8_in_a_stop_string(stack: Stack) -> None:
     ).SerializeToString()
     bad = good.replace(b"XY", b"\xff\xfe")  # same length: still a well-formed message, not UTF-8
     ch = open_channel(stack.api_address)
-    call = ch.unary_unary("/moe_lightning.api.generation.v1.Generation/Generate")
+    call = ch.unary_unary(f"/{API}/Generate")
     with pytest.raises(grpc.RpcError) as info:
         call(bad, timeout=30)
     ch.close()

@@ -14,6 +14,7 @@ import pytest
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.service.names import GENERATION
 from moe_lightning.service.upstream import health_status, open_channel
 
 from reference import E2E_PROMPTS as PROMPTS
@@ -63,7 +64,7 @@ def test_tls_and_bearer_token(hf_dir: Path, tmp_path: Path, reference: dict) -> 
             if code == grpc.StatusCode.UNAUTHENTICATED:
                 assert "authorization: Bearer" in info.value.details()
         ch = open_channel(addr, tls_ca=cert)
-        assert health_status(ch, "moe_lightning.api.generation.v1.Generation") == 1  # no token needed
+        assert health_status(ch, GENERATION) == 1  # no token needed
         ch.close()
         # the CLI takes the same two flags
         cli = [sys.executable, "-m", "moe_lightning.cli", "generate", "--addr", addr, "--tls-ca", str(cert)]

@@ -18,11 +18,10 @@ from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2
 from moe_lightning.arena import weights_from_arena
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.service.convert import layout_from_pb, spec_from_pb
+from moe_lightning.service.names import WEIGHT_STORE as SERVICE
 from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.shm import Segment
 from moe_lightning.shm.segment import list_segments
-
-SERVICE = "moe_lightning.api.weight_store.v1.WeightStore"
 
 
 def start(model: Path, cache: Path, run: str, sock: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:

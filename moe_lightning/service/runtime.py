@@ -1,4 +1,5 @@
-"""Service bootstrap: gRPC server with health and reflection, Prometheus port, graceful SIGTERM.
+"""Service bootstrap: gRPC server with health and reflection, Prometheus port, graceful SIGTERM;
+`serve`, the life of a service process around its own start-up work.
 
 Health has two names: "" (live: the process answers) and the service's own name (ready: SERVING
 only once its weights are mapped and warm-up is done). SIGTERM flips both to NOT_SERVING, stops
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent import futures
 from typing import Any
 
@@ -169,3 +170,47 @@ def bootstrap(
     runtime.add_service(add_fn, servicer, service)
     runtime.start()
     return log, runtime
+
+
+def serve(
+    args: Any,
+    owner: str,
+    service: str,
+    add_fn: Callable[[Any, grpc.Server], None],
+    servicer: Any,
+    build: Callable[[ServiceRuntime], Mapping[str, Any]],
+    *,
+    failures: tuple[type[Exception], ...] = (Exception,),
+    grace_seconds: float = 10.0,
+    keep_segments: tuple[str, ...] = (),
+    max_workers: int = 16,
+) -> int:
+    """A service main's whole life; returns its exit code.
+
+    The gRPC server goes live (health NOT_SERVING) before `build` runs, so peers and probes can tell
+    "starting" from "down" while weights load. `build(runtime)` does the service's start-up work:
+    it registers its own clean-up hooks as it creates what they release (a hook registered before a
+    step that may fail still runs when it does), makes `servicer` ready, and returns the fields of
+    the `serving` log line. An exception of `failures` from it is a start-up failure: logged as
+    `startup_failed`, the runtime stopped (hooks run), exit code 1. Others propagate, traceback and all.
+    """
+    log, runtime = bootstrap(
+        args,
+        owner,
+        service,
+        add_fn,
+        servicer,
+        grace_seconds=grace_seconds,
+        keep_segments=keep_segments,
+        max_workers=max_workers,
+    )
+    try:
+        serving = build(runtime)
+    except failures as exc:
+        log.error("startup_failed", error=str(exc))
+        runtime.stop()
+        return 1
+    runtime.set_serving(True)
+    log.info("serving", **serving)
+    runtime.wait()
+    return 0

@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
 from moe_lightning.service.convert import DTYPE_FROM_PB, spec_from_pb
 from moe_lightning.service.errors import UnavailableError
+from moe_lightning.service.names import WEIGHT_STORE
 from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.spec import ModelSpec
 
-WEIGHT_STORE = "moe_lightning.api.weight_store.v1.WeightStore"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

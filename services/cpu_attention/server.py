@@ -3,8 +3,10 @@ micro-batches handed over by the expert service through shared memory."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import torch
@@ -16,12 +18,12 @@ from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measu
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb
 from moe_lightning.service.errors import NotReadyError
-from moe_lightning.service.runtime import bootstrap
+from moe_lightning.service.names import CPU_ATTENTION
+from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.service.upstream import arena_dtype, fetch_manifest
 from moe_lightning.timeline import TimelineRecorder
 from services.cpu_attention.worker import AttentionWorker
 
-SERVICE = "moe_lightning.api.cpu_attention.v1.CpuAttention"
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,6 +32,12 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
         self._worker: AttentionWorker | None = None
         self.measurements: Measurements | None = None
         self.max_handoff_tokens = 0
+
+    def ready(self, worker: AttentionWorker, measurements: Measurements, max_handoff_tokens: int) -> None:
+        """Start-up is done: calls reach `worker` from now on."""
+        self.measurements = measurements
+        self.max_handoff_tokens = max_handoff_tokens
+        self._worker = worker  # last: a call that finds the worker finds the rest set
 
     @property
     def worker(self) -> AttentionWorker:
@@ -79,26 +87,12 @@ def build_parser() -> EnvDefaultsParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    servicer = CpuAttentionServicer()
-    log, runtime = bootstrap(
-        args, "cpu_attention", SERVICE, cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server, servicer
-    )
-    try:
-        spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
-    except Exception as exc:  # the stack cannot start without a model: report and exit
-        log.error("startup_failed", error=str(exc))
-        runtime.stop()
-        return 1
+def _start(args: argparse.Namespace, servicer: CpuAttentionServicer, runtime: ServiceRuntime) -> dict[str, Any]:
+    """Sizes and maps the KV cache, calibrates, starts the attention loop; the fields of `serving`."""
+    spec, manifest = fetch_manifest(args.weight_store, stop=runtime)  # the stack cannot start without a model
     kv_name = arena_dtype(spec, manifest) if args.kv_dtype == "auto" else args.kv_dtype
     kv_dtype = KV_DTYPES[kv_name]
-    per_block = PagedKVCache.bytes_per_block(spec, args.block_size, kv_dtype)
-    num_blocks = args.kv_cache_memory // per_block
-    if num_blocks < 1:
-        log.error("startup_failed", error=f"--kv-cache-memory {args.kv_cache_memory} B holds no {per_block} B block")
-        runtime.stop()
-        return 1
+    num_blocks = PagedKVCache.blocks_in(args.kv_cache_memory, spec, args.block_size, kv_dtype, "--kv-cache-memory")
     worker = AttentionWorker(
         spec,
         num_blocks,
@@ -110,27 +104,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv_dtype=kv_dtype,
     )
     key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}"
-    servicer.measurements = cached_measurements(
+    measurements = cached_measurements(
         key,
         lambda: measure_attention_side(spec, kv_dtype=kv_dtype),
         refresh=args.recalibrate,
         cache_dir=args.profile_cache,
     )
-    servicer.max_handoff_tokens = args.max_tokens_per_handoff
-    servicer._worker = worker
+    servicer.ready(worker, measurements, args.max_tokens_per_handoff)
     runtime.on_shutdown(worker.stop)
     worker.start()
-    runtime.set_serving(True)
-    log.info(
-        "serving",
-        kv_blocks=num_blocks,
-        block_size=args.block_size,
-        kv_tokens=num_blocks * args.block_size,
-        kv_dtype=kv_name,
-        output_channel=worker.output.name,
+    return {
+        "kv_blocks": num_blocks,
+        "block_size": args.block_size,
+        "kv_tokens": num_blocks * args.block_size,
+        "kv_dtype": kv_name,
+        "output_channel": worker.output.name,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    servicer = CpuAttentionServicer()
+    return serve(
+        args,
+        "cpu_attention",
+        CPU_ATTENTION,
+        cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server,
+        servicer,
+        lambda runtime: _start(args, servicer, runtime),
     )
-    runtime.wait()
-    return 0
 
 
 if __name__ == "__main__":

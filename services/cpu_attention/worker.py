@@ -60,12 +60,10 @@ class AttentionWorker:
         self.timeline = timeline or TimelineRecorder(None, "cpu_attention")
         self.log = structlog.get_logger()
         shape = PagedKVCache.storage_shape(spec, num_blocks, block_size)
-        nbytes = num_blocks * PagedKVCache.bytes_per_block(spec, block_size, kv_dtype) // 2  # K, then V
-        self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), 2 * nbytes)
-        storage = (
-            self.kv_segment.tensor(0, kv_dtype, shape),
-            self.kv_segment.tensor(nbytes, kv_dtype, shape),
-        )
+        nbytes = num_blocks * PagedKVCache.bytes_per_block(spec, block_size, kv_dtype)
+        self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), nbytes)
+        kv = self.kv_segment.tensor(0, kv_dtype, (2, *shape))  # K, then V: the two halves of the block budget
+        storage = (kv[0], kv[1])
         self.cache = PagedKVCache(spec, num_blocks, block_size, kv_dtype, storage=storage)
         self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
         self.input: TensorChannel | None = None  # owned by the loop thread (see _take_reconnect)

@@ -3,11 +3,13 @@ and experts) and the head for each step the orchestrator sends; returns the samp
 
 from __future__ import annotations
 
+import argparse
 import sys
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 import grpc
 import torch
@@ -27,7 +29,8 @@ from moe_lightning.service.convert import (
     step_plan_from_pb,
 )
 from moe_lightning.service.errors import NotReadyError
-from moe_lightning.service.runtime import bootstrap
+from moe_lightning.service.names import GPU_EXPERT
+from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.shm import Segment, TensorChannel, segment_name
 from moe_lightning.spec import DTYPES, ModelSpec
@@ -39,7 +42,6 @@ from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
 from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
-SERVICE = "moe_lightning.api.gpu_expert.v1.GpuExpert"
 STEP_EXIT_WAIT = 10.0  # seconds cleanup waits for a running step
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
 DEVICE_BUDGET = Gauge("moe_lightning_device_memory_budget_bytes", "--device-memory")
@@ -57,6 +59,23 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self.residency: ResidencyPlan | None = None
         self.max_handoff_tokens = 0
         self.step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
+
+    def ready(
+        self,
+        runner: ExpertRunner,
+        *,
+        device: str,
+        weight_bytes: int,
+        budget: int,
+        measurements: Measurements,
+        residency: ResidencyPlan,
+        max_handoff_tokens: int,
+    ) -> None:
+        """Weights are mapped and calibrated: steps reach `runner` from now on."""
+        self.device, self.weight_bytes, self.budget = device, weight_bytes, budget
+        self.measurements, self.residency = measurements, residency
+        self.max_handoff_tokens = max_handoff_tokens
+        self._runner = runner  # last: a call that finds the runner finds the rest set
 
     @property
     def runner(self) -> ExpertRunner:
@@ -142,56 +161,47 @@ def _device_kv_cache(
     """A KV cache on the device for attention placed there, in the weights' compute dtype."""
     if nbytes <= 0:
         return None
-    per_block = PagedKVCache.bytes_per_block(spec, block_size, dtype)
-    if nbytes < per_block:
-        raise ValueError(f"--device-kv-memory {nbytes} B holds no {per_block} B KV block")
-    return PagedKVCache(spec, nbytes // per_block, block_size, dtype=dtype, device=device)
+    blocks = PagedKVCache.blocks_in(nbytes, spec, block_size, dtype, "--device-kv-memory")
+    return PagedKVCache(spec, blocks, block_size, dtype=dtype, device=device)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    servicer = GpuExpertServicer()
-    log, runtime = bootstrap(args, "gpu_expert", SERVICE, gpu_expert_pb2_grpc.add_GpuExpertServicer_to_server, servicer)
+def _start(args: argparse.Namespace, servicer: GpuExpertServicer, runtime: ServiceRuntime) -> dict[str, Any]:
+    """Maps the arena, plans what stays on the device, calibrates; the fields of the `serving` line."""
+    log = runtime.log
+    device = torch.device(args.device)
+    spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
+    layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
+    itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
+    budget, reserve = default_budget(device, spec, args.max_tokens_per_handoff, itemsize)
+    if args.device_memory is not None:
+        if device.type == "cuda" and args.device_memory > budget:
+            log.warning("device_memory_above_free", asked=args.device_memory, free_less_reserve=budget)
+        budget = args.device_memory
+    elif reserve:
+        log.info("device_memory_default", budget=budget, kept_back=reserve)
+    first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
+    w13, w2 = (layout.pages[n] for n in expert_page_names(first, 0))
+    expert_bytes = w13.nbytes + w2.nbytes
+    dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
+    weight_budget = budget - args.device_kv_memory
+    shape = (spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
     try:
-        device = torch.device(args.device)
-        spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
-        layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
-        itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
-        budget, reserve = default_budget(device, spec, args.max_tokens_per_handoff, itemsize)
-        if args.device_memory is not None:
-            if device.type == "cuda" and args.device_memory > budget:
-                log.warning("device_memory_above_free", asked=args.device_memory, free_less_reserve=budget)
-            budget = args.device_memory
-        elif reserve:
-            log.info("device_memory_default", budget=budget, kept_back=reserve)
-        first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
-        w13, w2 = (layout.pages[n] for n in expert_page_names(first, 0))
-        expert_bytes = w13.nbytes + w2.nbytes
-        dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
-        weight_budget = budget - args.device_kv_memory
-        shape = (spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
-        try:
-            residency = plan_residency(*shape, dense_layers=spec.dense_layers)
-        except DeviceBudgetError as exc:  # no room to stream: what does not fit can still run on the host
-            residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
-            log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
-        arena = Segment.attach(manifest.region)
-        pinned = pin_host_memory(arena.bytes(), device)
-        weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
-        timeline = TimelineRecorder(args.timeline, "gpu_expert")
-        pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
-        kv = _device_kv_cache(spec, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
-        output = TensorChannel.create(
-            segment_name(args.run_id, "gpu_expert", "qkv"),
-            args.handoff_slots,
-            handoff_slot_bytes(spec, args.max_tokens_per_handoff, "qkv"),
-        )
-        link = HandoffLink(output, device)
-    except Exception as exc:
-        log.error("startup_failed", error=str(exc))
-        runtime.stop()
-        return 1
-    first = spec.experts_per_layer.index(spec.num_experts)
+        residency = plan_residency(*shape, dense_layers=spec.dense_layers)
+    except DeviceBudgetError as exc:  # no room to stream: what does not fit can still run on the host
+        residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
+        log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
+    arena = Segment.attach(manifest.region)
+    pinned = pin_host_memory(arena.bytes(), device)
+    weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True)
+    timeline = TimelineRecorder(args.timeline, "gpu_expert")
+    pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
+    kv = _device_kv_cache(spec, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
+    output = TensorChannel.create(
+        segment_name(args.run_id, "gpu_expert", "qkv"),
+        args.handoff_slots,
+        handoff_slot_bytes(spec, args.max_tokens_per_handoff, "qkv"),
+    )
+    link = HandoffLink(output, device)
     # as it computes: resident, else buffer slots, else on the host
     experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
     key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
@@ -204,7 +214,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the calibration buffers' blocks go back to the device for activations
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(measurements).items()})
-    servicer.measurements = measurements
     runner = ExpertRunner(
         spec,
         weights,
@@ -229,10 +238,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         device_bytes=residency.device_bytes,
         budget=budget,
     )
-    servicer.device, servicer.weight_bytes, servicer.budget = str(device), layout.total_bytes, budget
-    servicer.residency = residency
-    servicer.max_handoff_tokens = args.max_tokens_per_handoff
-    servicer._runner = runner
+    servicer.ready(
+        runner,
+        device=str(device),
+        weight_bytes=layout.total_bytes,
+        budget=budget,
+        measurements=measurements,
+        residency=residency,
+        max_handoff_tokens=args.max_tokens_per_handoff,
+    )
     DEVICE_BYTES.set(residency.device_bytes)
     DEVICE_BUDGET.set(budget)
 
@@ -250,10 +264,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         arena.close()
 
     runtime.on_shutdown(cleanup)
-    runtime.set_serving(True)
-    log.info("serving", device=str(device), weight_bytes=layout.total_bytes, output_channel=output.name)
-    runtime.wait()
-    return 0
+    return {"device": str(device), "weight_bytes": layout.total_bytes, "output_channel": output.name}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    servicer = GpuExpertServicer()
+    return serve(
+        args,
+        "gpu_expert",
+        GPU_EXPERT,
+        gpu_expert_pb2_grpc.add_GpuExpertServicer_to_server,
+        servicer,
+        lambda runtime: _start(args, servicer, runtime),
+    )
 
 
 if __name__ == "__main__":
