@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.output_text import OutputText
 from moe_lightning.request import GenerationRequest, GenerationResult
 from moe_lightning.sampling import sample
 from moe_lightning.spec import ModelSpec
@@ -26,8 +27,8 @@ from moe_lightning.stages import (
     pre_attention,
     write_kv,
 )
-from moe_lightning.stopping import StopChecker
 from moe_lightning.tokenizer import TextTokenizer
+from moe_lightning.validation import RequestLimits, blocks_needed, validate
 from moe_lightning.weights import ModelWeights
 
 # (step, indices of the requests in this batch, their logits (B, V)) -> None
@@ -64,10 +65,8 @@ class GenerationStats:
 class _Sequence:
     index: int
     request: GenerationRequest
-    checker: StopChecker
+    output: OutputText  # its token ids, finish reason and text
     generator: torch.Generator | None
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
 
 
 def forward_step(
@@ -108,13 +107,15 @@ class InProcessEngine:
     def generate(
         self, requests: Sequence[GenerationRequest], on_logits: LogitsHook | None = None
     ) -> tuple[list[GenerationResult], GenerationStats]:
+        # no prompt or KV limit of its own: the cache below is sized for these requests
+        limits = RequestLimits.of(self.spec, has_tokenizer=self.tokenizer is not None)
         for r in requests:
-            r.validate(self.spec)
+            validate(r, limits)
         seqs = [
-            _Sequence(i, r, StopChecker(r, self.spec.eos_token_ids, self.tokenizer), r.sampling.make_generator())
+            _Sequence(i, r, OutputText(r, self.spec.eos_token_ids, self.tokenizer), r.sampling.make_generator())
             for i, r in enumerate(requests)
         ]
-        blocks = sum(-(-(len(r.prompt_ids) + r.max_new_tokens) // self.block_size) for r in requests)
+        blocks = sum(blocks_needed(r, self.block_size) for r in requests)
         cache = PagedKVCache(self.spec, max(blocks, 1), self.block_size, self.dtype, self.device, self.kv_shuffle_seed)
         stats = GenerationStats(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
         active = seqs
@@ -128,9 +129,8 @@ class InProcessEngine:
                 on_logits(step, [s.index for s in active], logits)
             next_ids = sample(logits, [s.request.sampling for s in active], [s.generator for s in active]).tolist()
             for s, tok in zip(active, next_ids, strict=True):
-                s.output.append(tok)
-                s.finish_reason = s.checker.check(s.output)
-                if s.finish_reason is not None:
+                _, reason = s.output.append(tok)  # no stream: the text is read at the end
+                if reason is not None:
                     cache.free(s.index)
             now = time.perf_counter()
             if step == 0:
@@ -139,22 +139,22 @@ class InProcessEngine:
                 stats.decode_seconds += now - t0
                 stats.decode_steps += 1
                 stats.decode_tokens += len(active)
-            active = [s for s in active if s.finish_reason is None]
+            active = [s for s in active if s.output.finish_reason is None]
             if not active:
                 break
             t0 = time.perf_counter()
             meta = cache.append([s.index for s in active], [1] * len(active))
-            tokens = torch.tensor([s.output[-1] for s in active], device=self.device)
+            tokens = torch.tensor([s.output.token_ids[-1] for s in active], device=self.device)
             logits = forward_step(self.spec, self.weights, cache, tokens, meta)
             step += 1
         results = [
             GenerationResult(
-                token_ids=s.output,
-                text=s.checker.final_text(s.output),
-                finish_reason=s.finish_reason or "",
+                token_ids=s.output.token_ids,
+                text=s.output.final_text,
+                finish_reason=s.output.finish_reason or "",
                 prompt_tokens=len(s.request.prompt_ids),
             )
             for s in seqs
         ]
-        stats.generated_tokens = sum(len(s.output) for s in seqs)
+        stats.generated_tokens = sum(len(s.output.token_ids) for s in seqs)
         return results, stats

@@ -10,7 +10,6 @@ from moe_lightning.spec import ModelSpec
 FINISH_EOS = "eos"
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-MAX_STOP_STRINGS = 16
 
 
 class InvalidRequestError(ValueError):
@@ -27,23 +26,10 @@ class GenerationRequest:
     request_id: str = ""
 
     def validate(self, spec: ModelSpec) -> None:
-        if not self.prompt_ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        bad = [t for t in self.prompt_ids if not 0 <= t < spec.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary; allowed: 0..{spec.vocab_size - 1}"
-            )
-        if self.max_new_tokens <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        total = len(self.prompt_ids) + self.max_new_tokens
-        if total > spec.max_position_embeddings:
-            raise InvalidRequestError(
-                f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({self.max_new_tokens}) = {total} "
-                f"exceeds the model's context of {spec.max_position_embeddings} tokens"
-            )
-        if len(self.stop) > MAX_STOP_STRINGS or any(not s for s in self.stop):
-            raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+        """The model's own limits only; moe_lightning.validation.validate checks a server's too."""
+        from moe_lightning.validation import RequestLimits, validate  # here: that module imports this one
+
+        validate(self, RequestLimits.of(spec))
 
 
 @dataclass(slots=True)

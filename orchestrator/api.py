@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import queue
 import uuid
 from collections.abc import Iterator
@@ -12,12 +11,12 @@ import structlog
 
 from moe_lightning import __version__
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
-from moe_lightning.detokenize import StreamedText
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
-from moe_lightning.sampling import MAX_LOGPROBS, SamplingParams
+from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
-from moe_lightning.service.errors import NotReadyError
-from orchestrator.scheduler import Scheduler, StreamSink, Ticket
+from moe_lightning.service.errors import NotReadyError, ResourceExhaustedError
+from moe_lightning.validation import RequestLimits, prompt_ids, sampling_params, validate
+from orchestrator.scheduler import Scheduler, Ticket
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BATCH_PROMPTS = 1024
@@ -26,6 +25,18 @@ FINISH_TO_PB = {
     FINISH_STOP: generation_pb2.FINISH_REASON_STOP,
     FINISH_LENGTH: generation_pb2.FINISH_REASON_LENGTH,
 }
+
+
+class StreamSink:
+    """A streaming waiter's queue, fed by the scheduler's thread once per generated token with the token
+    ids, their log-probabilities (when the request asked for them, else []) and the text the tokens
+    complete for the stream (the request's OutputText delta: "" while text is held back)."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[tuple[list[int], list[TokenLogprobs], str]] = queue.Queue()
+
+    def __call__(self, tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> None:
+        self.queue.put((tokens, logprobs, text))
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -40,41 +51,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise NotReadyError("the server is still starting; retry when health is SERVING")
         return self.scheduler
 
-    # ---- conversion --------------------------------------------------------------------------
-    def to_request(self, m: generation_pb2.GenerationInput) -> GenerationRequest:
-        sched = self._sched()
+    # ---- conversion ----------------------------------------------------------------------------
+    @staticmethod
+    def limits(sched: Scheduler) -> RequestLimits:
+        """The scheduler's limits now (its KV cache may differ after the backend was re-wired)."""
+        return RequestLimits.of(
+            sched.spec,
+            has_tokenizer=sched.tokenizer is not None,
+            max_prompt_tokens=sched.config.max_prefill_tokens,
+            kv_tokens=sched.kv_blocks * sched.block_size,
+            block_size=sched.block_size,
+        )
+
+    def to_request(self, m: generation_pb2.GenerationInput, limits: RequestLimits) -> GenerationRequest:
+        """The domain request, checked against every limit: the scheduler trusts what it is given."""
         which = m.WhichOneof("prompt")
-        if which == "text":
-            if sched.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer: send token_ids instead of text")
-            if not m.text:
-                raise InvalidRequestError("prompt is empty: give text or at least one token id")
-            prompt = sched.tokenizer.encode(m.text)
-        elif which == "token_ids":
-            prompt = list(m.token_ids.ids)
-        else:
-            raise InvalidRequestError("prompt is missing: set text or token_ids")
-        max_new = m.max_new_tokens if m.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS
-        temperature = m.temperature if m.HasField("temperature") else 0.0
-        top_p = m.top_p if m.HasField("top_p") else 1.0
-        top_k = m.top_k if m.HasField("top_k") else 0
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-        if not (0.0 < top_p <= 1.0):
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 = disabled), got {top_k}")
-        if m.logprobs > MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in 0..{MAX_LOGPROBS}, got {m.logprobs}")
-        sampling = SamplingParams(temperature, top_k, top_p, m.seed if m.HasField("seed") else None, m.logprobs)
-        return GenerationRequest(
+        prompt = prompt_ids(
+            m.text if which == "text" else None,
+            m.token_ids.ids if which == "token_ids" else None,
+            self._sched().tokenizer,
+        )
+        sampling = sampling_params(
+            m.temperature if m.HasField("temperature") else 0.0,
+            m.top_k if m.HasField("top_k") else 0,
+            m.top_p if m.HasField("top_p") else 1.0,
+            m.seed if m.HasField("seed") else None,
+            m.logprobs,
+        )
+        request = GenerationRequest(
             prompt_ids=prompt,
-            max_new_tokens=max_new,
+            max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
             sampling=sampling,
             stop=tuple(m.stop),
             ignore_eos=m.ignore_eos,
             request_id=m.request_id or uuid.uuid4().hex[:16],
         )
+        validate(request, limits)
+        return request
 
     @staticmethod
     def to_output(t: Ticket) -> generation_pb2.GenerationOutput:
@@ -96,8 +109,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _submit(
         self, m: generation_pb2.GenerationInput, context: grpc.ServicerContext, sink: StreamSink | None = None
     ) -> Ticket:
-        request = self.to_request(m)
         sched = self._sched()
+        request = self.to_request(m, self.limits(sched))
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             ticket = sched.submit(request, sink)
         context.add_callback(lambda: None if ticket.done.is_set() else sched.cancel(ticket))
@@ -116,30 +129,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> Iterator[generation_pb2.GenerateStreamResponse]:
         sink = StreamSink()
         ticket = self._submit(request.input, context, sink)
-        text = StreamedText(self._sched().tokenizer, ticket.request.stop)
 
-        def chunk(tokens: list[int], logprobs: list) -> generation_pb2.GenerateStreamResponse:
+        def chunk(tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> generation_pb2.GenerateStreamResponse:
             return generation_pb2.GenerateStreamResponse(
-                token_ids=tokens, text=text.feed(tokens), logprobs=[logprobs_to_pb(lp) for lp in logprobs]
+                token_ids=tokens, text=text, logprobs=[logprobs_to_pb(lp) for lp in logprobs]
             )
 
         while True:
             try:
-                tokens, logprobs = sink.queue.get(timeout=0.05)
+                msg = chunk(*sink.queue.get(timeout=0.05))
             except queue.Empty:
                 if ticket.done.is_set() and sink.queue.empty():
                     break
                 continue
-            msg = chunk(tokens, logprobs)
+            # the scheduler feeds the sink before it marks the ticket done, so an empty queue of a done
+            # ticket means these were the last tokens (their delta completes the text): send them with
+            # the final output
             if ticket.done.is_set() and ticket.error is None and sink.queue.empty():
-                # the last tokens: send them together with the final output (and what text was held)
                 msg.output.CopyFrom(self.to_output(ticket))
-                msg.text += text.finish(msg.output.text)
                 yield msg
                 return
             yield msg
-        output = self.to_output(ticket)  # raises the request's error, if it failed
-        yield generation_pb2.GenerateStreamResponse(output=output, text=text.finish(output.text))
+        yield generation_pb2.GenerateStreamResponse(output=self.to_output(ticket))  # raises the request's error
 
     def BatchGenerate(
         self, request: generation_pb2.BatchGenerateRequest, context: grpc.ServicerContext
@@ -148,23 +159,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not 0 < n <= MAX_BATCH_PROMPTS:
             raise InvalidRequestError(f"BatchGenerate takes 1 to {MAX_BATCH_PROMPTS} inputs, got {n}")
         sched = self._sched()
+        limits = self.limits(sched)
         requests = []
         for i, m in enumerate(request.inputs):  # validate all before queueing any
             try:
-                requests.append(self.to_request(m))
-                requests[-1].validate(sched.spec)
-            except InvalidRequestError as exc:
+                requests.append(self.to_request(m, limits))
+            except (InvalidRequestError, ResourceExhaustedError) as exc:
                 # the index lets a client with thousands of rows name the bad one
-                raise InvalidRequestError(f"input {i}: {exc}") from None
+                raise type(exc)(f"input {i}: {exc}") from None
         tickets: list[Ticket] = []
         try:
             for r in requests:
                 tickets.append(sched.submit(r))
-        except Exception as exc:
+        except Exception:  # the queue filled up, or the server is stopping: none of the batch runs
             for t in tickets:
                 sched.cancel(t)
-            if isinstance(exc, InvalidRequestError):  # e.g. a prompt over --max-prefill-tokens
-                raise InvalidRequestError(f"input {len(tickets)}: {exc}") from None
             raise
         context.add_callback(lambda: [sched.cancel(t) for t in tickets if not t.done.is_set()])
         for t in tickets:

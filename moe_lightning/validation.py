@@ -1,0 +1,120 @@
+"""Every check a generation request gets, in one place, each with the message that says what is allowed.
+
+The public API runs them all before it queues a request (so the scheduler can trust what it is given),
+and the in-process engine runs the ones that apply to it. This lives in moe_lightning rather than in
+the orchestrator because the engine (and the `generate` command, through GenerationRequest.validate)
+must refuse exactly what the server refuses, and moe_lightning never imports the orchestrator.
+
+Refusals are InvalidRequestError (INVALID_ARGUMENT: the request itself is wrong) or, when a valid
+request is more than this server's KV cache can ever hold, ResourceExhaustedError (RESOURCE_EXHAUSTED).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from moe_lightning.request import GenerationRequest, InvalidRequestError
+from moe_lightning.sampling import SamplingParams
+from moe_lightning.service.errors import ResourceExhaustedError
+from moe_lightning.spec import ModelSpec
+from moe_lightning.tokenizer import TextTokenizer
+
+MAX_STOP_STRINGS = 16
+STOP_NEEDS_TOKENIZER = (
+    "stop strings need the model's tokenizer.json to decode the output, and this model has none: "
+    "send no stop strings (or serve a checkpoint with a tokenizer)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What a request is checked against. None means the caller has no such limit of its own (the
+    in-process engine admits any prompt length and sizes its KV cache for the requests it is given)."""
+
+    vocab_size: int
+    max_context: int  # prompt + max_new_tokens, the model's max_position_embeddings
+    has_tokenizer: bool = True  # False refuses stop strings: nothing could decode the output to match them
+    max_prompt_tokens: int | None = None  # the server's --max-prefill-tokens
+    kv_tokens: int | None = None  # the server's whole KV cache, in tokens
+    block_size: int = 1  # KV is reserved in blocks of this many tokens
+
+    @classmethod
+    def of(
+        cls,
+        spec: ModelSpec,
+        *,
+        has_tokenizer: bool = True,
+        max_prompt_tokens: int | None = None,
+        kv_tokens: int | None = None,
+        block_size: int = 1,
+    ) -> RequestLimits:
+        return cls(
+            spec.vocab_size, spec.max_position_embeddings, has_tokenizer, max_prompt_tokens, kv_tokens, block_size
+        )
+
+
+def prompt_ids(text: str | None, token_ids: Sequence[int] | None, tokenizer: TextTokenizer | None) -> list[int]:
+    """The prompt from whichever of text / token_ids the client set (None: not set)."""
+    if text is not None:
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: send token_ids instead of text")
+        if not text:
+            raise InvalidRequestError("prompt is empty: give text or at least one token id")
+        return tokenizer.encode(text)
+    if token_ids is not None:
+        return list(token_ids)
+    raise InvalidRequestError("prompt is missing: set text or token_ids")
+
+
+def sampling_params(temperature: float, top_k: int, top_p: float, seed: int | None, logprobs: int) -> SamplingParams:
+    """SamplingParams holds the one definition of what is allowed; a client's bad value is its error."""
+    try:
+        return SamplingParams(temperature, top_k, top_p, seed, logprobs)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)) from None
+
+
+def blocks_needed(request: GenerationRequest, block_size: int) -> int:
+    """KV blocks reserved at admission: the whole budget, so a running request never finds the cache full."""
+    return -(-(len(request.prompt_ids) + request.max_new_tokens) // block_size)
+
+
+def check_kv(request: GenerationRequest, kv_tokens: int, block_size: int) -> int:
+    """Returns the request's KV blocks; refuses one that could never be admitted (it would wait forever)."""
+    blocks = blocks_needed(request, block_size)
+    if blocks * block_size > kv_tokens:
+        raise ResourceExhaustedError(
+            f"prompt + max_new_tokens needs {blocks * block_size} KV tokens; the cache holds {kv_tokens} in all"
+        )
+    return blocks
+
+
+def validate(request: GenerationRequest, limits: RequestLimits) -> None:
+    """Raises InvalidRequestError or ResourceExhaustedError for a request that cannot be served."""
+    n = len(request.prompt_ids)
+    if not n:
+        raise InvalidRequestError("prompt is empty: give at least one token")
+    bad = [t for t in request.prompt_ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary; allowed: 0..{limits.vocab_size - 1}"
+        )
+    if request.max_new_tokens <= 0:
+        raise InvalidRequestError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    total = n + request.max_new_tokens
+    if total > limits.max_context:
+        raise InvalidRequestError(
+            f"prompt ({n} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
+            f"exceeds the model's context of {limits.max_context} tokens"
+        )
+    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    if request.stop and not limits.has_tokenizer:
+        raise InvalidRequestError(STOP_NEEDS_TOKENIZER)
+    if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"prompt has {n} tokens; this server accepts at most {limits.max_prompt_tokens} (--max-prefill-tokens)"
+        )
+    if limits.kv_tokens is not None:
+        check_kv(request, limits.kv_tokens, limits.block_size)
