@@ -18,12 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from moe_lightning.batching import balance
+from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.errors import ResourceExhaustedError
-from moe_lightning.stopping import StopChecker
+from moe_lightning.validation import blocks_needed
 from orchestrator.backend import KVCapacity
 
 FINISH_CANCELLED = "cancelled"
@@ -43,17 +44,20 @@ class Sequence:
 
     seq_id: int
     request: GenerationRequest
-    checker: StopChecker
+    text: OutputText  # the generated tokens, when they are done, and their text
     blocks: int  # KV blocks reserved for prompt + max_new_tokens
-    output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     admitted: bool = False
     cancelled: bool = False  # set from any thread; acted on by the next schedule()
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # the text's, or "cancelled"
 
     @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_ids)
+
+    @property
+    def output(self) -> list[int]:
+        return self.text.token_ids
 
 
 @dataclass(slots=True)
@@ -68,6 +72,7 @@ class NewToken:
     seq: Sequence
     token_id: int
     logprobs: TokenLogprobs | None
+    text: str  # what a stream may send now ("" while text that could start a stop string is held)
     finish_reason: str | None  # set when this token ended the sequence
 
 
@@ -84,14 +89,11 @@ class Batcher:
         self._step_ids = itertools.count(1)
 
     # ---- requests in and out ----------------------------------------------------------------------
-    def blocks_for(self, request: GenerationRequest) -> int:
-        return -(-(len(request.prompt_ids) + request.max_new_tokens) // self.kv.block_size)
-
-    def add(self, request: GenerationRequest, checker: StopChecker) -> Sequence:
+    def add(self, request: GenerationRequest, text: OutputText) -> Sequence:
         """Queues a validated request; RESOURCE_EXHAUSTED when the queue is full."""
         if len(self.waiting) >= self.config.max_queue:
             raise ResourceExhaustedError(f"the request queue is full ({self.config.max_queue}); retry later")
-        seq = Sequence(next(self._seq_ids), request, checker, self.blocks_for(request))
+        seq = Sequence(next(self._seq_ids), request, text, blocks_needed(request, self.kv.block_size))
         self.waiting.append(seq)
         return seq
 
@@ -144,16 +146,15 @@ class Batcher:
             if seq.seq_id not in by_seq or seq.seq_id not in self.running:
                 continue  # removed while the step ran
             token = by_seq[seq.seq_id]
-            seq.output.append(token)
+            delta, reason = seq.text.append(token)
             lp = out.logprobs.get(seq.seq_id)
             if lp is not None:
                 seq.logprobs.append(lp)
-            reason = seq.checker.check(seq.output)
             if reason is not None:
                 seq.finish_reason = reason
                 del self.running[seq.seq_id]
                 self._free(seq)
-            tokens.append(NewToken(seq, token, lp, reason))
+            tokens.append(NewToken(seq, token, lp, delta, reason))
         return tokens
 
     # ---- internals ------------------------------------------------------------------------------

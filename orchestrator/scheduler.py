@@ -8,7 +8,6 @@ metrics and logs.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -18,28 +17,29 @@ import grpc
 import structlog
 
 from moe_lightning.hrm.costmodel import Policy
+from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
-from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
+from moe_lightning.request import GenerationRequest, GenerationResult
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.errors import (
-    ResourceExhaustedError,
     ServiceError,
     ShuttingDownError,
     UnavailableError,
     status_for,
 )
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stopping import StopChecker
 from moe_lightning.tokenizer import TextTokenizer
+from moe_lightning.validation import check_kv
 from orchestrator import metrics
 from orchestrator.backend import Backend, KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, NewToken, ScheduledStep, SchedulerConfig, Sequence
 from orchestrator.planner import Planner
 
-__all__ = ["Scheduler", "SchedulerConfig", "StreamSink", "Ticket"]
+__all__ = ["Scheduler", "SchedulerConfig", "Ticket"]
 
-# (new token ids, their log-probabilities when the request asked for them, else [])
-TokenCallback = Callable[[list[int], list[TokenLogprobs]], None]
+# (new token ids, their log-probabilities when the request asked for them, else [], the text they
+# complete for a stream: the request's OutputText delta, "" while text is held back)
+TokenCallback = Callable[[list[int], list[TokenLogprobs], str], None]
 
 
 @dataclass(slots=True)
@@ -109,29 +109,17 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None = None) -> Ticket:
-        request.validate(self.spec)
-        if request.stop and self.tokenizer is None:
-            raise InvalidRequestError(
-                "stop strings need the model's tokenizer.json to decode the output, and this model has none: "
-                "send no stop strings (or serve a checkpoint with a tokenizer)"
-            )
-        if len(request.prompt_ids) > self.config.max_prefill_tokens:
-            raise InvalidRequestError(
-                f"prompt has {len(request.prompt_ids)} tokens; this server accepts at most "
-                f"{self.config.max_prefill_tokens} (--max-prefill-tokens)"
-            )
+        """Queues a request the API validated (moe_lightning/validation.py)."""
+        text = OutputText(request, self.spec.eos_token_ids, self.tokenizer, stream=on_tokens is not None)
         with self._cv:
-            blocks = self.batcher.blocks_for(request)
-            if blocks > self.kv_blocks:
-                raise ResourceExhaustedError(
-                    f"prompt + max_new_tokens needs {blocks * self.block_size} KV tokens; the cache holds "
-                    f"{self.kv_blocks * self.block_size} in all"
-                )
+            # again under the lock: the cache may have shrunk since the API looked (a resume), and a
+            # request that can never fit would block the head of the queue for good
+            check_kv(request, self.kv_blocks * self.block_size, self.block_size)
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
             if self._suspended is not None:
                 raise UnavailableError(f"{self._suspended}; retry shortly")
-            seq = self.batcher.add(request, StopChecker(request, self.spec.eos_token_ids, self.tokenizer))
+            seq = self.batcher.add(request, text)
             ticket = Ticket(seq, on_tokens)
             self._tickets[seq.seq_id] = ticket
             metrics.WAITING.set(len(self.batcher.waiting))
@@ -267,8 +255,8 @@ class Scheduler:
             ticket.first_token = now
             metrics.TTFT.observe(now - ticket.arrival)
         metrics.GENERATION_TOKENS.inc()
-        if ticket.on_tokens is not None:
-            ticket.on_tokens([new.token_id], [] if new.logprobs is None else [new.logprobs])
+        if ticket.on_tokens is not None:  # before _finish sets done: the API reads "done, queue empty" as the end
+            ticket.on_tokens([new.token_id], [] if new.logprobs is None else [new.logprobs], new.text)
         if new.finish_reason is not None:
             self._finish(new.seq)
 
@@ -297,7 +285,7 @@ class Scheduler:
             self._resolve(ticket, ServiceError("the request was cancelled", grpc.StatusCode.CANCELLED))
             return
         ticket.result = GenerationResult(
-            seq.output, seq.checker.final_text(seq.output), reason, seq.prompt_len, seq.logprobs[: len(seq.output)]
+            seq.output, seq.text.final_text, reason, seq.prompt_len, seq.logprobs[: len(seq.output)]
         )
         metrics.REQUESTS.labels(reason).inc()
         metrics.E2E.observe(ticket.finished - ticket.arrival)
@@ -329,13 +317,3 @@ class Scheduler:
         metrics.REQUESTS.labels(status_for(error).name.lower()).inc()
         ticket.done.set()
         self._cv.notify_all()
-
-
-class StreamSink:
-    """Collects a ticket's tokens (and their log-probabilities) for a streaming waiter."""
-
-    def __init__(self) -> None:
-        self.queue: queue.Queue[tuple[list[int], list[TokenLogprobs]]] = queue.Queue()
-
-    def __call__(self, tokens: list[int], logprobs: list[TokenLogprobs]) -> None:
-        self.queue.put((tokens, logprobs))

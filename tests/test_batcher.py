@@ -7,12 +7,12 @@ import pytest
 from fake_backend import FakeBackend
 
 from moe_lightning.demo_model import build_tokenizer
+from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement, Side
 from moe_lightning.plan import StepKind, StepPlan
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ResourceExhaustedError
-from moe_lightning.stopping import StopChecker
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.backend import KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, SchedulerConfig, Sequence
@@ -27,7 +27,7 @@ def _batcher(blocks: int = 64, block_size: int = 4, **config: int) -> Batcher:
 
 def _add(b: Batcher, prompt_len: int, max_new: int, tokenizer: TextTokenizer | None = None, **kw: object) -> Sequence:
     request = GenerationRequest([5] * prompt_len, max_new, SamplingParams(), **kw)  # type: ignore[arg-type]
-    return b.add(request, StopChecker(request, (EOS,), tokenizer))
+    return b.add(request, OutputText(request, (EOS,), tokenizer))
 
 
 def _step(b: Batcher, backend: FakeBackend) -> tuple[StepPlan, list]:
@@ -87,7 +87,7 @@ def test_finish_reasons_eos_and_length_and_outputs() -> None:
         reasons.update({t.seq.seq_id: t.finish_reason for t in new if t.finish_reason})
     assert reasons == {eos.seq_id: FINISH_EOS, length.seq_id: FINISH_LENGTH, ignore.seq_id: FINISH_LENGTH}
     assert eos.output == [11, 12, EOS] and len(length.output) == 3 and ignore.output == [EOS] * 3
-    assert eos.checker.final_text(eos.output) is None  # no tokenizer: no text
+    assert eos.text.final_text is None  # no tokenizer: no text
     assert b.free_blocks == 64
 
 
@@ -102,7 +102,7 @@ def test_stop_string_finishes_with_the_text_cut_before_it() -> None:
         _, new = _step(b, backend)
         reason = new[0].finish_reason
     assert reason == FINISH_STOP and len(seq.output) < len(text)
-    assert seq.checker.final_text(seq.output) == "hello world. the "
+    assert seq.text.final_text == "hello world. the "
     assert not b.running and b.free_blocks == 64
 
 

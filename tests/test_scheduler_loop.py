@@ -16,8 +16,9 @@ from moe_lightning.plan import StepKind
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
 from moe_lightning.spec import ModelSpec
+from orchestrator.api import StreamSink
 from orchestrator.backend import KVCapacity
-from orchestrator.scheduler import Scheduler, SchedulerConfig, StreamSink
+from orchestrator.scheduler import Scheduler, SchedulerConfig
 
 KV = KVCapacity(256, 4, "float32")
 
