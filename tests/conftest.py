@@ -1,15 +1,20 @@
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from moe_lightning.launcher import Stack, StackConfig
 
 from reference import E2E_CONFIG, E2E_PROMPTS, load_hf, save_hf_mixtral
 
@@ -51,3 +56,64 @@ def reference(hf_dir: Path) -> dict[int, list[int]]:
         )
         out[i] = ids[0, len(p) :].tolist()
     return out
+
+
+# What the end-to-end stacks share; a test overrides any StackConfig field by keyword.
+STACK_DEFAULTS: dict[str, Any] = dict(port=0, kv_cache_memory="32MiB", max_batch_size=8)
+_RUN_IDS = itertools.count()
+
+
+class StackFactory:
+    """Called with StackConfig fields as keywords, it builds a Stack of STACK_DEFAULTS + those -- on the
+    session's `hf_dir` model unless `model` is given, with a run id of its own and a fresh log directory
+    -- and starts it, waiting up to `timeout` s for SERVING (`start=False`: not started, for a test of a
+    failing start or of a start in stages). `close()` stops every stack it made (a test may stop one
+    sooner), then checks that none left a shared-memory segment behind."""
+
+    def __init__(self, request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._request = request
+        self._tmp = tmp_path_factory
+        self.stacks: list[Stack] = []
+
+    def __call__(self, *, start: bool = True, timeout: float = 120.0, **overrides: Any) -> Stack:
+        if "model" not in overrides:
+            overrides["model"] = self._request.getfixturevalue("hf_dir")
+        run_id = overrides.setdefault("run_id", f"t{os.getpid()}-{next(_RUN_IDS)}")
+        overrides.setdefault("log_dir", self._tmp.mktemp(f"{run_id}-logs"))
+        stack = Stack(StackConfig(**{**STACK_DEFAULTS, **overrides}))
+        self.stacks.append(stack)
+        if start:
+            stack.start(timeout=timeout)  # on failure it stops what did start, then raises
+        return stack
+
+    def close(self) -> None:
+        errors = []
+        for stack in reversed(self.stacks):
+            try:
+                stack.stop()  # idempotent: a test may stop its stack early to look at what it left
+            except Exception as exc:  # still stop the others
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        leaked = {s.config.run_id: s.leaked_segments() for s in self.stacks}
+        assert not any(leaked.values()), f"segments left behind: {leaked}"
+
+
+def _stack_factory(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFactory]:
+    factory = StackFactory(request, tmp_path_factory)
+    yield factory
+    factory.close()
+
+
+@pytest.fixture
+def make_stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFactory]:
+    """Started stacks for one test, all stopped when it ends (pass or fail): `make_stack(**overrides)`."""
+    yield from _stack_factory(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def make_module_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StackFactory]:
+    """The same, for a stack that a module's tests share: stopped when the module's tests are done."""
+    yield from _stack_factory(request, tmp_path_factory)

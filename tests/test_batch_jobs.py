@@ -4,14 +4,13 @@ in-flight count and the orchestrator's queue bound, against one real stack whose
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -21,30 +20,16 @@ import pytest
 
 from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.client import BatchError, GenerationClient, Prompt, plan_in_flight
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 
 BATCH = 600
 NEW_TOKENS = 12  # long enough that the first chunks still decode when the last ones arrive
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tiny_model: Path, make_module_stack: Callable[..., Stack]) -> Stack:
     # one micro-batch per step: many micro-batches per step deadlock the hand-off channels for now
-    s = Stack(
-        StackConfig(
-            model=tiny_model,
-            run_id=f"batchjobs{os.getpid()}",
-            port=0,
-            log_dir=tmp_path_factory.mktemp("batchjobs-logs"),
-            kv_cache_memory="32MiB",
-            max_batch_size=BATCH,
-            micro_batch_size=0,
-        )
-    )
-    s.start(timeout=120)
-    yield s
-    s.stop()
-    assert s.leaked_segments() == []
+    return make_module_stack(model=tiny_model, max_batch_size=BATCH, micro_batch_size=0)
 
 
 @pytest.fixture(scope="module")

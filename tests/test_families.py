@@ -9,9 +9,9 @@ at every step. Through the whole multi-process stack, with experts streamed: ide
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ import torch
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.engine import InProcessEngine
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
 
@@ -237,32 +237,23 @@ def test_ragged_batch_matches_transformers(family_model: Path, hf_reference: dic
 
 
 def test_the_stack_with_streamed_experts_matches_transformers(
-    family_model: Path, hf_reference: dict, tmp_path: Path
+    family_model: Path, hf_reference: dict, make_stack: Callable[..., Stack]
 ) -> None:
     spec = ModelSpec.from_pretrained(family_model)
-    s = Stack(
-        StackConfig(
-            model=family_model,
-            run_id=f"fam{os.getpid()}{family_model.name[:6]}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="16MiB",
-            max_batch_size=8,
-            micro_batch_size=2,
-            device_memory=str(device_budget(family_model, spec.num_experts + 1)),  # one layer + a page
-            experts_placement="gpu",
-        )
+    s = make_stack(
+        model=family_model,
+        kv_cache_memory="16MiB",
+        micro_batch_size=2,
+        device_memory=str(device_budget(family_model, spec.num_experts + 1)),  # one layer + a page
+        experts_placement="gpu",
     )
-    s.start(timeout=120)
-    try:
-        with GenerationClient(s.api_address, timeout=120) as c:
-            done = c.batch_generate(
-                [Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True, logprobs=20) for p in PROMPTS]
-            )
-        with urllib.request.urlopen(s.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
-            metrics = r.read().decode()
-    finally:
-        s.stop()
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate(
+            [Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True, logprobs=20) for p in PROMPTS]
+        )
+    with urllib.request.urlopen(s.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
+        metrics = r.read().decode()
+    s.stop()
     assert float(re.search(r"^moe_lightning_expert_bytes_streamed_total (\S+)", metrics, re.M)[1]) > 0
     assert [d.token_ids for d in done] == [hf_reference[i][0] for i in range(len(PROMPTS))]
     # the logits through the stack: the top-20 log-probabilities at every step of prefill + 16 decode

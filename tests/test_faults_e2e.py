@@ -10,15 +10,14 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.service.names import GENERATION as API
 from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.shm.segment import list_segments, pid_alive
@@ -29,23 +28,11 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.fixture(scope="module")
-def supervised(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"fault{os.getpid()}",
-            port=0,
-            log_dir=tmp_path_factory.mktemp("fault-logs"),
-            kv_cache_memory="32MiB",
-            max_batch_size=8,
-            cache_dir=tmp_path_factory.mktemp("arena-cache"),  # the weight store's restart maps this
-        )
-    )
-    s.start(timeout=120)
+def supervised(make_module_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    # the weight store's restart maps the arena cache
+    s = make_module_stack(cache_dir=tmp_path_factory.mktemp("arena-cache"))
     s.supervise()
-    yield s
-    s.stop()
-    assert s.leaked_segments() == []
+    return s
 
 
 def _in_flight(stack: Stack, n: int) -> tuple[list[threading.Thread], list[tuple[float, object]]]:
@@ -131,45 +118,34 @@ def test_a_killed_service_comes_back_and_answers_exactly(supervised: Stack, vict
         ]
 
 
-def test_sigterm_on_the_orchestrator_drains_in_flight_requests(hf_dir: Path, tmp_path: Path, reference: dict) -> None:
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"drain{os.getpid()}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="16MiB",
-            max_batch_size=8,
-            extra={"orchestrator": ["--drain-seconds", "30"]},
-        )
-    )
-    s.start(timeout=120)
-    try:
-        results: list = []
+def test_sigterm_on_the_orchestrator_drains_in_flight_requests(
+    make_stack: Callable[..., Stack], reference: dict
+) -> None:
+    s = make_stack(kv_cache_memory="16MiB", extra={"orchestrator": ["--drain-seconds", "30"]})
+    results: list = []
 
-        def one(i: int) -> None:
-            try:
-                with GenerationClient(s.api_address, timeout=60) as c:
-                    out = c.generate(Prompt(token_ids=PROMPTS[i], max_new_tokens=300, ignore_eos=True))
-                    results.append((i, out))
-            except grpc.RpcError as exc:
-                results.append((i, exc))
+    def one(i: int) -> None:
+        try:
+            with GenerationClient(s.api_address, timeout=60) as c:
+                out = c.generate(Prompt(token_ids=PROMPTS[i], max_new_tokens=300, ignore_eos=True))
+                results.append((i, out))
+        except grpc.RpcError as exc:
+            results.append((i, exc))
 
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)  # decoding
-        assert not results
-        s.procs["orchestrator"].send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        with GenerationClient(s.api_address, timeout=10) as c, pytest.raises(grpc.RpcError) as info:
-            c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=3))
-        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # stopped accepting
-        for t in threads:
-            t.join(60)
-        assert s.procs["orchestrator"].wait(30) == 0
-    finally:
-        s.stop()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # decoding
+    assert not results
+    s.procs["orchestrator"].send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    with GenerationClient(s.api_address, timeout=10) as c, pytest.raises(grpc.RpcError) as info:
+        c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=3))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # stopped accepting
+    for t in threads:
+        t.join(60)
+    assert s.procs["orchestrator"].wait(30) == 0
+    s.stop()
     assert sorted(i for i, _ in results) == [0, 1, 2, 3]
     for i, r in results:  # in flight when the signal came: finished, not cut off
         assert not isinstance(r, Exception), r

@@ -4,7 +4,7 @@ over it) gives transformers' bf16 greedy tokens, and says which dtype its cache 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.kv_cache import PagedKVCache
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.spec import ModelSpec
 
 from reference import E2E_PROMPTS
@@ -41,28 +41,25 @@ def bf16_reference(hf_dir: Path) -> list[list[int]]:
 
 
 def test_bf16_stack_gives_transformers_bf16_tokens(
-    hf_dir: Path, bf16_reference: list[list[int]], tmp_path: Path
+    hf_dir: Path, bf16_reference: list[list[int]], make_stack: Callable[..., Stack]
 ) -> None:
-    config = StackConfig(
-        model=hf_dir,
-        run_id=f"kv16{os.getpid()}",
-        port=0,
-        log_dir=tmp_path,
+    stack = make_stack(
         dtype="bfloat16",
         kv_dtype="auto",  # the arena's: bf16
         kv_cache_memory="8MiB",
-        max_batch_size=8,
         micro_batch_size=3,  # ragged micro-batches, prefill split across them
+        timeout=600,  # the launcher's own default start-up limit
     )
-    with Stack(config) as stack, GenerationClient(stack.api_address, timeout=300) as c:
+    with GenerationClient(stack.api_address, timeout=300) as c:
         done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=NEW_TOKENS) for p in PROMPTS])
         meta = c.server_metadata()
+    stack.stop()
     assert [d.token_ids for d in done] == bf16_reference
     assert meta.kv_cache_dtype == "bfloat16"
     spec = ModelSpec.from_pretrained(hf_dir)
     per_block = PagedKVCache.bytes_per_block(spec, 16, torch.bfloat16)  # half an fp32 block: twice the tokens
     assert meta.kv_cache_tokens == (8 << 20) // per_block * 16
-    lines = (tmp_path / "orchestrator.log").read_text().splitlines()
+    lines = (stack.config.log_dir / "orchestrator.log").read_text().splitlines()
     planned = next(json.loads(x) for x in lines if '"planned"' in x)
     assert planned["kv_cache_dtype"] == "bfloat16"
     assert planned["kv_cache_sequences"] == meta.kv_cache_tokens // (77 + 64)  # --expected-prompt/gen-len

@@ -9,10 +9,10 @@ makes those logits the one large allocation (1,024 sequences x 65,536 tokens x 4
 
 from __future__ import annotations
 
-import os
 import re
 import resource
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -20,7 +20,7 @@ import pytest
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.demo_model import write_demo_model
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 
 WIDE_VOCAB = dict(
     hidden_size=16,
@@ -39,39 +39,28 @@ def _mapped_bytes(pid: int) -> int:
     return int(re.search(r"VmSize:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())[1]) * 1024
 
 
-def test_a_step_out_of_memory_is_resource_exhausted_and_the_service_keeps_serving(tmp_path: Path) -> None:
+def test_a_step_out_of_memory_is_resource_exhausted_and_the_service_keeps_serving(
+    tmp_path: Path, make_stack: Callable[..., Stack]
+) -> None:
     model = write_demo_model(tmp_path / "wide", WIDE_VOCAB, seed=0, progress=False, with_tokenizer=False)
-    stack = Stack(
-        StackConfig(
-            model=model,
-            run_id=f"oom{os.getpid()}",
-            port=0,
-            log_dir=tmp_path / "logs",
-            kv_cache_memory="64MiB",
-            max_batch_size=1024,
-            micro_batch_size=0,
-        )
-    )
-    stack.start(timeout=120)
-    try:
-        gpu = stack.procs["gpu_expert"]
-        with GenerationClient(stack.api_address, timeout=120) as c:
-            want = c.generate(Prompt(token_ids=[5, 6, 7], max_new_tokens=4)).token_ids
-            soft, hard = resource.prlimit(gpu.pid, resource.RLIMIT_AS)
-            resource.prlimit(gpu.pid, resource.RLIMIT_AS, (_mapped_bytes(gpu.pid) + (128 << 20), hard))
-            try:
-                with pytest.raises(grpc.RpcError) as err:
-                    c.batch_generate([Prompt(token_ids=[5 + i % 100, 7], max_new_tokens=3) for i in range(1024)])
-            finally:
-                resource.prlimit(gpu.pid, resource.RLIMIT_AS, (soft, hard))
-            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "ran out of memory on cpu" in err.value.details()
-            assert "sequences" in err.value.details() and "retry with fewer" in err.value.details()
-            assert c.generate(Prompt(token_ids=[5, 6, 7], max_new_tokens=4)).token_ids == want
-        assert gpu.poll() is None and stack.procs["gpu_expert"] is gpu and not stack.restarts["gpu_expert"]
-        with urllib.request.urlopen(stack.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
-            failed = re.search(r"^moe_lightning_step_out_of_memory_total (\S+)", r.read().decode(), re.M)
-        assert failed is not None and float(failed[1]) >= 1
-    finally:
-        stack.stop()
+    stack = make_stack(model=model, kv_cache_memory="64MiB", max_batch_size=1024, micro_batch_size=0)
+    gpu = stack.procs["gpu_expert"]
+    with GenerationClient(stack.api_address, timeout=120) as c:
+        want = c.generate(Prompt(token_ids=[5, 6, 7], max_new_tokens=4)).token_ids
+        soft, hard = resource.prlimit(gpu.pid, resource.RLIMIT_AS)
+        resource.prlimit(gpu.pid, resource.RLIMIT_AS, (_mapped_bytes(gpu.pid) + (128 << 20), hard))
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                c.batch_generate([Prompt(token_ids=[5 + i % 100, 7], max_new_tokens=3) for i in range(1024)])
+        finally:
+            resource.prlimit(gpu.pid, resource.RLIMIT_AS, (soft, hard))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "ran out of memory on cpu" in err.value.details()
+        assert "sequences" in err.value.details() and "retry with fewer" in err.value.details()
+        assert c.generate(Prompt(token_ids=[5, 6, 7], max_new_tokens=4)).token_ids == want
+    assert gpu.poll() is None and stack.procs["gpu_expert"] is gpu and not stack.restarts["gpu_expert"]
+    with urllib.request.urlopen(stack.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
+        failed = re.search(r"^moe_lightning_step_out_of_memory_total (\S+)", r.read().decode(), re.M)
+    assert failed is not None and float(failed[1]) >= 1
+    stack.stop()
     assert stack.leaked_segments() == []

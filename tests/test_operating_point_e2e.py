@@ -5,9 +5,9 @@ engine's, and a sample equals transformers'."""
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ import torch
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.engine import InProcessEngine
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
 
@@ -43,36 +43,28 @@ def _metric(stack: Stack, service: str, pattern: str) -> list[tuple[str, float]]
     ids=["2048-in-16-micro-batches", "1024-in-one-micro-batch"],
 )
 def test_thousands_of_sequences_with_every_expert_streamed_are_exact(
-    tiny_model: Path, tmp_path: Path, sequences: int, micro_batch: int
+    tiny_model: Path, make_stack: Callable[..., Stack], sequences: int, micro_batch: int
 ) -> None:
     spec = ModelSpec.from_pretrained(tiny_model)
     prompts = _prompts(spec, sequences, seed=sequences)
-    stack = Stack(
-        StackConfig(
-            model=tiny_model,
-            run_id=f"op{os.getpid()}{micro_batch}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="128MiB",
-            max_batch_size=sequences,
-            micro_batch_size=micro_batch,
-            # 7 buffer slots for the 8 experts: none resident, every one streamed each step
-            device_memory=str(device_budget(tiny_model, ring=7)),
-            experts_placement="gpu",
-        )
+    stack = make_stack(
+        model=tiny_model,
+        kv_cache_memory="128MiB",
+        max_batch_size=sequences,
+        micro_batch_size=micro_batch,
+        # 7 buffer slots for the 8 experts: none resident, every one streamed each step
+        device_memory=str(device_budget(tiny_model, ring=7)),
+        experts_placement="gpu",
     )
-    stack.start(timeout=120)
-    try:
-        with GenerationClient(stack.api_address, timeout=600) as c:
-            done = c.batch_generate_all(
-                [Prompt(token_ids=p, max_new_tokens=GEN, ignore_eos=True) for p in prompts], chunk_size=256
-            )
-        decode_sizes = _metric(stack, "orchestrator", "moe_lightning_decode_batch_size_bucket")
-        handoffs = dict(_metric(stack, "gpu_expert", "moe_lightning_handoffs_total"))
-        streamed = _metric(stack, "gpu_expert", "moe_lightning_expert_bytes_streamed_total")
-        ring = _metric(stack, "gpu_expert", "moe_lightning_expert_buffer_slots")
-    finally:
-        stack.stop()
+    with GenerationClient(stack.api_address, timeout=600) as c:
+        done = c.batch_generate_all(
+            [Prompt(token_ids=p, max_new_tokens=GEN, ignore_eos=True) for p in prompts], chunk_size=256
+        )
+    decode_sizes = _metric(stack, "orchestrator", "moe_lightning_decode_batch_size_bucket")
+    handoffs = dict(_metric(stack, "gpu_expert", "moe_lightning_handoffs_total"))
+    streamed = _metric(stack, "gpu_expert", "moe_lightning_expert_bytes_streamed_total")
+    ring = _metric(stack, "gpu_expert", "moe_lightning_expert_buffer_slots")
+    stack.stop()
     assert stack.leaked_segments() == []
 
     weights = load_model_weights(tiny_model, spec, progress=False)

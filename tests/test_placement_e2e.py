@@ -4,15 +4,15 @@ equal transformers', and the metrics show the placement really ran."""
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 
 from reference import E2E_PROMPTS as PROMPTS
 from reference import device_budget
@@ -32,31 +32,22 @@ def _scrape(stack: Stack, service: str) -> str:
     ("attention", "experts"),
     [("cpu", "gpu"), ("cpu", "cpu"), ("gpu", "gpu"), ("gpu", "auto")],
 )
-def test_every_placement_is_exact(attention: str, experts: str, hf_dir: Path, reference: dict, tmp_path: Path) -> None:
+def test_every_placement_is_exact(
+    attention: str, experts: str, hf_dir: Path, reference: dict, make_stack: Callable[..., Stack]
+) -> None:
     # 7 slots for 6 experts a layer: a ring of one layer plus one page, so the next layer's pages
     # mostly wait for the current layer's slots (the tightest streaming schedule)
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"place{os.getpid()}{attention}{experts}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="32MiB",
-            max_batch_size=8,
-            micro_batch_size=3,
-            device_memory=str(device_budget(hf_dir, 7) + (8 << 20 if attention == "gpu" else 0)),
-            device_kv_memory="8MiB" if attention == "gpu" else None,
-            attention_placement=attention,
-            experts_placement=experts,
-        )
+    s = make_stack(
+        micro_batch_size=3,
+        device_memory=str(device_budget(hf_dir, 7) + (8 << 20 if attention == "gpu" else 0)),
+        device_kv_memory="8MiB" if attention == "gpu" else None,
+        attention_placement=attention,
+        experts_placement=experts,
     )
-    s.start(timeout=120)
-    try:
-        with GenerationClient(s.api_address, timeout=120) as c:
-            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
-        gpu, cpu, orch = (_scrape(s, n) for n in ("gpu_expert", "cpu_attention", "orchestrator"))
-    finally:
-        s.stop()
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    gpu, cpu, orch = (_scrape(s, n) for n in ("gpu_expert", "cpu_attention", "orchestrator"))
+    s.stop()
     assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
     assert _metric(gpu, "moe_lightning_resident_experts") == 0.0
     streamed = _metric(gpu, "moe_lightning_expert_bytes_streamed_total")
@@ -69,12 +60,11 @@ def test_every_placement_is_exact(attention: str, experts: str, hf_dir: Path, re
     assert (handoffs == 0) == (attention == "gpu")
 
 
-def test_a_placement_the_services_cannot_run_fails_at_start(hf_dir: Path, tmp_path: Path) -> None:
+def test_a_placement_the_services_cannot_run_fails_at_start(make_stack: Callable[..., Stack]) -> None:
     from moe_lightning.launcher import StackError
 
-    s = Stack(
-        StackConfig(model=hf_dir, run_id=f"noplace{os.getpid()}", port=0, log_dir=tmp_path, attention_placement="gpu")
-    )
+    # the launcher's own KV cache and batch size
+    s = make_stack(kv_cache_memory="2GiB", max_batch_size=None, attention_placement="gpu", start=False)
     with pytest.raises(StackError, match="orchestrator exited with code 1") as info:
         s.start(timeout=120)
     assert "placement 'gpu' is not available: gpu_expert has no device KV cache" in str(info.value)

@@ -4,15 +4,13 @@ and the server is healthy afterwards."""
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -21,7 +19,7 @@ from hypothesis import strategies as st
 
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.service.names import GENERATION as API
 from moe_lightning.service.upstream import health_status, open_channel
 
@@ -32,22 +30,8 @@ DOCUMENTED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUST
 
 
 @pytest.fixture(scope="module")
-def stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"robust{os.getpid()}",
-            port=0,
-            log_dir=tmp_path_factory.mktemp("robust-logs"),
-            kv_cache_memory="32MiB",
-            max_batch_size=8,
-            extra={"orchestrator": ["--max-queue", "256", "--max-prefill-tokens", "64"]},
-        )
-    )
-    s.start(timeout=120)
-    yield s
-    s.stop()
-    assert s.leaked_segments() == []
+def stack(make_module_stack: Callable[..., Stack]) -> Stack:
+    return make_module_stack(extra={"orchestrator": ["--max-queue", "256", "--max-prefill-tokens", "64"]})
 
 
 def _healthy(stack: Stack) -> bool:
@@ -160,43 +144,38 @@ def test_cancel_and_deadline_free_the_request_and_spare_the_others(stack: Stack,
         assert time.monotonic() < deadline, _requests_total(stack)
         time.sleep(0.1)
     ch.close()
-    with urllib.request.urlopen(stack.endpoints()["cpu_attention"]["metrics"], timeout=10) as r:
-        used = re.search(r'^moe_lightning_kv_cache_blocks\{state="used"\} (\S+)$', r.read().decode(), re.M)
-    assert used and float(used[1]) == 0.0  # their KV blocks were freed
+
+    def kv_blocks_used() -> float:
+        with urllib.request.urlopen(stack.endpoints()["cpu_attention"]["metrics"], timeout=10) as r:
+            used = re.search(r'^moe_lightning_kv_cache_blocks\{state="used"\} (\S+)$', r.read().decode(), re.M)
+        assert used
+        return float(used[1])
+
+    deadline = time.monotonic() + 10  # released through the next plan: the idle scheduler sends one at once
+    while kv_blocks_used() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv_blocks_used() == 0.0  # their KV blocks were freed
 
 
-def test_a_full_queue_refuses_at_once(hf_dir: Path, tmp_path: Path) -> None:
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"queue{os.getpid()}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="16MiB",
-            max_batch_size=1,
-            extra={"orchestrator": ["--max-queue", "2"]},
-        )
-    )
-    s.start(timeout=120)
-    try:
-        results: list = []
+def test_a_full_queue_refuses_at_once(make_stack: Callable[..., Stack]) -> None:
+    s = make_stack(kv_cache_memory="16MiB", max_batch_size=1, extra={"orchestrator": ["--max-queue", "2"]})
+    results: list = []
 
-        def one() -> None:
-            t0 = time.monotonic()
-            try:
-                with GenerationClient(s.api_address, timeout=60) as c:
-                    c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=200, ignore_eos=True))
-                results.append(("ok", time.monotonic() - t0))
-            except grpc.RpcError as exc:
-                results.append((exc.code(), time.monotonic() - t0, exc.details()))
+    def one() -> None:
+        t0 = time.monotonic()
+        try:
+            with GenerationClient(s.api_address, timeout=60) as c:
+                c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=200, ignore_eos=True))
+            results.append(("ok", time.monotonic() - t0))
+        except grpc.RpcError as exc:
+            results.append((exc.code(), time.monotonic() - t0, exc.details()))
 
-        threads = [threading.Thread(target=one) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    finally:
-        s.stop()
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    s.stop()
     refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert refused and all(r[1] < 2.0 and "queue is full" in r[2] for r in refused), results
     assert len(results) == 8 and all(r[0] in ("ok", grpc.StatusCode.RESOURCE_EXHAUSTED) for r in results)
@@ -263,29 +242,17 @@ def test_64_clients_8_requests_each(stack: Stack, reference: dict) -> None:
 
 
 def test_requests_wait_for_kv_blocks_and_a_too_large_one_is_refused(
-    hf_dir: Path, tmp_path: Path, reference: dict
+    make_stack: Callable[..., Stack], reference: dict
 ) -> None:
     """A KV cache of 8 blocks (16 tokens each) holds two of these requests at a time: the others
     wait their turn and still get exactly their tokens; one that could never fit is refused."""
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"kvwait{os.getpid()}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="96KiB",
-            max_batch_size=8,
-        )
-    )
-    s.start(timeout=120)
-    try:
-        with GenerationClient(s.api_address, timeout=120) as c:
-            assert c.server_metadata().kv_cache_tokens == 8 * 16
-            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
-            with pytest.raises(grpc.RpcError) as info:
-                c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=200))
-    finally:
-        s.stop()
+    s = make_stack(kv_cache_memory="96KiB")
+    with GenerationClient(s.api_address, timeout=120) as c:
+        assert c.server_metadata().kv_cache_tokens == 8 * 16
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+        with pytest.raises(grpc.RpcError) as info:
+            c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=200))
+    s.stop()
     assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "the cache holds 128" in info.value.details()

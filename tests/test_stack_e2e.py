@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from moe_lightning.client import Completion, GenerationClient, Prompt, StreamChunk
-from moe_lightning.launcher import SERVICES, Stack, StackConfig
+from moe_lightning.launcher import SERVICES, Stack
 from moe_lightning.service.upstream import health_status, open_channel
 
 from reference import E2E_PROMPTS as PROMPTS
@@ -31,20 +30,14 @@ def watch_health(address: str, until: int, timeout: float = 120.0) -> int | None
 
 
 @pytest.fixture(scope="module")
-def stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    logs = tmp_path_factory.mktemp("logs")
-    config = StackConfig(
-        model=hf_dir,
-        run_id=f"e2e{os.getpid()}",
-        port=0,
-        log_dir=logs,
-        kv_cache_memory="32MiB",
+def stack(make_module_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    s = make_module_stack(
         max_batch_size=6,
         micro_batch_size=4,
         cache_dir=tmp_path_factory.mktemp("arena"),
         extra={"orchestrator": ["--max-prefill-tokens", "40"]},  # several prefill micro-batches
+        start=False,  # started here in two stages
     )
-    s = Stack(config)
     s.prepare()
     # The orchestrator first: it must say NOT_SERVING until everything behind it is up.
     s.spawn(["orchestrator"])
@@ -52,9 +45,7 @@ def stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[St
     s.spawn(["weight_store", "cpu_attention", "gpu_expert"])
     s.health_seen.append(watch_health(s.api_address, until=1))  # type: ignore[attr-defined]
     s.wait_ready(60)
-    yield s
-    s.stop()
-    assert s.leaked_segments() == []
+    return s
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,15 @@ baseline schedule: exact against transformers all the same."""
 
 from __future__ import annotations
 
-import os
 import re
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.spec import ModelSpec
 
 from reference import E2E_PROMPTS as PROMPTS
@@ -26,17 +25,13 @@ def streaming_budget(model: Path, resident_per_layer: int = 1) -> int:
 
 
 @pytest.fixture(scope="module")
-def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def streaming_stack(
+    hf_dir: Path, make_module_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory
+) -> Stack:
     """The same model with a device budget that holds 1 of 6 experts per layer: the rest stream."""
     budget = streaming_budget(hf_dir)
     timelines = tmp_path_factory.mktemp("timeline")
-    config = StackConfig(
-        model=hf_dir,
-        run_id=f"stream{os.getpid()}",
-        port=0,
-        log_dir=tmp_path_factory.mktemp("slogs"),
-        kv_cache_memory="32MiB",
-        max_batch_size=8,
+    s = make_module_stack(
         micro_batch_size=3,
         device_memory=str(budget),
         experts_placement="gpu",  # on a CPU the HRM would compute them in place (zero copy)
@@ -45,12 +40,8 @@ def streaming_stack(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
             "cpu_attention": ["--timeline", str(timelines / "cpu_attention.jsonl")],
         },
     )
-    s = Stack(config)
-    s.start(timeout=120)
     s.timeline_files = [timelines / "gpu_expert.jsonl", timelines / "cpu_attention.jsonl"]  # type: ignore[attr-defined]
-    yield s
-    s.stop()
-    assert s.leaked_segments() == []
+    return s
 
 
 def test_streamed_experts_keep_tokens_exact(streaming_stack: Stack, reference: dict) -> None:
@@ -65,19 +56,11 @@ def test_streamed_experts_keep_tokens_exact(streaming_stack: Stack, reference: d
     assert float(re.search(r"^moe_lightning_residency_changes_total (\S+)", text, re.M)[1]) >= 1
 
 
-def test_a_budget_below_the_dense_weights_fails_at_start(hf_dir: Path, tmp_path: Path) -> None:
+def test_a_budget_below_the_dense_weights_fails_at_start(make_stack: Callable[..., Stack]) -> None:
     from moe_lightning.launcher import StackError
 
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"tiny{os.getpid()}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="8MiB",
-            device_memory="64KiB",
-        )
-    )
+    # no batch size: the launcher's default
+    s = make_stack(kv_cache_memory="8MiB", max_batch_size=None, device_memory="64KiB", start=False)
     with pytest.raises(StackError, match="gpu_expert exited with code 1") as info:
         s.start(timeout=120)  # stops the services that did start before raising
     assert "cannot hold the dense weights" in str(info.value)
@@ -140,35 +123,26 @@ def test_timeline_shows_attention_and_copies_overlapping_device_work(streaming_s
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_overlap_off_baseline_is_exact_and_sequential(hf_dir: Path, reference: dict, tmp_path: Path) -> None:
+def test_overlap_off_baseline_is_exact_and_sequential(
+    hf_dir: Path, reference: dict, tmp_path: Path, make_stack: Callable[..., Stack]
+) -> None:
     """The FlexGen-style baseline schedule (--no-overlap): same tokens, and the timeline shows no stage
     of one resource running while another works."""
     from moe_lightning.timeline import load, summarize
 
     files = [tmp_path / "gpu.jsonl", tmp_path / "cpu.jsonl"]
-    s = Stack(
-        StackConfig(
-            model=hf_dir,
-            run_id=f"seq{os.getpid()}",
-            port=0,
-            log_dir=tmp_path,
-            kv_cache_memory="32MiB",
-            max_batch_size=8,
-            micro_batch_size=3,
-            device_memory=str(streaming_budget(hf_dir)),
-            experts_placement="gpu",
-            extra={
-                "gpu_expert": ["--no-overlap", "--timeline", str(files[0])],
-                "cpu_attention": ["--timeline", str(files[1])],
-            },
-        )
+    s = make_stack(
+        micro_batch_size=3,
+        device_memory=str(streaming_budget(hf_dir)),
+        experts_placement="gpu",
+        extra={
+            "gpu_expert": ["--no-overlap", "--timeline", str(files[0])],
+            "cpu_attention": ["--timeline", str(files[1])],
+        },
     )
-    s.start(timeout=120)
-    try:
-        with GenerationClient(s.api_address, timeout=120) as c:
-            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
-    finally:
-        s.stop()
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    s.stop()
     assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
     summary = summarize(load(files))
     busy = summary["busy_fraction"]
