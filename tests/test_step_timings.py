@@ -4,32 +4,18 @@ planner, `bench` and bench/hrm_accuracy.py read it."""
 from __future__ import annotations
 
 import pytest
+from host_profile import HOST, SPEC
 from prometheus_client import REGISTRY
 
-from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm import measured
 from moe_lightning.hrm.costmodel import Policy, Workload, estimate
-from moe_lightning.hrm.hardware import PRESETS, HardwareProfile
+from moe_lightning.hrm.hardware import PRESETS
 from moe_lightning.plan import StepKind, StepTimings
-from moe_lightning.spec import ModelSpec
 from orchestrator import metrics
 from orchestrator.planner import Planner, PlannerConfig
 
-SPEC = ModelSpec.from_hf_config(mixtral_config("bench"))
 L = SPEC.num_layers
 WORK = Workload(64, 32)
-HOST = HardwareProfile(  # a CPU-only run: the host is the device
-    "host",
-    gpu_flops=1e11,
-    gpu_bandwidth=3e9,
-    gpu_memory=24e9,
-    cpu_flops=1e11,
-    cpu_bandwidth=2e9,
-    cpu_memory=24e9,
-    h2d_bandwidth=1e10,
-    d2h_bandwidth=1e10,
-    shared_host_device=True,
-)
 T4 = PRESETS["t4"]
 
 
