@@ -52,17 +52,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.scheduler
 
     # ---- conversion ----------------------------------------------------------------------------
-    @staticmethod
-    def limits(sched: Scheduler) -> RequestLimits:
-        """The scheduler's limits now (its KV cache may differ after the backend was re-wired)."""
-        return RequestLimits.of(
-            sched.spec,
-            has_tokenizer=sched.tokenizer is not None,
-            max_prompt_tokens=sched.config.max_prefill_tokens,
-            kv_tokens=sched.kv_blocks * sched.block_size,
-            block_size=sched.block_size,
-        )
-
     def to_request(self, m: generation_pb2.GenerationInput, limits: RequestLimits) -> GenerationRequest:
         """The domain request, checked against every limit: the scheduler trusts what it is given."""
         which = m.WhichOneof("prompt")
@@ -110,7 +99,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, m: generation_pb2.GenerationInput, context: grpc.ServicerContext, sink: StreamSink | None = None
     ) -> Ticket:
         sched = self._sched()
-        request = self.to_request(m, self.limits(sched))
+        request = self.to_request(m, sched.limits())
         with structlog.contextvars.bound_contextvars(request_id=request.request_id):
             ticket = sched.submit(request, sink)
         context.add_callback(lambda: None if ticket.done.is_set() else sched.cancel(ticket))
@@ -159,7 +148,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not 0 < n <= MAX_BATCH_PROMPTS:
             raise InvalidRequestError(f"BatchGenerate takes 1 to {MAX_BATCH_PROMPTS} inputs, got {n}")
         sched = self._sched()
-        limits = self.limits(sched)
+        limits = sched.limits()
         requests = []
         for i, m in enumerate(request.inputs):  # validate all before queueing any
             try:

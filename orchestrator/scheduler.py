@@ -29,7 +29,7 @@ from moe_lightning.service.errors import (
 )
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
-from moe_lightning.validation import check_kv
+from moe_lightning.validation import RequestLimits, check_kv
 from orchestrator import metrics
 from orchestrator.backend import Backend, KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, NewToken, ScheduledStep, SchedulerConfig, Sequence
@@ -103,6 +103,16 @@ class Scheduler:
     @property
     def block_size(self) -> int:
         return self.batcher.kv.block_size
+
+    def limits(self) -> RequestLimits:
+        """What a request must fit now (the KV cache may differ after the backend was re-wired)."""
+        return RequestLimits.of(
+            self.spec,
+            has_tokenizer=self.tokenizer is not None,
+            max_prompt_tokens=self.config.max_prefill_tokens,
+            kv_tokens=self.kv_blocks * self.block_size,
+            block_size=self.block_size,
+        )
 
     # ---- submission (any thread) ----------------------------------------------------------------
     def start(self) -> None:
