@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from host_profile import HOST, SPEC
 
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
 from moe_lightning.hrm.costmodel import Headroom, Policy, Workload, estimate
-from moe_lightning.hrm.hardware import PRESETS, HardwareProfile
+from moe_lightning.hrm.hardware import PRESETS
 from moe_lightning.hrm.optimizer import max_batch, optimize
 from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.spec import ModelSpec
@@ -47,19 +48,8 @@ def test_a_16_bit_cache_holds_about_twice_the_batch() -> None:
 
 
 def test_planner_plans_with_the_attention_services_kv_dtype() -> None:
-    spec = ModelSpec.from_hf_config(mixtral_config("bench"))
-    host = HardwareProfile(
-        "host",
-        gpu_flops=1e11,
-        gpu_bandwidth=3e9,
-        gpu_memory=5e9,
-        cpu_flops=1e11,
-        cpu_bandwidth=2e9,
-        cpu_memory=5e9,
-        h2d_bandwidth=1e10,
-        d2h_bandwidth=1e10,
-        shared_host_device=True,
-    )
+    spec = SPEC
+    host = replace(HOST, gpu_memory=5e9, cpu_memory=5e9)  # a small machine: the KV cache bounds the batch
     plans = {kv: Planner(spec, host, Workload(64, 32), "float32", 10**7, kv_dtype=kv) for kv in ("float32", "bfloat16")}
     assert Planner(spec, host, Workload(64, 32), "float32", 10**7).kv_dtype == "float32"  # default: the weights'
     per_seq = {kv: p.estimate.kv_host_bytes / p.policy.batch for kv, p in plans.items()}
