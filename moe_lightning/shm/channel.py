@@ -12,7 +12,7 @@ Segment layout::
 
     +-------------------+  0
     | channel header    |  u64 fields: magic, slots, slot_bytes, pids, heartbeats, closed flags,
-    | (HEADER_BYTES)    |  read_index, reader_holding (see _FIELDS)
+    | (HEADER_BYTES)    |  read_index, reader_holding, publishing_index, published_index (_FIELDS)
     +-------------------+  HEADER_BYTES
     | slot 0 meta       |  u32 meta_len | u32 num_tensors | u64 sent_ns
     | (SLOT_META_BYTES) |  num_tensors x (u8 dtype, u8 ndim, u16 -, u32 -, u64 offset, u64 shape[4])
@@ -43,7 +43,7 @@ import torch
 
 from moe_lightning.shm.segment import Segment
 
-MAGIC = 0x4D4C54_43484E32  # "MLTCHN2": binary slot headers
+MAGIC = 0x4D4C54_43484E33  # "MLTCHN3": binary slot headers, the writer's indices in the header
 HEADER_BYTES = 4096
 SLOT_META_BYTES = 1024
 ALIGN = 64
@@ -53,8 +53,8 @@ _ENTRY = struct.Struct("<BBHIQ4Q")  # dtype code, ndim, -, -, offset, shape (zer
 MAX_TENSORS = 8
 MAX_META_BYTES = SLOT_META_BYTES - _SLOT_HEAD.size - MAX_TENSORS * _ENTRY.size
 # header fields, u64 each; a re-attaching reader resets its own fields, so a restarted peer can join,
-# and resumes at the shared read position (the writer is always the creator: a restarted writer
-# makes a new channel)
+# and resumes where its predecessor's reads actually got to (see _resync; the writer is always the
+# creator: a restarted writer makes a new channel)
 _FIELDS = (
     "magic",
     "slots",
@@ -67,6 +67,8 @@ _FIELDS = (
     "reader_closed",
     "read_index",  # messages the readers released so far
     "reader_holding",  # 1 while a reader holds a received, unreleased slot
+    "publishing_index",  # messages the writer started publishing (set before the post)
+    "published_index",  # messages the writer posted (set after the post)
 )
 _OFF = {name: 8 * i for i, name in enumerate(_FIELDS)}
 HEARTBEAT_SECONDS = 0.1
@@ -159,15 +161,8 @@ class TensorChannel:
             raise FileNotFoundError(f"semaphores of channel {self.name} do not exist") from None
         self._next_write = 0  # the next message to reserve
         self._next_publish = 0  # the next reserved message to publish
-        self._next_read = 0 if is_writer else self._get("read_index")
+        self._next_read = 0 if is_writer else self._resync()
         self._pending_release = False
-        if not is_writer and self._get("reader_holding"):
-            # the previous reader died (or closed) holding a slot: its message was taken, so skip it
-            # and give the slot back, or the semaphores and the read position disagree by one
-            self._next_read += 1
-            self._set("read_index", self._next_read)
-            self._set("reader_holding", 0)
-            self._spaces.release()
         self._closed = False
         self.last_latency_ns = 0  # publish-to-receive time of the last message received (same clock)
         self.last_work_ns = 0  # CPU time of the last send() or recv() itself, waiting excluded
@@ -192,6 +187,40 @@ class TensorChannel:
     @classmethod
     def attach(cls, name: str, dead_after: float = 1.5) -> TensorChannel:
         return cls(Segment.attach(name), is_writer=False, dead_after=dead_after)
+
+    def _taken(self) -> int | None:
+        """Messages readers took off the items semaphore so far (posts - its value), or None if unknown.
+
+        A seqlock on the writer's indices: `published_index` is stored after each post, `publishing_index`
+        before it, so equal values read around the semaphore's value mean the posts then were exactly that.
+        """
+        if not posix_ipc.SEMAPHORE_VALUE_SUPPORTED:
+            return None
+        for _ in range(10_000):
+            done = self._get("published_index")
+            value = self._items.value
+            if self._get("publishing_index") == done:
+                return done - value
+            time.sleep(0)
+        return None  # the writer died mid-publish (or is very slow): fall back to the holding flag
+
+    def _resync(self) -> int:
+        """A new reader's read position: the message after the last one any reader took.
+
+        A reader that died between its sem_wait and storing `reader_holding` took a message without
+        a trace in the header; trusting `read_index` alone would make its successor re-read that
+        stale slot and stay one message behind for good. Messages taken but never released are
+        skipped, and their slots given back, or the semaphores and the read position disagree.
+        """
+        released = self._get("read_index")
+        taken = self._taken()
+        if taken is None or taken < released:
+            taken = released + (1 if self._get("reader_holding") else 0)
+        for _ in range(taken - released):
+            self._spaces.release()
+        self._set("read_index", taken)
+        self._set("reader_holding", 0)
+        return taken
 
     # ---- header access --------------------------------------------------------------------------
     def _get(self, field: str) -> int:
@@ -286,7 +315,10 @@ class TensorChannel:
         # stamped last: the reader's latency is then the hand-off itself (wake-up included)
         _SLOT_HEAD.pack_into(self._mm, base, len(meta), len(slot.table), time.perf_counter_ns())
         self._next_publish += 1
+        # around the post, so a reader attaching now can tell how many messages were taken (_taken)
+        self._set("publishing_index", self._next_publish)
         self._items.release()
+        self._set("published_index", self._next_publish)
 
     def unreserve(self, slot: OutgoingSlot) -> None:
         """Gives back the newest reserved slot unpublished (its filling failed)."""

@@ -2,6 +2,11 @@
 
 Name: `mlt.<run>.<owner>.<pid>.<what>`; the pid lets a later start tell a dead owner's leftovers
 from a live peer's segments. Only the creator unlinks; attachers just map.
+
+A name in /dev/shm proves nothing: any local user can create one that matches. A leftover is acted on
+(swept, read, adopted) only when it is a regular file of our uid with the mode we create with (0600),
+checked on a descriptor opened without following links and without blocking (a FIFO would hang a
+reader); anything else is skipped with a log line.
 """
 
 from __future__ import annotations
@@ -9,16 +14,21 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import stat
 from collections.abc import Collection
 from pathlib import Path
 
 import posix_ipc
+import structlog
 import torch
 
 PREFIX = "mlt"
 SHM_DIR = Path("/dev/shm")
 _NAME_RE = re.compile(rf"^(?:sem\.)?{PREFIX}\.(?P<run>[\w-]+)\.(?P<owner>[\w-]+)\.(?P<pid>\d+)\.(?P<what>[\w.-]+)$")
 _SAFE = re.compile(r"^[\w-]+$")
+MODE = 0o600  # what posix_ipc creates our segments and semaphores with (its default)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_log = structlog.get_logger()
 
 
 def segment_name(run_id: str, owner: str, what: str, pid: int | None = None) -> str:
@@ -38,6 +48,64 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _refusal(st: os.stat_result) -> str | None:
+    """Why a leftover with this fstat is not ours to touch, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not ours ({os.geteuid()})"
+    if stat.S_IMODE(st.st_mode) != MODE:
+        return f"mode {stat.S_IMODE(st.st_mode):o}, not {MODE:o}"
+    return None
+
+
+def open_leftover(path: Path) -> int | None:
+    """A read-only descriptor on `path` if it is one of ours to act on, else None (logged).
+
+    O_NOFOLLOW: a symlink is refused (ELOOP) rather than followed to someone's file; O_NONBLOCK: a
+    FIFO opens at once instead of waiting for a writer, and fstat then rejects it. The check is on the
+    descriptor, not the name, so a swap between check and use cannot pass another file off as ours.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        return None  # gone meanwhile (its owner cleaned up): nothing to do
+    except OSError as exc:  # ELOOP (a symlink), EACCES (another user's 0600 file), ...
+        _log.warning("shm_leftover_skipped", path=str(path), reason=exc.strerror or str(exc))
+        return None
+    try:
+        reason = _refusal(os.fstat(fd))
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    if reason is not None:
+        os.close(fd)
+        _log.warning("shm_leftover_skipped", path=str(path), reason=reason)
+        return None
+    return fd
+
+
+def leftover_stat(path: Path) -> os.stat_result | None:
+    """fstat of `path` if it is one of ours to act on (see `open_leftover`), else None (logged)."""
+    fd = open_leftover(path)
+    if fd is None:
+        return None
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def read_leftover(path: Path, limit: int) -> bytes | None:
+    """Up to `limit` bytes of a leftover of ours (a ready marker), or None when it is not ours."""
+    fd = open_leftover(path)
+    if fd is None:
+        return None
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def stale_segments(
     run_id: str | None = None, owner: str | None = None, at_startup: bool = False
 ) -> list[tuple[Path, re.Match[str]]]:
@@ -46,7 +114,7 @@ def stale_segments(
     Scope it by `owner` when other owners may live in another pid namespace (containers), where
     their pids are not visible and would look dead. `at_startup`: called before this process made
     any segment, so one bearing our own pid is a previous incarnation's (a restarted container's
-    service is pid 1 again).
+    service is pid 1 again). Only leftovers that are ours (`open_leftover`) are returned.
     """
     found = []
     if not SHM_DIR.is_dir():
@@ -57,6 +125,8 @@ def stale_segments(
             continue
         pid = int(m["pid"])
         if not (at_startup and pid == os.getpid()) and pid_alive(pid):
+            continue
+        if leftover_stat(path) is None:
             continue
         found.append((path, m))
     return found
@@ -76,15 +146,29 @@ def sweep_stale(
             removed.append(path.name)
         except FileNotFoundError:
             pass
+        except OSError as exc:  # a sweep never aborts a start: what cannot go is left, and said
+            _log.warning("shm_leftover_not_removed", path=str(path), reason=exc.strerror or str(exc))
     return removed
 
 
-def adopt(path: Path, name: str) -> None:
+def adopt(path: Path, name: str, expect: os.stat_result | None = None) -> None:
     """Takes over a dead owner's segment under our own name. On Linux a segment is a tmpfs file:
-    renaming it leaves every process that maps it (and the pages) untouched."""
+    renaming it leaves every process that maps it (and the pages) untouched.
+
+    Only a leftover of ours (`open_leftover`) is taken, and only the very file that was checked
+    (`expect`, the caller's `leftover_stat`): another user's file would stay theirs to rewrite.
+    Raises PermissionError otherwise (the file is left where it was).
+    """
+    st = leftover_stat(path)
+    if st is None or (expect is not None and (st.st_dev, st.st_ino) != (expect.st_dev, expect.st_ino)):
+        raise PermissionError(f"{path} is not a segment of ours (uid {os.geteuid()}, mode {MODE:o}); not adopted")
     target = SHM_DIR / name.lstrip("/")
     if path != target:
         os.rename(path, target)
+    # the name we map from now on must be that file (a symlink or swap at the target would not be)
+    after = os.stat(target, follow_symlinks=False)
+    if (after.st_dev, after.st_ino) != (st.st_dev, st.st_ino):
+        raise PermissionError(f"{target} changed while it was adopted; not adopted")
 
 
 def list_segments(run_id: str | None = None) -> list[str]:

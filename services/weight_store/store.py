@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
 from moe_lightning.shm import Segment, segment_name
-from moe_lightning.shm.segment import SHM_DIR, adopt, pid_alive, stale_segments
+from moe_lightning.shm.segment import SHM_DIR, adopt, leftover_stat, pid_alive, read_leftover, stale_segments
 from moe_lightning.spec import ModelSpec
 
 READ_CHUNK = 256 << 20
@@ -66,21 +66,33 @@ class WeightArena:
         ready = {m["pid"]: path for path, m in leftovers if m["what"] == READY}
         chosen = None
         for pid, path in arenas.items():
-            try:
-                key = ready[pid].read_bytes().rstrip(b"\0").decode() if pid in ready else ""
-                size = path.stat().st_size
-            except (OSError, UnicodeDecodeError):
+            # stale_segments kept only leftovers of ours; checked again on the descriptor we read
+            # through (never following a link, never blocking on a FIFO), as the file may be swapped
+            st = leftover_stat(path)
+            raw = read_leftover(ready[pid], len(self.key.encode()) + 1) if pid in ready else None
+            if st is None or raw is None:
                 continue
-            if key == self.key and size == self.layout.total_bytes:
-                chosen = path
+            try:
+                key = raw.rstrip(b"\0").decode()
+            except UnicodeDecodeError:
+                continue
+            if key == self.key and st.st_size == self.layout.total_bytes:
+                chosen = (path, st)
                 break
         for path, _ in leftovers:
-            if path != chosen:
-                path.unlink(missing_ok=True)
+            if chosen is None or path != chosen[0]:
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:  # a start never aborts on a leftover it cannot remove
+                    self.log.warning("stale_segment_not_removed", path=str(path), error=str(exc))
         if chosen is None:
             return False
-        adopt(chosen, name)
-        self.log.info("arena_adopted", predecessor=chosen.name, bytes=self.layout.total_bytes)
+        try:
+            adopt(chosen[0], name, expect=chosen[1])
+        except OSError as exc:
+            self.log.warning("arena_not_adopted", predecessor=chosen[0].name, error=str(exc))
+            return False
+        self.log.info("arena_adopted", predecessor=chosen[0].name, bytes=self.layout.total_bytes)
         return True
 
     def _mark_ready(self) -> None:
