@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.service.auth import is_local_target
 from moe_lightning.service.upstream import CHANNEL_OPTIONS
 
 FINISH_NAMES = {
@@ -170,15 +171,31 @@ def plan_in_flight(meta: generation_pb2.GetServerMetadataResponse, chunk_size: i
     return InFlight(chunk, chunks, batch, mu, cap, "planned batch")
 
 
+class InsecureTokenError(ValueError):
+    """A bearer token would travel in plaintext beyond this machine."""
+
+
 class GenerationClient:
     # how often a batch helper re-reads the planned batch, which changes when the server re-plans
     REPLAN_CHECK_SECONDS = 1.0
 
     def __init__(
-        self, address: str, timeout: float | None = None, tls_ca: Path | None = None, token: str | None = None
+        self,
+        address: str,
+        timeout: float | None = None,
+        tls_ca: Path | None = None,
+        token: str | None = None,
+        allow_insecure_token: bool = False,
     ) -> None:
         """`tls_ca`: PEM root certificate(s) to verify a TLS server with (None: plaintext);
-        `token`: sent as 'authorization: Bearer <token>' on every call."""
+        `token`: sent as 'authorization: Bearer <token>' on every call. A token without TLS to an address
+        beyond this machine (not loopback, not a unix socket) is refused, since anyone on the path could
+        read it, unless `allow_insecure_token` says the network is trusted."""
+        if token and tls_ca is None and not allow_insecure_token and not is_local_target(address):
+            raise InsecureTokenError(
+                f"refusing to send the bearer token in plaintext to {address}: give the server's CA (tls_ca, "
+                "--tls-ca) to use TLS, or allow_insecure_token=True (--allow-insecure-token) on a network you trust"
+            )
         if tls_ca is not None:
             creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
             self.channel = grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)

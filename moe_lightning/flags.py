@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,35 @@ class EnvDefaultsParser(argparse.ArgumentParser):
         return action
 
 
+def default_socket_dir() -> Path:
+    """Where an internal service started by hand listens: $XDG_RUNTIME_DIR/moe-lightning (per user,
+    mode 0700 by the system), else a per-user directory under the temp dir. Created 0700 and checked
+    for owner and mode when a service binds there (auth.ensure_private_dir)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime):
+        return Path(runtime) / "moe-lightning"
+    return Path(tempfile.gettempdir()) / f"moe-lightning-uid{os.getuid()}"
+
+
+def internal_address(service: str) -> str:
+    """The default listen address of an internal service: a unix socket only this user can reach
+    (on TCP any local user could call Connect or Step)."""
+    return f"unix://{default_socket_dir() / f'{service}.sock'}"
+
+
 def add_service_flags(parser: argparse.ArgumentParser, default_address: str) -> None:
     """Flags every service process takes."""
     parser.add_argument(
-        "--address", default=default_address, help="gRPC listen address: unix:///path.sock or host:port"
+        "--address",
+        default=default_address,
+        help="gRPC listen address: unix:///path.sock or host:port (an internal service on TCP needs --internal-token)",
+    )
+    parser.add_argument(
+        "--internal-token",
+        default=None,
+        help="shared secret of the internal services: required from callers by the weight store, gpu_expert and "
+        "cpu_attention (mandatory when they listen on TCP), sent by every service to the ones it calls; "
+        "set it by environment, not on the command line, where ps shows it",
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus HTTP port (0 = any free port)")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="Prometheus HTTP bind address")

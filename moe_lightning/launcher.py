@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from moe_lightning.service import names
-from moe_lightning.service.upstream import health_status, open_channel
+from moe_lightning.service.upstream import health_status, open_channel, readiness_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
 from moe_lightning.spec import ModelSpec, resolve_dtype
 
@@ -55,6 +55,7 @@ class StackConfig:
     experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
     tls_cert: Path | None = None  # serve the public API over TLS (the other services stay on unix sockets)
     tls_key: Path | None = None
+    tls_ca: Path | None = None  # verifies tls_cert in the readiness check (None: the cert itself, self-signed)
     auth_token: str | None = None  # require it as a bearer token (passed by environment, not argv)
     kv_cache_memory: str = "2GiB"
     kv_dtype: str = "auto"  # cpu_attention's KV cache: auto (the arena's dtype), float32, bfloat16, float16
@@ -188,7 +189,9 @@ class Stack:
         channels = {name: open_channel(addr) for name, addr in self.addresses.items()}
         if self.config.tls_cert is not None:  # the public API speaks TLS: so must its health check
             channels["orchestrator"].close()
-            channels["orchestrator"] = open_channel(self.addresses["orchestrator"], tls_ca=self.config.tls_cert)
+            channels["orchestrator"] = readiness_channel(
+                self.addresses["orchestrator"], self.config.tls_cert, self.config.tls_ca
+            )
         try:
             pending = set(SERVICES)
             while pending:

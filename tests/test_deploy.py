@@ -52,6 +52,24 @@ def test_compose_file() -> None:
         assert set(flags) <= known, f"{name}: unknown flags {set(flags) - known}"
 
 
+def test_compose_requires_a_token_and_keeps_internal_services_off_tcp() -> None:
+    """The published API needs a bearer token (compose refuses to start without one: `:?`), passed by
+    environment, not argv; the internal services listen on unix sockets only (on TCP any local user
+    could call them)."""
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    orch = services["orchestrator"]
+    token = orch["environment"]["MOE_LIGHTNING_AUTH_TOKEN"]
+    assert token.startswith("${MOE_LIGHTNING_AUTH_TOKEN:?") and token.endswith("}"), token
+    assert "--auth-token" not in orch["command"]  # ps would show it
+    # the orchestrator's own mapping replaces the shared one: the run id must still be there
+    assert orch["environment"]["MOE_LIGHTNING_RUN_ID"] == compose["x-service"]["environment"]["MOE_LIGHTNING_RUN_ID"]
+    for name in ("weight_store", "cpu_attention", "gpu_expert"):
+        cmd = services[name]["command"]
+        assert cmd[cmd.index("--address") + 1].startswith("unix://"), name
+        assert not services[name].get("ports"), name
+
+
 def test_dockerfile_installs_the_health_probe() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert "grpc-health-check" in text and "pip install ." in text

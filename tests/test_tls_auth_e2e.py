@@ -52,6 +52,12 @@ def test_tls_and_bearer_token(tmp_path: Path, reference: dict, make_stack: Calla
         assert info.value.code() == code, (kwargs, info.value)
         if code == grpc.StatusCode.UNAUTHENTICATED:
             assert "authorization: Bearer" in info.value.details()
+    # every kind of call is guarded, a server-streaming one too (issue 14)
+    with GenerationClient(addr, timeout=10, tls_ca=cert) as c, pytest.raises(grpc.RpcError) as info:
+        list(c.stream(prompt))
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+    with GenerationClient(addr, timeout=60, tls_ca=cert, token=TOKEN) as c:
+        assert [t for m in c.stream(prompt) if hasattr(m, "finish_reason") for t in m.token_ids] == reference[0]
     ch = open_channel(addr, tls_ca=cert)
     assert health_status(ch, GENERATION) == 1  # no token needed
     ch.close()

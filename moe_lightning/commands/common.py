@@ -29,6 +29,11 @@ def add_client_flags(p: argparse.ArgumentParser) -> None:
     """How to reach a stack whose public API requires TLS and/or a token."""
     p.add_argument("--tls-ca", type=Path, default=None, help="PEM root certificate to verify the server's TLS cert")
     p.add_argument("--auth-token", default=None, help="bearer token (or set MOE_LIGHTNING_AUTH_TOKEN)")
+    p.add_argument(
+        "--allow-insecure-token",
+        action="store_true",
+        help="send --auth-token without TLS to a non-loopback address (refused otherwise: anyone on the path reads it)",
+    )
 
 
 def add_placement_flags(p: argparse.ArgumentParser) -> None:

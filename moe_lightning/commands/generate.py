@@ -149,7 +149,9 @@ def _remote(args: argparse.Namespace) -> int:
     else:
         prompts = [Prompt(token_ids=ids, **common) for ids in args.prompt_ids]  # type: ignore[arg-type]
     t0 = time.perf_counter()
-    with GenerationClient(args.addr, tls_ca=args.tls_ca, token=args.auth_token) as client:
+    with GenerationClient(
+        args.addr, tls_ca=args.tls_ca, token=args.auth_token, allow_insecure_token=args.allow_insecure_token
+    ) as client:
         if args.stream:
             return _stream(client, prompts, args.json)
         done = client.batch_generate(prompts) if len(prompts) > 1 else [client.generate(prompts[0])]

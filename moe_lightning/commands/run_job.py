@@ -110,7 +110,9 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
 
     t0 = time.perf_counter()
     with (
-        GenerationClient(addr, tls_ca=args.tls_ca, token=args.auth_token) as client,
+        GenerationClient(
+            addr, tls_ca=args.tls_ca, token=args.auth_token, allow_insecure_token=args.allow_insecure_token
+        ) as client,
         tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar,
     ):
         try:

@@ -20,10 +20,52 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address of the public API (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051, help="port of the public API (0 = any free port)")
     add_stack_flags(p)
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve the public API over TLS with this PEM cert")
+    p.add_argument("--tls-key", type=Path, default=None, help="the PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help="PEM root that verifies --tls-cert, for up's own readiness check (default: the cert itself, self-signed)",
+    )
+    p.add_argument(
+        "--auth-token",
+        default=None,
+        help="require 'authorization: Bearer TOKEN' on the public API (set it by environment: ps shows argv)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a --host beyond loopback without --auth-token (anyone who reaches the port may use the API)",
+    )
     p.add_argument("--json", action="store_true", help="print the endpoints as one JSON object")
     p.add_argument(
         "--no-restart", action="store_true", help="stop the stack when a service exits (default: restart it)"
     )
+
+
+def exposure_check(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """(an error that refuses to start, warnings) for how `up` would expose the public API."""
+    from moe_lightning.service.auth import is_loopback
+
+    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
+    if bool(cert) != bool(key):
+        return "--tls-cert and --tls-key go together", []
+    if is_loopback(args.host):
+        return None, []
+    token, insecure = getattr(args, "auth_token", None), getattr(args, "insecure", False)
+    if not token and not insecure:
+        return (
+            f"--host {args.host} serves the API beyond this machine, and without --auth-token anyone who reaches "
+            "the port may use it: set MOE_LIGHTNING_AUTH_TOKEN (and --tls-cert/--tls-key), or say --insecure",
+            [],
+        )
+    warnings = []
+    if not token:
+        warnings.append(f"--insecure: the API on {args.host}:{args.port} takes calls from anyone, without a token")
+    if not cert:
+        warnings.append(f"no --tls-cert: the API on {args.host}:{args.port} is plaintext (tokens and prompts readable)")
+    return None, warnings
 
 
 def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -> Any:
@@ -46,8 +88,10 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
         micro_batch_size=args.micro_batch_size,
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         log_dir=Path(args.log_dir) if args.log_dir else None,
+        # `run --model` has no TLS flags: its stack binds loopback only
         tls_cert=getattr(args, "tls_cert", None),
         tls_key=getattr(args, "tls_key", None),
+        tls_ca=getattr(args, "tls_ca", None) if getattr(args, "tls_cert", None) else None,
         auth_token=getattr(args, "auth_token", None),
     )
 
@@ -55,6 +99,12 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.launcher import Stack
 
+    error, warnings = exposure_check(args)
+    if error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+    for w in warnings:
+        sys.stderr.write(f"warning: {w}\n")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -135,10 +135,12 @@ def bootstrap(
     """What every service main does first: logging, torch threads, sweeping a dead predecessor's
     segments (but those named in `keep_segments`, which the service may adopt), and a started (live,
     not yet ready) gRPC server with `servicer` registered."""
+    from moe_lightning.service.auth import internal_guard
     from moe_lightning.service.logs import configure_logging
     from moe_lightning.shm import sweep_stale
 
     log = configure_logging(owner, args.log_level, args.log_json or None)
+    guard = internal_guard(args, service)  # an internal service on TCP without a secret exits here
     threads = getattr(args, "threads", 0)
     if threads > 0:
         import torch
@@ -157,6 +159,7 @@ def bootstrap(
         from moe_lightning.service.auth import BearerTokenInterceptor
 
         interceptors = (BearerTokenInterceptor(args.auth_token),)
+    interceptors = (*guard, *interceptors)
     runtime = ServiceRuntime(
         service,
         args.address,

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, NamedTuple, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
+from moe_lightning.service.auth import INTERNAL_METADATA_KEY, split_host
 from moe_lightning.service.convert import DTYPE_FROM_PB, spec_from_pb
 from moe_lightning.service.errors import UnavailableError
 from moe_lightning.service.names import WEIGHT_STORE
@@ -31,11 +34,91 @@ class _Stoppable(Protocol):
     def stopping(self) -> bool: ...
 
 
-def open_channel(address: str, tls_ca: Path | None = None) -> grpc.Channel:
+# The internal services' shared secret this process sends (set once at start-up by
+# auth.internal_guard from --internal-token); None: send nothing.
+_internal_token: str | None = None
+
+
+def set_internal_token(token: str | None) -> None:
+    global _internal_token
+    _internal_token = token or None
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _SendInternalToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the internal secret to every call of every kind on a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(d.metadata or ()), (INTERNAL_METADATA_KEY, self._token)]
+        return _CallDetails(
+            d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None), d.compression
+        )
+
+    def _call(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    intercept_unary_unary = intercept_unary_stream = _call
+    intercept_stream_unary = intercept_stream_stream = _call
+
+
+def open_channel(
+    address: str, tls_ca: Path | None = None, options: list[tuple[str, Any]] | None = None
+) -> grpc.Channel:
+    """A channel to `address` (TLS verified against `tls_ca` when given) that carries this process's
+    internal secret, if it has one, on every call."""
+    opts = [*CHANNEL_OPTIONS, *(options or [])]
     if tls_ca is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-        return grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = grpc.secure_channel(address, creds, options=opts)
+    else:
+        channel = grpc.insecure_channel(address, options=opts)
+    if _internal_token:
+        return grpc.intercept_channel(channel, _SendInternalToken(_internal_token))
+    return channel
+
+
+def _cert_names(cert: Path) -> list[str]:
+    """The DNS names and IP addresses a PEM certificate is for (subjectAltName, else its CN)."""
+    try:
+        decoded = ssl._ssl._test_decode_cert(str(cert))  # type: ignore[attr-defined]  # stdlib, no extra dependency
+    except (AttributeError, OSError, ssl.SSLError):
+        return []
+    names = [v for k, v in decoded.get("subjectAltName", ()) if k in ("DNS", "IP Address")]
+    if not names:
+        names = [v for rdn in decoded.get("subject", ()) for k, v in rdn if k == "commonName"]
+    return names
+
+
+def readiness_channel(address: str, cert: Path, ca: Path | None = None) -> grpc.Channel:
+    """A TLS channel from this machine to a public API bound at `address` with `cert`: a wildcard bind
+    is reached on loopback, verified against `ca` (default: the certificate itself, right for a
+    self-signed one) under a name the certificate is for, so a cert for api.example.com or one whose
+    SAN lacks the bind address still passes the launcher's own health check."""
+    host = split_host(address)
+    port = address.rsplit(":", 1)[-1]
+    target = f"127.0.0.1:{port}" if host in ("0.0.0.0", "::", "") else address
+    names = _cert_names(cert)
+    options = []
+    if names and split_host(target) not in names:
+        # a wildcard name matches any one label: put one in
+        options.append(("grpc.ssl_target_name_override", names[0].replace("*", "readiness", 1)))
+    return open_channel(target, tls_ca=ca or cert, options=options)
 
 
 def health_status(channel: grpc.Channel, service: str, timeout: float = 1.0) -> int | None:

@@ -12,7 +12,7 @@ import grpc
 import torch
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, parse_size
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, internal_address, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_attention_side
 from moe_lightning.kv_cache import PagedKVCache
@@ -68,7 +68,7 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-cpu-attention", description=__doc__)
-    add_service_flags(p, "127.0.0.1:50063")
+    add_service_flags(p, internal_address("cpu_attention"))
     p.add_argument("--weight-store", required=True, help="address of the weight store (for the model spec)")
     p.add_argument(
         "--kv-cache-memory",

@@ -17,7 +17,7 @@ from prometheus_client import Gauge
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.arena import expert_page_names, weights_from_arena
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, parse_size
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, internal_address, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
 from moe_lightning.kv_cache import PagedKVCache
@@ -117,7 +117,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-gpu-expert", description=__doc__)
-    add_service_flags(p, "127.0.0.1:50062")
+    add_service_flags(p, internal_address("gpu_expert"))
     p.add_argument("--weight-store", required=True, help="address of the weight store")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
     p.add_argument(

@@ -13,7 +13,7 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags
+from moe_lightning.flags import EnvDefaultsParser, add_service_flags, internal_address
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import WEIGHT_STORE
@@ -56,7 +56,7 @@ class WeightStoreServicer(weight_store_pb2_grpc.WeightStoreServicer):
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-weight-store", description=__doc__)
-    add_service_flags(p, "127.0.0.1:50061")
+    add_service_flags(p, internal_address("weight_store"))
     p.add_argument("--model", required=True, type=Path, help="HF checkpoint directory")
     p.add_argument(
         "--dtype",
