@@ -7,7 +7,6 @@ is reported with its name instead of failing deep inside a later read.
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,78 +15,14 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+# the header reader lives in its own module; these stay importable from here, where callers look
+from moe_lightning.safetensors_header import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
+from moe_lightning.safetensors_header import CheckpointError, TensorEntry, read_safetensors_header
 from moe_lightning.spec import ModelSpec
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 
-SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot read; the message names the tensor and/or file."""
-
-
-@dataclass(frozen=True, slots=True)
-class TensorEntry:
-    name: str
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # byte offset of the data inside the file
-    nbytes: int
-
-
-def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
-    """Parses and validates one .safetensors header; raises CheckpointError naming the file."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (header_len,) = struct.unpack("<Q", raw)
-        if 8 + header_len > size:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file (header says {header_len} bytes, file has {size})"
-            )
-        try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{path}: corrupt safetensors header: {exc}") from exc
-    data_start = 8 + header_len
-    entries: dict[str, TensorEntry] = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        begin, end = info["data_offsets"]
-        shape = tuple(int(s) for s in info["shape"])
-        numel = 1
-        for s in shape:
-            numel *= s
-        expected = numel * torch.empty((), dtype=dtype).element_size()
-        if end - begin != expected:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} spans {end - begin} bytes but shape {list(shape)} needs {expected}"
-            )
-        if data_start + end > size:
-            raise CheckpointError(
-                f"{path}: truncated safetensors file: tensor {name!r} ends at byte {data_start + end}, file has {size}"
-            )
-        entries[name] = TensorEntry(name, path, dtype, shape, data_start + begin, end - begin)
-    return entries
 
 
 class CheckpointReader:
@@ -106,8 +41,13 @@ class CheckpointReader:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as exc:
+            except (ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+            # shard names are files of this directory: a path would read outside the model
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()
+            ):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to file names in {self.model_dir}")
             files = sorted({self.model_dir / f for f in weight_map.values()})
             for f in files:
                 if not f.is_file():
@@ -139,11 +79,14 @@ class CheckpointReader:
             raise CheckpointError(
                 f"tensor {name!r} in {entry.file.name} has shape {list(entry.shape)}, expected {list(shape)}"
             )
-        handle = self._handles.get(entry.file)
-        if handle is None:
-            handle = safe_open(str(entry.file), framework="pt")
-            self._handles[entry.file] = handle
-        return handle.get_tensor(name)  # type: ignore[attr-defined]
+        try:
+            handle = self._handles.get(entry.file)
+            if handle is None:
+                handle = safe_open(str(entry.file), framework="pt")
+                self._handles[entry.file] = handle
+            return handle.get_tensor(name)  # type: ignore[attr-defined]
+        except Exception as exc:  # the header was checked; this is the file changing under us, or a library bug
+            raise CheckpointError(f"{entry.file}: cannot read tensor {name!r}: {exc}") from exc
 
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from moe_lightning.hrm.hardware import HardwareProfile
@@ -38,6 +39,53 @@ def profile_cache_dir() -> Path:
     --profile-cache), else ~/.cache/moe-lightning/profiles. The test suite points it at a fresh
     temporary directory, so no test depends on what an earlier run measured."""
     return Path(os.environ.get(PROFILE_CACHE_ENV) or Path.home() / ".cache" / "moe-lightning" / "profiles")
+
+
+# The cache only saves a re-measurement: a cache that cannot be read or written (a container user whose
+# HOME is /nonexistent, a read-only or foreign directory) is a warning, never a failed start.
+
+
+def _cache_file(cache_dir: Path | None, name: str) -> Path | None:
+    try:
+        return (cache_dir or profile_cache_dir()) / name
+    except RuntimeError as exc:  # Path.home(): no HOME and no passwd entry
+        _cache_warning("profile_cache_unavailable", None, exc)
+        return None
+
+
+def _cache_warning(event: str, path: Path | None, exc: BaseException) -> None:
+    structlog.get_logger().warning(
+        event,
+        path=None if path is None else str(path),
+        error=f"{type(exc).__name__}: {exc}",
+        hint=f"set --profile-cache or ${PROFILE_CACHE_ENV} to a writable directory",
+    )
+
+
+def _read_cache(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return path.read_text() if path.is_file() else None
+    except (OSError, UnicodeDecodeError) as exc:
+        _cache_warning("profile_cache_read_failed", path, exc)
+        return None
+
+
+def _write_cache(path: Path | None, text: str) -> None:
+    if path is None:
+        return
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    except OSError as exc:
+        _cache_warning("profile_cache_write_failed", path, exc)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def _sync(device: torch.device) -> None:
@@ -182,13 +230,14 @@ def cached_profile(
     """The machine's calibrated profile, measured once per (host, device, model shape) and cached."""
     key = f"{platform.node() or 'host'}-{device.replace(':', '')}-{spec.hidden_size}x{spec.intermediate_size}"
     key += f"-k{KERNELS_VERSION}"
-    cache_dir = cache_dir or profile_cache_dir()
-    path = cache_dir / f"{key}.json"
-    if path.is_file() and not refresh:
-        return HardwareProfile.from_file(path)
+    path = _cache_file(cache_dir, f"{key}.json")
+    if not refresh and path is not None and _read_cache(path) is not None:
+        try:
+            return HardwareProfile.from_file(path)
+        except ValueError as exc:  # an older or damaged cache: measure again
+            _cache_warning("profile_cache_damaged", path, exc)
     profile = measure(spec, device)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
+    _write_cache(path, profile.to_json())
     return profile
 
 
@@ -246,16 +295,15 @@ def cached_measurements(
     key: str, measure_fn: Callable[[], Measurements], refresh: bool = False, cache_dir: Path | None = None
 ) -> Measurements:
     """A service's warm-up measurements, re-used across restarts on this machine."""
-    cache_dir = cache_dir or profile_cache_dir()
-    path = cache_dir / f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json"
-    if path.is_file() and not refresh:
+    path = _cache_file(cache_dir, f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json")
+    text = None if refresh else _read_cache(path)
+    if text is not None:
         try:
-            return Measurements(**json.loads(path.read_text()))
-        except (ValueError, TypeError):
+            return Measurements(**json.loads(text))
+        except (ValueError, TypeError, RecursionError):
             pass  # an older or damaged cache: measure again
     m = measure_fn()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(m)))
+    _write_cache(path, json.dumps(asdict(m)))
     return m
 
 

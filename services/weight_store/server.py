@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import structlog
 import torch
 from prometheus_client import Gauge
 
@@ -67,12 +68,36 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument(
         "--cache-dir",
         type=Path,
-        default=Path.home() / ".cache" / "moe-lightning" / "arena",
-        help="where the converted copy is kept",
+        default=None,
+        help="where the converted copy is kept (default: ~/.cache/moe-lightning/arena; in a container, a volume)",
     )
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the converted copy")
     p.add_argument("--no-progress", action="store_true")
     return p
+
+
+def default_cache_dir() -> Path | None:
+    """~/.cache/moe-lightning/arena, or None (no copy) when there is no home to resolve: a container user
+    without a passwd entry must still start; a home that exists but cannot be written is a warning later."""
+    try:
+        return Path.home() / ".cache" / "moe-lightning" / "arena"
+    except RuntimeError:  # "Could not determine home directory"
+        structlog.get_logger().warning("arena_cache_disabled", reason="no home directory; set --cache-dir")
+        return None
+
+
+def _start_explained(
+    args: argparse.Namespace, servicer: WeightStoreServicer, runtime: ServiceRuntime
+) -> dict[str, Any]:
+    """_start; a failure of a kind not expected from a bad checkpoint or a full /dev/shm keeps its traceback
+    in the log (serve() logs only the message), since it may be a bug rather than bad input."""
+    try:
+        return _start(args, servicer, runtime)
+    except (ValueError, OSError):
+        raise  # CheckpointError and the like: the message names the file and says what is wrong
+    except Exception:
+        structlog.get_logger().exception("startup_unexpected_error", model=str(args.model))
+        raise
 
 
 def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: ServiceRuntime) -> dict[str, Any]:
@@ -82,7 +107,8 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
     if tokenizer is not None:
         tokenizer.check_fits(spec.vocab_size, args.model)
     dtype = resolve_dtype(args.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    arena = WeightArena(args.model, spec, dtype, None if args.no_cache else args.cache_dir, args.run_id)
+    cache_dir = None if args.no_cache else args.cache_dir or default_cache_dir()
+    arena = WeightArena(args.model, spec, dtype, cache_dir, args.run_id)
     runtime.on_shutdown(arena.close)  # before the load: a load that fails still releases the arena
     report = arena.load(progress=not args.no_progress)
     servicer.ready(arena, report)
@@ -108,9 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         WEIGHT_STORE,
         weight_store_pb2_grpc.add_WeightStoreServicer_to_server,
         servicer,
-        lambda runtime: _start(args, servicer, runtime),
-        # a bad checkpoint or a full /dev/shm; anything else is a bug and keeps its traceback
-        failures=(ValueError, OSError),
+        lambda runtime: _start_explained(args, servicer, runtime),
+        # anything: a checkpoint is operator input, and whatever it makes fail (a bad file, a full /dev/shm,
+        # a library's own error) must release the arena and exit 1 naming the file, not leave a segment behind
+        failures=(Exception,),
         keep_segments=(ARENA, READY),  # the predecessor's arena may be adopted, not swept
     )
 

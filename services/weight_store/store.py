@@ -111,7 +111,10 @@ class WeightArena:
         copy_ok = False
         if self.cache_dir is not None:
             data, manifest = self._cache_paths(key)
-            copy_ok = data.is_file() and manifest.is_file() and self._cache_matches(manifest, data)
+            try:
+                copy_ok = data.is_file() and manifest.is_file() and self._cache_matches(manifest, data)
+            except OSError as exc:  # an unreadable cache directory (another user's, a read-only mount): convert
+                self.log.warning("arena_copy_unreadable", cache_dir=str(self.cache_dir), error=str(exc))
         if self.adopted:
             report = LoadReport(time.perf_counter() - t0, False, key, adopted=True)
         elif copy_ok:
@@ -203,5 +206,7 @@ class WeightArena:
             self._writer.join(timeout=30)  # it stops at the next chunk and removes its partial file
         for seg in (self._ready, self.segment):
             if seg is not None:
-                seg.close()
-                seg.unlink()
+                try:
+                    seg.close()
+                finally:  # a failed unmap must not leave the segment's name in /dev/shm
+                    seg.unlink()
