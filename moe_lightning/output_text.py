@@ -6,6 +6,11 @@ string and never include a stop string, and they add up to exactly the final tex
 with the finishing token completes it. The final text itself is the whole output decoded once at the
 end, as a client decoding the returned token ids would get it (the incremental text can lag it by a
 partial UTF-8 character), without a closing EOS token, cut before the earliest stop string.
+
+Per token, the stop search and the hold-back cost what the token's new text costs (times the number of
+stop strings), whatever the output's length or the stops' lengths: a streaming KMP matcher per stop keeps
+the length of the longest suffix of the text so far that is a prefix of that stop (issue 14, item 6: the
+old hold-back rescanned up to a stop's length of text per token, 178 ms a token with a 1 MB stop).
 """
 
 from __future__ import annotations
@@ -16,6 +21,56 @@ from moe_lightning.detokenize import IncrementalDetokenizer, first_stop
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
 from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.validation import STOP_NEEDS_TOKENIZER
+
+
+class StopMatcher:
+    """Streaming KMP over the text as it grows: which stop strings the newest text completes, and how
+    much of the text's end could still begin one. Each character costs O(1) per stop, amortised."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._fail = [_failure(s) for s in self._stops]
+        self._state = [0] * len(self._stops)  # per stop: longest suffix of the text that is a prefix of it
+
+    def feed(self, text: str) -> int:
+        """Consumes the next piece of text; returns the index into `text` where the earliest stop string
+        it completes begins (negative: that many characters before `text`), or NO_STOP."""
+        earliest: int | None = None
+        for j, stop in enumerate(self._stops):
+            fail, state, size = self._fail[j], self._state[j], len(stop)
+            for i, ch in enumerate(text):
+                while state and stop[state] != ch:
+                    state = fail[state - 1]
+                if stop[state] == ch:
+                    state += 1
+                if state == size:
+                    begin = i + 1 - size
+                    if earliest is None or begin < earliest:
+                        earliest = begin
+                    break  # a later completion of the same stop begins later
+            self._state[j] = state
+        return NO_STOP if earliest is None else earliest
+
+    @property
+    def held(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+        return max(self._state, default=0)
+
+
+NO_STOP = 1 << 62  # StopMatcher.feed's "no stop completed" (a begin index can be negative, so not -1)
+
+
+def _failure(stop: str) -> list[int]:
+    """KMP's failure function: for each prefix of `stop`, its longest proper border."""
+    fail = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = fail[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        fail[i] = k
+    return fail
 
 
 class OutputText:
@@ -35,14 +90,16 @@ class OutputText:
         self.finish_reason: str | None = None
         self._max_new_tokens = request.max_new_tokens
         self._stops = request.stop
-        self._longest = max((len(s) for s in request.stop), default=0)
+        self._matcher = StopMatcher(request.stop)
         self._eos = frozenset(() if request.ignore_eos else eos_ids)
         self._tokenizer = tokenizer
         self._stream = stream
         decode = tokenizer is not None and (stream or bool(request.stop))
         self._detok = IncrementalDetokenizer(tokenizer) if decode and tokenizer is not None else None
         self._final: str | None = None  # the final text, once known
-        self._sent = ""  # what the deltas returned so far add up to
+        self._size = 0  # characters of incremental text so far
+        self._sent = 0  # how many of them the deltas returned so far add up to
+        self._pending = ""  # the incremental text not sent yet: held back (at most a stop's length) + the newest
 
     def append(self, token: int) -> tuple[str, str | None]:
         """Adds the next generated token; returns (the text a stream may send now, the finish reason or
@@ -52,11 +109,17 @@ class OutputText:
         self.token_ids.append(token)
         self.finish_reason = self._check(token)
         if self.finish_reason is not None:
-            return self._send(self.final_text or ""), self.finish_reason
+            return self._send_final(self.final_text or ""), self.finish_reason
         if not self._stream or self._detok is None:
             return "", None
-        text = self._detok.text  # holds no stop string: the check would have finished the output
-        return self._send(text[: len(text) - self._held(text)]), None
+        # the pending text holds no stop string (the check would have finished the output); send all
+        # of it but what could still begin one. Work: the pending text's length, never the output's
+        release = len(self._pending) - self._matcher.held
+        if release <= 0:
+            return "", None
+        delta, self._pending = self._pending[:release], self._pending[release:]
+        self._sent += release
+        return delta, None
 
     @property
     def final_text(self) -> str | None:
@@ -75,34 +138,34 @@ class OutputText:
         if token in self._eos:  # not decoded: EOS is no part of the text
             return FINISH_EOS
         if self._detok is not None:
-            searched = len(self._detok.text)
-            self._detok.push([token])
-            if self._stops:
-                # only the newest text can complete a stop string: search from one stop's length back
-                hit = first_stop(self._detok.text, self._stops, max(0, searched - self._longest + 1))
-                if hit >= 0:
+            new = self._detok.push([token])
+            before = self._size
+            self._size += len(new)
+            if self._stream:
+                self._pending += new
+            if self._stops and new:
+                hit = self._matcher.feed(new)  # only the newest text can complete a stop string
+                if hit != NO_STOP:
                     assert self._tokenizer is not None  # _detok exists only with one
                     # the output text is the whole output decoded, cut at the stop; the incremental
                     # text is the fallback should the whole decode not show the stop
                     text = self._tokenizer.decode(self.token_ids)
                     cut = first_stop(text, self._stops)
-                    self._final = text[:cut] if cut >= 0 else self._detok.text[:hit]
+                    self._final = text[:cut] if cut >= 0 else self._detok.text[: before + hit]
                     return FINISH_STOP
         if len(self.token_ids) >= self._max_new_tokens:
             return FINISH_LENGTH
         return None
 
-    def _send(self, upto: str) -> str:
-        """The part of `upto` not sent yet. Nothing when `upto` does not extend what was sent: a delta
-        cannot be taken back (only a whole decode that disagrees with the incremental one does that)."""
-        if len(upto) <= len(self._sent) or not upto.startswith(self._sent):
+    def _send_final(self, final: str) -> str:
+        """The part of the final text not sent yet (once per request, so its O(output) compare is fine).
+        Nothing when it does not extend what was sent: a delta cannot be taken back (only a whole decode
+        that disagrees with the incremental one does that)."""
+        if len(final) <= self._sent:
             return ""
-        delta, self._sent = upto[len(self._sent) :], upto
+        if self._sent:
+            assert self._detok is not None  # something was sent: it came from the incremental text
+            if not final.startswith(self._detok.text[: self._sent]):
+                return ""
+        delta, self._sent = final[self._sent :], len(final)
         return delta
-
-    def _held(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        for n in range(min(len(text), self._longest - 1), 0, -1):
-            if any(s.startswith(text[-n:]) for s in self._stops):
-                return n
-        return 0

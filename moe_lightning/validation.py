@@ -6,7 +6,9 @@ the orchestrator because the engine (and the `generate` command, through Generat
 must refuse exactly what the server refuses, and moe_lightning never imports the orchestrator.
 
 Refusals are InvalidRequestError (INVALID_ARGUMENT: the request itself is wrong) or, when a valid
-request is more than this server's KV cache can ever hold, ResourceExhaustedError (RESOURCE_EXHAUSTED).
+request is more than this server's KV cache can ever hold or its response more than one gRPC message
+may carry, ResourceExhaustedError (RESOURCE_EXHAUSTED: the status gRPC itself gives a message over the
+size limit, which such a request used to end with, after all its work was done).
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # one stop string; bounds the text held back from a stream and the matcher's tables
+MAX_STOP_TOTAL_CHARS = 1024  # all of a request's stop strings together
+MAX_REQUEST_ID_CHARS = 256  # it is echoed in every response and log line of the request
+# Response size estimate (protobuf wire bytes): per request, the fields besides token ids, text and
+# logprobs (request_id aside; usage, timings, finish reason, tags and lengths); per generated token,
+# its text (a typical 4 bytes: a token's longest text would refuse ordinary batches) and, with k
+# logprobs, a TokenLogprobs of 2 ids and 1 float plus k ids and k floats with their tags and lengths
+RESPONSE_OVERHEAD_BYTES = 96
+TEXT_BYTES_PER_TOKEN = 4
+LOGPROBS_ENTRY_BYTES = 16
 STOP_NEEDS_TOKENIZER = (
     "stop strings need the model's tokenizer.json to decode the output, and this model has none: "
     "send no stop strings (or serve a checkpoint with a tokenizer)"
@@ -38,6 +50,7 @@ class RequestLimits:
     max_prompt_tokens: int | None = None  # the server's --max-prefill-tokens
     kv_tokens: int | None = None  # the server's whole KV cache, in tokens
     block_size: int = 1  # KV is reserved in blocks of this many tokens
+    max_response_bytes: int | None = None  # the API's max send message size (one response, one batch)
 
     @classmethod
     def of(
@@ -48,9 +61,16 @@ class RequestLimits:
         max_prompt_tokens: int | None = None,
         kv_tokens: int | None = None,
         block_size: int = 1,
+        max_response_bytes: int | None = None,
     ) -> RequestLimits:
         return cls(
-            spec.vocab_size, spec.max_position_embeddings, has_tokenizer, max_prompt_tokens, kv_tokens, block_size
+            spec.vocab_size,
+            spec.max_position_embeddings,
+            has_tokenizer,
+            max_prompt_tokens,
+            kv_tokens,
+            block_size,
+            max_response_bytes,
         )
 
 
@@ -90,6 +110,53 @@ def check_kv(request: GenerationRequest, kv_tokens: int, block_size: int) -> int
     return blocks
 
 
+def _varint_bytes(value: int) -> int:
+    return max(1, -(-max(value, 1).bit_length() // 7))
+
+
+def response_bytes(request: GenerationRequest, vocab_size: int) -> int:
+    """An estimate of the wire size of the request's GenerationOutput at its full max_new_tokens: the
+    token ids and logprobs at their largest, the text at a typical size per token."""
+    id_bytes = _varint_bytes(vocab_size - 1)
+    k = request.sampling.logprobs
+    per_token = id_bytes + TEXT_BYTES_PER_TOKEN
+    if k:
+        per_token += LOGPROBS_ENTRY_BYTES + 2 * id_bytes + k * (id_bytes + 4)
+    return RESPONSE_OVERHEAD_BYTES + len(request.request_id.encode()) + request.max_new_tokens * per_token
+
+
+def _check_response(total: int, limit: int, what: str) -> None:
+    if total > limit:
+        raise ResourceExhaustedError(
+            f"{what} would be about {total / 2**20:.1f} MiB, more than the {limit / 2**20:.0f} MiB one response may "
+            "carry: lower max_new_tokens or logprobs, or send fewer prompts per call"
+        )
+
+
+def check_batch(requests: Sequence[GenerationRequest], limits: RequestLimits) -> None:
+    """BatchGenerate returns every output in one message: refuses a batch whose response could not be sent
+    (each request was validated on its own already). RESOURCE_EXHAUSTED, before any of it runs."""
+    if limits.max_response_bytes is None:
+        return
+    total = sum(response_bytes(r, limits.vocab_size) for r in requests)
+    _check_response(total, limits.max_response_bytes, f"the response to these {len(requests)} prompts")
+
+
+def _check_stops(stops: Sequence[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    for i, stop in enumerate(stops):
+        if len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequestError(
+                f"stop string {i} has {len(stop)} characters; each may have at most {MAX_STOP_CHARS}"
+            )
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise InvalidRequestError(
+            f"the stop strings have {total} characters in all; at most {MAX_STOP_TOTAL_CHARS} are allowed"
+        )
+
+
 def validate(request: GenerationRequest, limits: RequestLimits) -> None:
     """Raises InvalidRequestError or ResourceExhaustedError for a request that cannot be served."""
     n = len(request.prompt_ids)
@@ -108,13 +175,18 @@ def validate(request: GenerationRequest, limits: RequestLimits) -> None:
             f"prompt ({n} tokens) + max_new_tokens ({request.max_new_tokens}) = {total} "
             f"exceeds the model's context of {limits.max_context} tokens"
         )
-    if len(request.stop) > MAX_STOP_STRINGS or any(not s for s in request.stop):
-        raise InvalidRequestError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
+    _check_stops(request.stop)
     if request.stop and not limits.has_tokenizer:
         raise InvalidRequestError(STOP_NEEDS_TOKENIZER)
     if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
         raise InvalidRequestError(
             f"prompt has {n} tokens; this server accepts at most {limits.max_prompt_tokens} (--max-prefill-tokens)"
         )
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(
+            f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
+        )
     if limits.kv_tokens is not None:
         check_kv(request, limits.kv_tokens, limits.block_size)
+    if limits.max_response_bytes is not None:
+        _check_response(response_bytes(request, limits.vocab_size), limits.max_response_bytes, "the response")

@@ -174,20 +174,22 @@ class Batcher:
     def _admit(self, on_admit: Callable[[Sequence], None] | None) -> list[Sequence]:
         new: list[Sequence] = []
         budget = self.config.max_prefill_tokens
-        while self.waiting and len(self.running) + len(new) < self.config.max_batch_size:
-            seq = self.waiting[0]
-            if seq.blocks > self.free_blocks:
-                break  # first come, first served: wait for KV to free up
-            self.waiting.popleft()
-            self.free_blocks -= seq.blocks
-            seq.admitted = True
-            new.append(seq)
-            if on_admit is not None:
-                on_admit(seq)
-            budget -= seq.prompt_len
-            if budget <= 0:
-                break
-        self.running.update((s.seq_id, s) for s in new)
+        try:
+            while self.waiting and len(self.running) + len(new) < self.config.max_batch_size:
+                seq = self.waiting[0]
+                if seq.blocks > self.free_blocks:
+                    break  # first come, first served: wait for KV to free up
+                self.waiting.popleft()
+                self.free_blocks -= seq.blocks
+                seq.admitted = True
+                new.append(seq)
+                if on_admit is not None:
+                    on_admit(seq)
+                budget -= seq.prompt_len
+                if budget <= 0:
+                    break
+        finally:  # should on_admit raise, what was admitted is still accounted for: remove() returns its blocks
+            self.running.update((s.seq_id, s) for s in new)
         return new
 
     def _plan(self, seqs: list[Sequence], kind: StepKind) -> StepPlan:

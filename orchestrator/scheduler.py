@@ -27,6 +27,7 @@ from moe_lightning.service.errors import (
     UnavailableError,
     status_for,
 )
+from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.validation import RequestLimits, check_kv
@@ -94,6 +95,7 @@ class Scheduler:
         self._suspended: str | None = None  # why steps cannot run now (a backend service is down)
         self.backend_lost = threading.Event()  # a step failed because a backend service is unreachable
         self._session = 0  # bumped by suspend(): a step begun in an older session cannot flag the new one
+        self._dead: str | None = None  # why the loop thread ended on its own (then alive is False)
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
 
     @property
@@ -112,6 +114,7 @@ class Scheduler:
             max_prompt_tokens=self.config.max_prefill_tokens,
             kv_tokens=self.kv_blocks * self.block_size,
             block_size=self.block_size,
+            max_response_bytes=MAX_MESSAGE_BYTES,  # the API's send limit: refuse what could not be returned
         )
 
     # ---- submission (any thread) ----------------------------------------------------------------
@@ -127,6 +130,8 @@ class Scheduler:
             check_kv(request, self.kv_blocks * self.block_size, self.block_size)
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
+            if self._dead is not None:
+                raise UnavailableError(f"{self._dead}; this server cannot run requests, use another")
             if self._suspended is not None:
                 raise UnavailableError(f"{self._suspended}; retry shortly")
             seq = self.batcher.add(request, text)
@@ -187,26 +192,61 @@ class Scheduler:
             self._cv.notify_all()
 
     # ---- the loop (scheduler thread) -------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        """False once the loop thread ended without stop(): nothing runs requests, health must say so."""
+        return self._dead is None
+
     def _loop(self) -> None:
-        while True:
-            with self._cv:
-                b = self.batcher
-                while (b.idle or self._suspended) and not self._closed:
-                    self._cv.wait(0.5)
-                if self._closed:
-                    return
+        try:
+            while self._turn():
+                pass
+        except BaseException as exc:  # the guards in _turn failed themselves
+            self._dead = f"the scheduler stopped after an internal error ({exc!r})"
+            self.log.exception("scheduler_loop_died")
+        finally:
+            if not self._closed:  # no waiter may hang on a loop that is gone, nor a caller queue behind it
+                self._dead = self._dead or "the scheduler stopped"
+                with self._cv:
+                    self._fail_all(UnavailableError(f"{self._dead}; the request was not completed"))
+
+    def _turn(self) -> bool:
+        """One step of the loop: False once stop() closed it. Any exception ends the requests it
+        concerns and the loop goes on (issue 14, item 8: it used to kill the thread silently)."""
+        with self._cv:
+            b = self.batcher
+            while (b.idle or self._suspended) and not self._closed:
+                self._cv.wait(0.5)
+            if self._closed:
+                return False
+            try:
                 for seq in b.drop_cancelled():
                     self._finish(seq)
                 step = b.schedule(self._admitted)
                 self._publish_gauges()
-            if step is None:
-                continue
-            try:
-                self._run(step)
-            except Exception as exc:  # a bug must fail this step's requests, never stop the loop
-                self.log.exception("scheduler_step_crashed")
-                with self._cv:
-                    self._abort(step, ServiceError(f"internal error in the scheduler: {exc}"))
+            except Exception as exc:  # which requests the fault left half-moved is unknown: end them all
+                self.log.exception("scheduler_schedule_crashed")
+                self._fail_all(ServiceError(f"internal error in the scheduler: {exc}; the request was not completed"))
+                self._cv.wait(0.1)  # a fault that repeats must not spin the loop
+                return True
+        if step is None:
+            return True
+        try:
+            self._run(step)
+        except Exception as exc:  # a bug must fail this step's requests, never stop the loop
+            self.log.exception("scheduler_step_crashed")
+            with self._cv:
+                self._abort(step, ServiceError(f"internal error in the scheduler: {exc}"))
+        return True
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Ends every request not finished yet (lock held); their KV blocks come back and are released."""
+        try:
+            self.batcher.remove([*self.batcher.waiting, *self.batcher.running.values()])
+        except Exception:  # even so, every waiter below is told
+            self.log.exception("scheduler_remove_failed")
+        for ticket in list(self._tickets.values()):
+            self._fail(ticket.seq, error)
 
     def _admitted(self, seq: Sequence) -> None:
         """Called by the batcher, with the lock held, as it admits each sequence."""
@@ -215,7 +255,10 @@ class Scheduler:
         metrics.QUEUE_TIME.observe(ticket.admitted - ticket.arrival)
         metrics.PROMPT_TOKENS.inc(seq.prompt_len)
         if self.planner is not None:
-            self._apply_policy(self.planner.observe_request(seq.prompt_len, seq.request.max_new_tokens))
+            try:  # advice, as in _run: a planner fault must not cost the request its admission
+                self._apply_policy(self.planner.observe_request(seq.prompt_len, seq.request.max_new_tokens))
+            except Exception:
+                self.log.exception("planner_failed")
 
     def _run(self, step: ScheduledStep) -> None:
         session = self._session
@@ -287,32 +330,35 @@ class Scheduler:
 
     def _finish(self, seq: Sequence) -> None:
         """A sequence the batcher finished (a stop, its length, EOS) or dropped as cancelled."""
-        ticket = self._tickets.pop(seq.seq_id)
+        ticket = self._tickets[seq.seq_id]  # popped once resolved: should this raise, _fail_all still finds it
         ticket.finished = time.monotonic()
         reason = seq.finish_reason
         assert reason is not None
         if reason == FINISH_CANCELLED:
-            self._resolve(ticket, ServiceError("the request was cancelled", grpc.StatusCode.CANCELLED))
+            self._fail(seq, ServiceError("the request was cancelled", grpc.StatusCode.CANCELLED))
             return
         ticket.result = GenerationResult(
             seq.output, seq.text.final_text, reason, seq.prompt_len, seq.logprobs[: len(seq.output)]
         )
-        metrics.REQUESTS.labels(reason).inc()
-        metrics.E2E.observe(ticket.finished - ticket.arrival)
-        if len(seq.output) > 1:
-            metrics.TPOT.observe((ticket.finished - ticket.first_token) / (len(seq.output) - 1))
-        self.log.info(
-            "request_finished",
-            request_id=seq.request.request_id,
-            finish_reason=reason,
-            prompt_tokens=seq.prompt_len,
-            completion_tokens=len(seq.output),
-            queue_s=round(ticket.admitted - ticket.arrival, 4),
-            ttft_s=round(ticket.first_token - ticket.arrival, 4),
-            e2e_s=round(ticket.finished - ticket.arrival, 4),
-        )
-        ticket.done.set()
-        self._cv.notify_all()
+        self._tickets.pop(seq.seq_id)
+        try:
+            metrics.REQUESTS.labels(reason).inc()
+            metrics.E2E.observe(ticket.finished - ticket.arrival)
+            if len(seq.output) > 1:
+                metrics.TPOT.observe((ticket.finished - ticket.first_token) / (len(seq.output) - 1))
+            self.log.info(
+                "request_finished",
+                request_id=seq.request.request_id,
+                finish_reason=reason,
+                prompt_tokens=seq.prompt_len,
+                completion_tokens=len(seq.output),
+                queue_s=round(ticket.admitted - ticket.arrival, 4),
+                ttft_s=round(ticket.first_token - ticket.arrival, 4),
+                e2e_s=round(ticket.finished - ticket.arrival, 4),
+            )
+        finally:  # the result is complete: the waiter gets it whatever the metrics do
+            ticket.done.set()
+            self._cv.notify_all()
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
         ticket = self._tickets.pop(seq.seq_id, None)
@@ -324,6 +370,8 @@ class Scheduler:
         ticket.error = error
         if not ticket.finished:
             ticket.finished = time.monotonic()
-        metrics.REQUESTS.labels(status_for(error).name.lower()).inc()
-        ticket.done.set()
-        self._cv.notify_all()
+        try:
+            metrics.REQUESTS.labels(status_for(error).name.lower()).inc()
+        finally:  # the waiter is told whatever the metrics do
+            ticket.done.set()
+            self._cv.notify_all()

@@ -7,6 +7,11 @@ the services answer again (the launcher restarts them) the backend is re-wired, 
 session on both, and the orchestrator is SERVING again. The weight store down: NOT_SERVING too,
 but the workers keep their mapped weights, so requests in flight finish; SERVING again when it is
 back (it adopts the arena the workers still map).
+
+A health check that times out once (a worker busy in a long step, a GIL-bound moment) is not a death:
+a worker counts as down after `misses` checks in a row fail, or at once when a step could not reach it
+(issue 14: one missed 1 s check used to end every request in flight). The scheduler's loop thread
+gone (it should never be, see Scheduler._turn) makes the orchestrator NOT_SERVING for good.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from orchestrator.scheduler import Scheduler
 
 RECOVERIES = Counter("moe_lightning_backend_recoveries_total", "Times the backend was re-wired after a fault")
 WORKERS = ("gpu_expert", "cpu_attention")
+HEALTH_MISSES = 3  # failed checks in a row before a worker counts as down (with interval 0.5 s: ~1.5-4.5 s)
 
 
 class BackendSupervisor:
@@ -34,6 +40,7 @@ class BackendSupervisor:
         capacity_of: Callable[[Capacity], KVCapacity],
         interval: float = 0.5,
         reconnect_timeout: float = 600.0,
+        misses: int = HEALTH_MISSES,
     ) -> None:
         """`capacity_of`: the KV cache the scheduler admits against, from a new Capacity (the
         placement chosen at start decides which cache that is)."""
@@ -43,6 +50,8 @@ class BackendSupervisor:
         self.capacity_of = capacity_of
         self.interval = interval
         self.reconnect_timeout = reconnect_timeout
+        self.misses = misses
+        self._missed: dict[str, int] = {}  # per service: health checks failed in a row
         self.log = structlog.get_logger()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="backend-supervisor", daemon=True)
@@ -60,11 +69,19 @@ class BackendSupervisor:
 
     def _run(self) -> None:
         degraded = False
+        dead = False
         while not self._stop.wait(self.interval):
+            if not self.scheduler.alive:
+                if not dead:  # nothing can run requests here: probes must send traffic elsewhere
+                    self.log.error("scheduler_dead")
+                    self.set_serving(False)
+                    dead = True
+                continue
             lost = self.scheduler.backend_lost.is_set()
-            down = [] if lost else self.backend.unhealthy()
+            down = [] if lost else self._down()
             if lost or any(s in down for s in WORKERS):
                 self._recover(f"backend service down: {', '.join(down) or 'a step could not reach it'}")
+                self._missed.clear()
                 degraded = False
             elif down:  # only the weight store: the workers run on their mapped weights
                 if not degraded:
@@ -75,6 +92,16 @@ class BackendSupervisor:
                 self.log.info("backend_restored")
                 self.set_serving(True)
                 degraded = False
+
+    def _down(self) -> list[str]:
+        """The services whose last `misses` health checks all failed."""
+        failing = set(self.backend.unhealthy())
+        for name in failing:
+            self._missed[name] = self._missed.get(name, 0) + 1
+        for name in list(self._missed):
+            if name not in failing:
+                del self._missed[name]
+        return [name for name, n in self._missed.items() if n >= self.misses]
 
     def _recover(self, reason: str) -> None:
         t0 = time.monotonic()

@@ -11,6 +11,7 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from moe_lightning.handoff import (
+    RELEASE_LAYER,
     AttentionHandoff,
     HandoffHeader,
     QKVHandoff,
@@ -114,7 +115,7 @@ class AttentionWorker:
             channel = None
         try:
             channel = TensorChannel.attach(request.name)
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # whatever it is, connect() reports it (and the loop keeps no closed handle)
             request.error = exc
         self.input = channel
         request.done.set()
@@ -135,43 +136,74 @@ class AttentionWorker:
     def _run(self) -> None:
         channel: TensorChannel | None = None
         while not self._stop.is_set():
-            channel = self._take_reconnect(channel)
-            if channel is None:
-                with self._connected:
-                    if self._reconnect is None and not self._stop.is_set():
-                        self._connected.wait(0.5)
-                continue
-            t0 = time.perf_counter()
             try:
-                meta, tensors = channel.recv(timeout=1.0)
-            except ChannelTimeoutError:
-                continue
-            except (PeerDiedError, ChannelClosedError) as exc:
-                self.log.warning("input_lost", error=str(exc))
-                channel.close()
-                channel = self.input = None
-                continue
-            SHM_WAIT.inc(time.perf_counter() - t0)
-            HANDOFFS.labels("in").inc()
-            HANDOFF_LATENCY.labels("in").inc(channel.last_latency_ns / 1e9)
-            HANDOFF_WORK.labels("in").inc(channel.last_work_ns / 1e9)
-            msg = decode_expert_message(meta, tensors)
-            if msg.header.session != self.session:  # left over from before a restart
-                channel.release()
-                self.log.warning("stale_handoff_dropped", step=msg.header.step, layer=msg.header.layer)
-                continue
-            if isinstance(msg, ReleaseHandoff):  # finished sequences, ahead of the step's first q/k/v
-                self._release(msg.seq_ids)
-                channel.release()
-                continue
-            reply = self._handle(msg)
-            channel.release()
-            try:
-                self.output.send(reply.header.pack(), reply.tensors(), timeout=30.0)
-                HANDOFFS.labels("out").inc()
-                HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
-            except (PeerDiedError, ChannelClosedError, ChannelTimeoutError) as exc:
-                self.log.warning("output_lost", error=str(exc))
+                channel = self._turn(channel)
+            except Exception:  # never end the loop (issue 14, item 8): the next hand-off may be served
+                self.log.exception("attention_loop_error")
+                channel = self.input  # _take_reconnect and input_lost keep the two in step
+                self._stop.wait(0.1)  # a fault that repeats must not spin
+
+    def _turn(self, channel: TensorChannel | None) -> TensorChannel | None:
+        """One hand-off in, its answer out; returns the input channel for the next turn."""
+        channel = self._take_reconnect(channel)
+        if channel is None:
+            with self._connected:
+                if self._reconnect is None and not self._stop.is_set():
+                    self._connected.wait(0.5)
+            return None
+        t0 = time.perf_counter()
+        try:
+            meta, tensors = channel.recv(timeout=1.0)
+        except ChannelTimeoutError:
+            return channel
+        except (PeerDiedError, ChannelClosedError) as exc:
+            self.log.warning("input_lost", error=str(exc))
+            channel.close()
+            self.input = None
+            return None
+        SHM_WAIT.inc(time.perf_counter() - t0)
+        try:
+            reply = self._serve(channel, meta, tensors)
+        except Exception as exc:  # whatever it was, gpu_expert waits for this answer: give it one
+            reply = self._crashed(meta, exc)
+        finally:
+            channel.release()  # idempotent: the slot goes back whatever happened
+        if reply is None:
+            return channel
+        try:
+            self.output.send(reply.header.pack(), reply.tensors(), timeout=30.0)
+            HANDOFFS.labels("out").inc()
+            HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
+        except (PeerDiedError, ChannelClosedError, ChannelTimeoutError) as exc:
+            self.log.warning("output_lost", error=str(exc))
+        return channel
+
+    def _serve(self, channel: TensorChannel, meta: bytes, tensors: list[torch.Tensor]) -> AttentionHandoff | None:
+        """The answer to one received hand-off (None: it needs none)."""
+        HANDOFFS.labels("in").inc()
+        HANDOFF_LATENCY.labels("in").inc(channel.last_latency_ns / 1e9)
+        HANDOFF_WORK.labels("in").inc(channel.last_work_ns / 1e9)
+        msg = decode_expert_message(meta, tensors)
+        if msg.header.session != self.session:  # left over from before a restart
+            self.log.warning("stale_handoff_dropped", step=msg.header.step, layer=msg.header.layer)
+            return None
+        if isinstance(msg, ReleaseHandoff):  # finished sequences, ahead of the step's first q/k/v
+            self._release(msg.seq_ids)
+            return None
+        return self._handle(msg)
+
+    def _crashed(self, meta: bytes, exc: Exception) -> AttentionHandoff | None:
+        """An INTERNAL answer to a hand-off that raised what _handle does not expect; None when the
+        hand-off needs no answer (a release, another session's) or its header cannot be read."""
+        self.log.exception("attention_handoff_crashed")
+        try:
+            header = HandoffHeader.unpack(meta)
+        except Exception:  # nothing to address an answer to: gpu_expert's wait for it times out
+            return None
+        if header.layer == RELEASE_LAYER or header.session != self.session:
+            return None
+        key = (header.step, header.micro_batch)
+        return self._error(header, key, grpc.StatusCode.INTERNAL, f"internal error in attention: {exc!r}")
 
     def _handle(self, msg: QKVHandoff) -> AttentionHandoff:
         h = msg.header
@@ -197,6 +229,9 @@ class AttentionWorker:
             return self._error(h, key, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except (LookupError, ValueError) as exc:
             return self._error(h, key, grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except Exception as exc:  # a bug (or torch) raising something else: this hand-off fails, not the loop
+            self.log.exception("attention_handoff_crashed")
+            return self._error(h, key, grpc.StatusCode.INTERNAL, f"internal error in attention: {exc!r}")
         BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(
             (time.perf_counter_ns() - t0) / 1e9
         )
