@@ -15,10 +15,16 @@ import torch
 
 from moe_lightning.client import Completion, GenerationClient, Prompt
 from moe_lightning.hrm.costmodel import Policy
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack, StackConfig, private_dir
 from moe_lightning.plan import StepKind, StepTimings
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
+
+
+def bench_log_prefix(run_id: str) -> str:
+    """The name a bench stack's service-log directory starts with: a private mkdtemp directory
+    (`moe_lightning.launcher.private_dir`) whose name goes on with random characters."""
+    return f"moe-lightning-bench-{run_id}-"
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -70,7 +76,7 @@ def run_batch(
         port=0,
         max_batch_size=len(batch),
         kv_cache_memory="4GiB",
-        log_dir=Path(f"/tmp/moe-lightning-bench-{run_id}"),
+        log_dir=private_dir(prefix=bench_log_prefix(run_id)),  # found again by bench/gpucheck/processes.py
         cache_dir=model.parent / "arena-cache",
         threads={"gpu_expert": threads, "cpu_attention": threads} if threads else {},
         extra=extra or {},

@@ -39,8 +39,14 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _log_dir(run_id: str) -> Path:
-    return Path(f"/tmp/moe-lightning-bench-{run_id}")  # where run_batch has the launcher put service logs
+def _log_dir(run_id: str) -> Path | None:
+    """Where run_batch had the launcher put this run's service logs: a private mkdtemp directory named
+    moe-lightning-bench-<run id>-XXXXXXXX (moe_lightning.benchmark.bench_log_prefix) under the
+    launcher's runtime_root(); only directories of ours that nobody else can enter count, the newest."""
+    from moe_lightning.launcher import not_private, runtime_root
+
+    found = [d for d in runtime_root().glob(f"moe-lightning-bench-{run_id}-*") if not_private(d) is None]
+    return max(found, key=lambda d: d.stat().st_mtime, default=None)
 
 
 def _service_logs(pid: int) -> list[tuple[str, Path]]:
@@ -48,7 +54,8 @@ def _service_logs(pid: int) -> list[tuple[str, Path]]:
     return [
         (label, f)
         for overlap, label in ((1, "overlap"), (0, "no-overlap"))
-        for f in sorted(_log_dir(f"bench{pid}{overlap}").glob("*.log"))
+        if (d := _log_dir(f"bench{pid}{overlap}")) is not None
+        for f in sorted(d.glob("*.log"))
     ]
 
 
@@ -66,7 +73,9 @@ def _live_services(pid: int) -> dict[Path, int]:
             continue  # gone meanwhile
         if "-m" in argv and "--run-id" in argv and argv[argv.index("-m") + 1] in names:
             name = names[argv[argv.index("-m") + 1]]
-            live[_log_dir(argv[argv.index("--run-id") + 1]) / f"{name}.log"] = child
+            log_dir = _log_dir(argv[argv.index("--run-id") + 1])
+            if log_dir is not None:
+                live[log_dir / f"{name}.log"] = child
     return live
 
 

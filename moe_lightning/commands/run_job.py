@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -85,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
     if args.addr:
         return _submit(args, args.addr, table, prompts)
     from moe_lightning.commands.up import stack_config
-    from moe_lightning.launcher import Stack
+    from moe_lightning.launcher import Stack, private_dir
 
     config = stack_config(args, port=0)
-    if config.log_dir is None:  # keep the job's output readable; the services' logs go to files
-        config.log_dir = Path(tempfile.gettempdir()) / f"moe-lightning-{config.run_id}" / "logs"
+    if config.log_dir is None:  # keep the job's output readable; the services' logs go to files (ours only)
+        config.log_dir = private_dir(prefix=f"moe-lightning-{config.run_id}-logs-")
     stack = Stack(config)
     sys.stderr.write(f"starting the stack (service logs in {config.log_dir})...\n")
     t0 = time.perf_counter()

@@ -97,7 +97,7 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
 
 
 def run(args: argparse.Namespace) -> int:
-    from moe_lightning.launcher import Stack
+    from moe_lightning.launcher import Stack, StackInterrupted
 
     error, warnings = exposure_check(args)
     if error:
@@ -110,7 +110,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     stack = Stack(stack_config(args, args.port, args.host))
     try:
-        stack.start()
+        try:
+            stack.start(stop=stop)  # a signal during start-up gives it up at once, not once all are SERVING
+        except StackInterrupted:
+            sys.stderr.write("moe-lightning: stopped during start-up\n")
+            return 0
         if stop.is_set():
             return 0
         endpoints = stack.endpoints()

@@ -46,6 +46,7 @@ class ServiceRuntime:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.so_reuseport", 0),  # a port in use is an error, not shared with an orphan holding it
             ],
         )
         self.health = health.HealthServicer()
