@@ -15,8 +15,9 @@ import torch
 
 from moe_lightning.client import Completion, GenerationClient, Prompt
 from moe_lightning.hrm.costmodel import Policy
-from moe_lightning.launcher import Stack, StackConfig, private_dir
+from moe_lightning.launcher import Stack, StackConfig
 from moe_lightning.plan import StepKind, StepTimings
+from moe_lightning.private_paths import private_dir
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
 

@@ -10,24 +10,18 @@ service outlives its launcher.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
-import queue
 import signal
-import socket
-import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
+from moe_lightning.children import free_port, parent_death_hook, port_in_use, spawner
+from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
 from moe_lightning.service.upstream import health_status, open_channel, readiness_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
@@ -47,196 +41,6 @@ class StackError(RuntimeError):
 
 class StackInterrupted(StackError):
     """Start-up given up because the caller asked to stop (SIGTERM or Ctrl-C on `up`)."""
-
-
-def not_private(path: Path) -> str | None:
-    """Why `path` is not a directory that only this user can use, or None if it is: a real directory
-    (not a symbolic link), owned by our uid, no access for group or others."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "it does not exist"
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a directory"
-    if st.st_uid != os.getuid():
-        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    if st.st_mode & 0o077:
-        return f"its mode is {stat.S_IMODE(st.st_mode):04o}: group or others have access (chmod 700 it)"
-    return None
-
-
-def runtime_root() -> Path:
-    """Where private per-run directories go: $XDG_RUNTIME_DIR when it is set and ours, else the temp dir."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and Path(xdg).is_absolute() and not_private(Path(xdg)) is None:
-        return Path(xdg)
-    return Path(tempfile.gettempdir())
-
-
-def private_dir(path: Path | None = None, prefix: str = "moe-lightning-") -> Path:
-    """A directory only this user can use. None: a new one (mkdtemp: an unpredictable name, mode 0700)
-    under `runtime_root()`. A path: created with mode 0700 if missing; one that already exists is
-    refused (StackError naming it and why) unless it is a real directory of ours with no group or
-    other access, so that nobody else can plant a socket, a log file or a symbolic link in it."""
-    if path is None:
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=runtime_root()))
-    path = Path(path)
-    if not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    why = not_private(path)
-    if why is not None:
-        raise StackError(f"refusing to use {path} as a private directory: {why}")
-    return path
-
-
-def checked_log_dir(path: Path) -> Path:
-    """A log directory given by the user: created 0700 if missing; an existing one must be a real
-    directory (not a symbolic link) of ours that group and others cannot write to (reading is theirs
-    to allow: it is the user's own directory)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    why = None
-    if stat.S_ISLNK(st.st_mode):
-        why = "it is a symbolic link (give the directory it points to)"
-    elif not stat.S_ISDIR(st.st_mode):
-        why = "it is not a directory"
-    elif st.st_uid != os.getuid():
-        why = f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
-    elif st.st_mode & 0o022:
-        why = f"its mode is {stat.S_IMODE(st.st_mode):04o}: group or others may write to it"
-    if why is not None:
-        raise StackError(f"refusing to write logs in {path}: {why}")
-    return path
-
-
-def open_log(path: Path) -> IO[bytes]:
-    """Opens (creating with mode 0600) a log file for appending, never through a symbolic link, and
-    only if it is a regular file of ours (not a FIFO that would block, nor someone else's file)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(path, flags, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise StackError(f"refusing to write the log {path}: it is a symbolic link") from None
-        if exc.errno == errno.ENXIO:  # a FIFO with no reader
-            raise StackError(f"refusing to write the log {path}: it is not a regular file") from None
-        raise StackError(f"cannot open the log {path}: {exc.strerror}") from None
-    st = os.fstat(fd)
-    why = None
-    if not stat.S_ISREG(st.st_mode):
-        why = "it is not a regular file"
-    elif st.st_uid != os.getuid():
-        why = f"it is owned by uid {st.st_uid}, not by this user"
-    if why is not None:
-        os.close(fd)
-        raise StackError(f"refusing to write the log {path}: {why}")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "ab")
-
-
-def _read_tail(path: Path, lines: int) -> list[str]:
-    """The last lines of a log, read without following a symbolic link; [] if there is none."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return []
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return []
-        return f.read().decode(errors="replace").strip().splitlines()[-lines:]
-
-
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-def parent_death_hook(parent: int | None = None, sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies (Linux's
-    PR_SET_PDEATHSIG), and ends the child at once if the parent (pid `parent`, default: this process)
-    already died before the signal was armed. None where prctl is not available."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    parent = os.getpid() if parent is None else parent
-
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # reparented already: the signal will never come
-            os._exit(1)
-
-    return hook
-
-
-class _Spawner:
-    """Forks every service from one thread that lives as long as the process. The kernel sends the
-    parent-death signal when the *thread* that forked a child ends, not the process: a service
-    restarted by the supervisor thread would otherwise get SIGTERM when that thread stops."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def run(self, fn: Callable[[], Any]) -> Any:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():  # not started, or we are a fork
-                self._jobs = queue.SimpleQueue()
-                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True)
-                self._thread.name = "moe-lightning-spawner"
-                self._thread.start()
-            done: Future[Any] = Future()
-            self._jobs.put((fn, done))
-        return done.result()
-
-    @staticmethod
-    def _loop(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
-        while True:
-            fn, done = jobs.get()
-            try:
-                done.set_result(fn())
-            except BaseException as exc:
-                done.set_exception(exc)
-
-
-_spawner = _Spawner()
-
-
-def port_in_use(host: str, port: int) -> bool:
-    """Whether something listens on host:port (binding with SO_REUSEADDR, as gRPC does: only a
-    listener, not a connection in TIME_WAIT, makes that fail)."""
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror:
-        return False  # the orchestrator says what is wrong with the address
-    for family, kind, proto, _, addr in infos[:1]:
-        with socket.socket(family, kind, proto) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(addr)
-            except OSError as exc:
-                return exc.errno == errno.EADDRINUSE
-    return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -354,7 +158,10 @@ class Stack:
         for name in sweep_stale(c.run_id):
             sys.stderr.write(f"swept stale segment {name}\n")
         if self.run_dir is None:
-            self.run_dir = private_dir(c.run_dir, prefix=f"moe-lightning-{c.run_id}-")
+            try:
+                self.run_dir = private_dir(c.run_dir, prefix=f"moe-lightning-{c.run_id}-")
+            except UnsafePathError as exc:
+                raise StackError(str(exc)) from None
             self._made_run_dir = c.run_dir is None
         for name in SERVICES:
             if name == "orchestrator":
@@ -381,7 +188,10 @@ class Stack:
         module = SERVICES[name][0]
         out: IO[bytes] | None = None
         if self.config.log_dir is not None:
-            out = open_log(checked_log_dir(self.config.log_dir) / f"{name}.log")
+            try:
+                out = open_log(checked_log_dir(self.config.log_dir) / f"{name}.log")
+            except UnsafePathError as exc:
+                raise StackError(str(exc)) from None
             self._logs.append(out)
         if name == "orchestrator" and self.config.auth_token:
             env = {**env, "MOE_LIGHTNING_AUTH_TOKEN": self.config.auth_token}  # not in argv: ps shows argv
@@ -397,7 +207,7 @@ class Stack:
                 preexec_fn=parent_death_hook(),  # and they get SIGTERM when we die, even by kill -9
             )
 
-        _spawner.run(popen)
+        spawner.run(popen)
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
@@ -430,7 +240,7 @@ class Stack:
         if self.config.log_dir is None:
             return " (see its log above)"
         path = self.config.log_dir / f"{name}.log"
-        return f"; last log lines of {path}:\n" + "\n".join(_read_tail(path, 5))
+        return f"; last log lines of {path}:\n" + "\n".join(read_tail(path, 5))
 
     def endpoints(self) -> dict[str, dict[str, str]]:
         return {

@@ -202,7 +202,7 @@ def test_private_dir_refuses_one_that_is_not_ours(tmp_path: Path) -> None:
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)  # what another user creating it first would leave
-    with pytest.raises(PermissionError, match="not a private directory"):
+    with pytest.raises(PermissionError, match="as a private directory"):
         ensure_private_dir(open_dir)
     link = tmp_path / "link"
     link.symlink_to(mine)
@@ -212,5 +212,5 @@ def test_private_dir_refuses_one_that_is_not_ours(tmp_path: Path) -> None:
         theirs = tmp_path / "theirs"
         theirs.mkdir(mode=0o700)
         os.chown(theirs, 65534, 65534)
-        with pytest.raises(PermissionError, match="owner uid 65534"):
+        with pytest.raises(PermissionError, match="owned by uid 65534"):
             ensure_private_dir(theirs)

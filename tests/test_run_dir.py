@@ -1,37 +1,19 @@
 """The run directory and log files are private (nobody else can plant a socket, a log or a symbolic
-link in them), services never outlive the process that launched them, and a port in use is an
-error instead of a port shared with whatever holds it."""
+link in them), and a port in use is an error instead of a port shared with whatever holds it."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
 import socket
 import stat
-import subprocess
 import sys
-import textwrap
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from moe_lightning.launcher import (
-    Stack,
-    StackConfig,
-    StackError,
-    _spawner,
-    checked_log_dir,
-    open_log,
-    parent_death_hook,
-    private_dir,
-    runtime_root,
-)
-from moe_lightning.shm.segment import list_segments
+from moe_lightning.launcher import Stack, StackConfig, StackError
+from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, runtime_root
 
 ROOT = os.geteuid() == 0
 LINUX = sys.platform.startswith("linux")
@@ -104,7 +86,7 @@ def test_group_readable_run_dir_is_refused(tmp_path: Path) -> None:
     d = tmp_path / "run"
     d.mkdir()
     d.chmod(0o750)
-    with pytest.raises(StackError, match="0750"):
+    with pytest.raises(UnsafePathError, match="0750"):
         private_dir(d)
 
 
@@ -130,7 +112,7 @@ def test_symlink_at_the_run_dir_is_refused(tmp_path: Path) -> None:
 def test_a_file_at_the_run_dir_is_refused(tmp_path: Path) -> None:
     f = tmp_path / "run"
     f.write_text("")
-    with pytest.raises(StackError, match="not a directory"):
+    with pytest.raises(UnsafePathError, match="not a directory"):
         private_dir(f)
 
 
@@ -155,7 +137,7 @@ def test_symlink_at_a_log_path_is_not_followed(tmp_path: Path) -> None:
     victim.write_text("precious\n")
     logs = checked_log_dir(tmp_path / "logs")
     (logs / "weight_store.log").symlink_to(victim)
-    with pytest.raises(StackError, match="weight_store.log.*symbolic link"):
+    with pytest.raises(UnsafePathError, match="weight_store.log.*symbolic link"):
         open_log(logs / "weight_store.log")
     # and through the launcher: the service is not started, the link's target untouched
     stack = Stack(StackConfig(model=tmp_path / "no-model", port=0, log_dir=logs))
@@ -172,7 +154,7 @@ def test_symlink_at_a_log_path_is_not_followed(tmp_path: Path) -> None:
 def test_fifo_at_a_log_path_is_refused_without_blocking(tmp_path: Path) -> None:
     fifo = tmp_path / "x.log"
     os.mkfifo(fifo)
-    with pytest.raises(StackError, match="not a regular file"):
+    with pytest.raises(UnsafePathError, match="not a regular file"):
         open_log(fifo)
 
 
@@ -181,11 +163,11 @@ def test_log_dir_created_private_and_unsafe_ones_refused(tmp_path: Path) -> None
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    with pytest.raises(StackError, match=rf"{shared}.*0777: group or others may write"):
+    with pytest.raises(UnsafePathError, match=rf"{shared}.*0777: group or others may write"):
         checked_log_dir(shared)
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "new")
-    with pytest.raises(StackError, match=rf"{link}.*symbolic link"):
+    with pytest.raises(UnsafePathError, match=rf"{link}.*symbolic link"):
         checked_log_dir(link)
     readable = tmp_path / "readable"
     readable.mkdir()
@@ -234,202 +216,3 @@ def test_launcher_names_a_port_in_use(tmp_path: Path) -> None:
         with pytest.raises(StackError, match=rf"127\.0\.0\.1:{port} is already in use"):
             stack.start(timeout=5)
         assert stack.procs == {}
-
-
-# --- no service outlives its launcher ---------------------------------------------------------------
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie left for a pid 1 that may not reap it counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def _wait_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and not all(_gone(p) for p in pids):
-        time.sleep(0.1)
-    return [p for p in pids if not _gone(p)]
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    return out
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
-
-
-@pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
-def test_child_whose_parent_already_died_exits_at_once() -> None:
-    """The race: the parent died between fork and prctl, so the signal would never come."""
-    hook = parent_death_hook(parent=1)  # "the parent" is some other process than the one that forks
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=hook)
-    assert child.wait(10) == 1
-
-
-@pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
-def test_children_outlive_the_thread_that_asked_for_them() -> None:
-    """The kernel's parent-death signal follows the forking *thread*: the spawner thread forks them all,
-    so a service restarted from the supervisor thread does not die when that thread ends."""
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def spawn() -> None:
-        argv = [sys.executable, "-c", "import time; time.sleep(30)"]
-        _spawner.run(lambda: procs.append(subprocess.Popen(argv, preexec_fn=parent_death_hook())))
-
-    t = threading.Thread(target=spawn)
-    t.start()
-    t.join()
-    time.sleep(1.0)
-    try:
-        assert procs[0].poll() is None
-    finally:
-        procs[0].kill()
-        procs[0].wait()
-
-
-@pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
-def test_kill_9_of_a_launcher_process_kills_its_children(tmp_path: Path) -> None:
-    """A launcher process (the spawner and hook as Stack uses them, in a subprocess) killed with -9:
-    its children, in sessions of their own, get SIGTERM from the kernel."""
-    script = textwrap.dedent(
-        """
-        import subprocess, sys, time
-        from moe_lightning.launcher import _spawner, parent_death_hook
-        argv = [sys.executable, "-c", "import time; time.sleep(60)"]
-        kids = [_spawner.run(lambda: subprocess.Popen(argv, start_new_session=True, preexec_fn=parent_death_hook()))
-                for _ in range(3)]
-        print(" ".join(str(k.pid) for k in kids), flush=True)
-        time.sleep(60)
-        """
-    )
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    assert parent.stdout is not None
-    pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 3 and not any(_gone(p) for p in pids)  # alive while the launcher is
-    parent.kill()
-    parent.wait()
-    assert _wait_gone(pids, 5) == []
-
-
-class Up:
-    """`moe-lightning up` as a user runs it, on the tiny model."""
-
-    def __init__(self, model: Path, run_id: str, log_dir: Path) -> None:
-        self.run_id = run_id
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moe_lightning.cli",
-                "up",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--json",
-                "--no-restart",
-                "--run-id",
-                run_id,
-                "--kv-cache-memory",
-                "32MiB",
-                "--log-dir",
-                str(log_dir),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def services(self) -> dict[str, int]:
-        """Service name -> pid of the up process's children (from their `python -m <module>`)."""
-        from moe_lightning.launcher import SERVICES
-
-        modules = {module: name for name, (module, _) in SERVICES.items()}
-        out = {}
-        for child in _children(self.proc.pid):
-            argv = _cmdline(child)
-            if "-m" in argv and argv[argv.index("-m") + 1] in modules:
-                out[modules[argv[argv.index("-m") + 1]]] = child
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-@pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
-def test_kill_9_of_up_leaves_no_service_running(tiny_model: Path, tmp_path: Path) -> None:
-    up = Up(tiny_model, f"k9{os.getpid()}", tmp_path / "logs")
-    try:
-        assert up.proc.stdout is not None
-        line = up.proc.stdout.readline()
-        assert line, up.proc.stderr.read() if up.proc.stderr else ""
-        pids = [int(e["pid"]) for e in json.loads(line).values()]
-        assert len(pids) == 4 and all(not _gone(p) for p in pids)
-        t0 = time.monotonic()
-        up.proc.kill()  # nothing of `up` runs now: no stop(), no finally
-        up.proc.wait()
-        left = _wait_gone(pids, 20)
-        assert left == [], f"still running after up was killed: {left}"
-        print(f"all four services gone {time.monotonic() - t0:.1f} s after kill -9 of up")
-        # they got SIGTERM, so they cleaned up as at any stop: no segment of theirs is left
-        deadline = time.monotonic() + 5
-        while list_segments(up.run_id) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert list_segments(up.run_id) == []
-    finally:
-        up.close()
-        for d in runtime_root().glob(f"moe-lightning-{up.run_id}-*"):  # the run dir: up had no chance to
-            shutil.rmtree(d, ignore_errors=True)
-        for p in pids if "pids" in locals() else []:
-            if not _gone(p):
-                os.kill(p, signal.SIGKILL)
-
-
-@pytest.mark.skipif(not LINUX, reason="/proc is read to find the services")
-def test_sigterm_during_start_up_stops_up_promptly(tiny_model: Path, tmp_path: Path) -> None:
-    """The weight store is held (SIGSTOP) so the stack cannot become SERVING: `up` must still stop
-    at SIGTERM, not once every service is ready (nor at its 600 s start-up timeout)."""
-    up = Up(tiny_model, f"st{os.getpid()}", tmp_path / "logs")
-    held = None
-    try:
-        deadline = time.monotonic() + 60
-        while len(services := up.services()) < 4 and up.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(services) == 4, f"services seen: {services}"
-        held = services["weight_store"]
-        os.kill(held, signal.SIGSTOP)
-        time.sleep(1.0)
-        t0 = time.monotonic()
-        up.proc.send_signal(signal.SIGTERM)
-        time.sleep(2.0)
-        os.kill(held, signal.SIGCONT)  # now it sees the SIGTERM that up's stop() sent it
-        out, err = up.proc.communicate(timeout=30)
-        took = time.monotonic() - t0
-        assert up.proc.returncode == 0, err
-        assert out == "", f"up claimed it was serving: {out!r}"
-        assert "stopped during start-up" in err
-        assert _wait_gone(list(services.values()), 5) == []
-        assert list_segments(up.run_id) == []
-        assert took < 30
-        print(f"up stopped {took:.1f} s after SIGTERM during start-up")
-    finally:
-        if held is not None and not _gone(held):
-            os.kill(held, signal.SIGCONT)
-        up.close()

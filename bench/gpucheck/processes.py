@@ -43,7 +43,7 @@ def _log_dir(run_id: str) -> Path | None:
     """Where run_batch had the launcher put this run's service logs: a private mkdtemp directory named
     moe-lightning-bench-<run id>-XXXXXXXX (moe_lightning.benchmark.bench_log_prefix) under the
     launcher's runtime_root(); only directories of ours that nobody else can enter count, the newest."""
-    from moe_lightning.launcher import not_private, runtime_root
+    from moe_lightning.private_paths import not_private, runtime_root
 
     found = [d for d in runtime_root().glob(f"moe-lightning-bench-{run_id}-*") if not_private(d) is None]
     return max(found, key=lambda d: d.stat().st_mtime, default=None)

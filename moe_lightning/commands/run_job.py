@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     if args.addr:
         return _submit(args, args.addr, table, prompts)
     from moe_lightning.commands.up import stack_config
-    from moe_lightning.launcher import Stack, private_dir
+    from moe_lightning.launcher import Stack
+    from moe_lightning.private_paths import private_dir
 
     config = stack_config(args, port=0)
     if config.log_dir is None:  # keep the job's output readable; the services' logs go to files (ours only)

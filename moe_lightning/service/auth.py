@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import structlog
+
+from moe_lightning.private_paths import UnsafePathError, private_dir
 
 # probes and tooling must work without the token: a health check carries no secrets
 EXEMPT_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -130,21 +130,12 @@ def is_local_target(address: str) -> bool:
 
 
 def ensure_private_dir(path: Path) -> Path:
-    """Creates `path` mode 0700, or accepts it when it exists as a directory (not a symlink) that we own
-    and nobody else can enter; raises PermissionError otherwise. Another user who created the
-    directory first could replace our sockets with their own listeners."""
+    """The default socket directory, made private (moe_lightning/private_paths.py): another user who
+    created it first could replace our sockets with their own listeners."""
     try:
-        path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(
-            f"{path} is not a private directory of this user (owner uid {st.st_uid}, mode "
-            f"{stat.filemode(st.st_mode)}; needed: uid {os.getuid()}, drwx------): remove it, or give "
-            "--address unix:///a/directory/of/yours/NAME.sock"
-        )
-    return path
+        return private_dir(path)
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"{exc}; remove it, or give --address unix:///a/directory/of/yours/NAME.sock") from None
 
 
 def internal_guard(args: Any, service: str) -> tuple[grpc.ServerInterceptor, ...]:

@@ -1,0 +1,101 @@
+"""Service processes that die with their launcher, and the ports they may bind.
+
+The kernel sends the parent-death signal (PR_SET_PDEATHSIG) when the *thread* that forked a child
+ends, so every service is forked from one long-lived thread; a port held by an orphan of an
+earlier stack is detected before anything starts (gRPC binds without SO_REUSEPORT).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def parent_death_hook(parent: int | None = None, sig: int = signal.SIGTERM) -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies (Linux's
+    PR_SET_PDEATHSIG), and ends the child at once if the parent (pid `parent`, default: this process)
+    already died before the signal was armed. None where prctl is not available."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    parent = os.getpid() if parent is None else parent
+
+    def hook() -> None:
+        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != parent:  # reparented already: the signal will never come
+            os._exit(1)
+
+    return hook
+
+
+class _Spawner:
+    """Forks every service from one thread that lives as long as the process. The kernel sends the
+    parent-death signal when the *thread* that forked a child ends, not the process: a service
+    restarted by the supervisor thread would otherwise get SIGTERM when that thread stops."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # not started, or we are a fork
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._jobs,), daemon=True)
+                self._thread.name = "moe-lightning-spawner"
+                self._thread.start()
+            done: Future[Any] = Future()
+            self._jobs.put((fn, done))
+        return done.result()
+
+    @staticmethod
+    def _loop(jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]]) -> None:
+        while True:
+            fn, done = jobs.get()
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+
+spawner = _Spawner()  # the one thread every service is forked from
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether something listens on host:port (binding with SO_REUSEADDR, as gRPC does: only a
+    listener, not a connection in TIME_WAIT, makes that fail)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror:
+        return False  # the orchestrator says what is wrong with the address
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
