@@ -13,10 +13,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))  # this checkout, not what an editable install points at
 
 from moe_lightning.launcher import Stack, StackConfig
 
 from reference import E2E_CONFIG, E2E_PROMPTS, load_hf, save_hf_mixtral
+
+# the services a test starts run this checkout's code too
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
 
 # Hermetic: measured roofs and converted arenas go to a directory of this session's own, never the
 # user's ~/.cache, so no test depends on (or leaves behind) what another run measured. Set before any
