@@ -20,6 +20,42 @@ from orchestrator.scheduler import Scheduler, Ticket
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BATCH_PROMPTS = 1024
+# Text is refused unread past --max-prefill-tokens x this many UTF-8 bytes: no tokenizer turns more text
+# into that few tokens in practice (English and code average about 4 bytes a token, CJK 3 or less; the
+# longest whitespace and punctuation runs of common vocabularies are 16), and encoding text costs time
+# that grows faster than its length while holding the GIL (8 MiB took 21 s), so it must not start.
+MAX_TEXT_BYTES_PER_TOKEN = 8
+# what one input carries besides its prompt: request_id, stop strings, sampling fields
+INPUT_OVERHEAD_BYTES = 4096
+MIN_RECEIVE_BYTES = 4 << 20
+
+
+def max_text_bytes(max_prompt_tokens: int) -> int:
+    """The longest prompt text (UTF-8 bytes) a server accepting `max_prompt_tokens` tokens reads."""
+    return max_prompt_tokens * MAX_TEXT_BYTES_PER_TOKEN
+
+
+def max_receive_bytes(max_prompt_tokens: int) -> int:
+    """The public API's receive limit: a BatchGenerate of MAX_BATCH_PROMPTS inputs, each at the longest
+    legal prompt (text or token ids: an id takes at most 5 bytes, text 8 a token) and its other fields."""
+    per_input = max(max_text_bytes(max_prompt_tokens), 5 * max_prompt_tokens) + INPUT_OVERHEAD_BYTES
+    return max(MIN_RECEIVE_BYTES, MAX_BATCH_PROMPTS * per_input)
+
+
+def check_text_size(text: str, max_prompt_tokens: int | None) -> None:
+    """Refuses text no legal prompt could be, before anything reads it (len() is O(1); a character is at
+    least one byte, so only text under the bound in characters is measured in bytes)."""
+    if max_prompt_tokens is None:
+        return
+    limit = max_text_bytes(max_prompt_tokens)
+    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidRequestError(
+            f"prompt text is longer than any accepted prompt: at most {limit} bytes of UTF-8 "
+            f"({max_prompt_tokens} tokens, --max-prefill-tokens, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a token); "
+            "send a shorter prompt"
+        )
+
+
 FINISH_TO_PB = {
     FINISH_EOS: generation_pb2.FINISH_REASON_EOS,
     FINISH_STOP: generation_pb2.FINISH_REASON_STOP,
@@ -55,6 +91,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def to_request(self, m: generation_pb2.GenerationInput, limits: RequestLimits) -> GenerationRequest:
         """The domain request, checked against every limit: the scheduler trusts what it is given."""
         which = m.WhichOneof("prompt")
+        if which == "text":
+            check_text_size(m.text, limits.max_prompt_tokens)
         prompt = prompt_ids(
             m.text if which == "text" else None,
             m.token_ids.ids if which == "token_ids" else None,

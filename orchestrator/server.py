@@ -14,11 +14,12 @@ from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.placement import Side
+from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
 from moe_lightning.service.names import GENERATION
-from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
-from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer
+from orchestrator.aio_api import AioGenerationServicer
+from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes
 from orchestrator.backend import Backend, Capacity
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
@@ -86,10 +87,9 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument(
         "--rpc-threads",
         type=int,
-        default=256,
-        help="API calls served at once; each Generate, GenerateStream or BatchGenerate holds a thread until it "
-        "finishes and later calls wait for one, so this bounds how many calls fill the batch (the default "
-        "serves the 65 BatchGenerate calls of 64 prompts that fill the largest planned batch, 4096, and others)",
+        default=8,
+        help="threads that check and tokenise requests; calls are served by an event loop, and a call waiting "
+        "for its tokens holds no thread (--max-queue bounds the waiting work)",
     )
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
     return p
@@ -131,7 +131,7 @@ def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -
 
 
 def _start(
-    args: argparse.Namespace, backend: Backend, servicer: GenerationServicer, runtime: ServiceRuntime
+    args: argparse.Namespace, backend: Backend, servicer: GenerationServicer, runtime: AioServiceRuntime
 ) -> dict[str, Any]:
     """Waits for the workers, plans the batch and the placement, starts the scheduler; the fields of
     the `serving` line. A peer that never comes up and a plan the services cannot run alike fail it."""
@@ -203,8 +203,8 @@ def _start(
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
-    servicer = GenerationServicer()
-    return serve(
+    servicer = AioGenerationServicer(workers=args.rpc_threads)
+    return serve_aio(
         args,
         "orchestrator",
         GENERATION,
@@ -212,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         servicer,
         lambda runtime: _start(args, backend, servicer, runtime),
         grace_seconds=args.drain_seconds,
-        max_workers=args.rpc_threads,
+        # what a legal request can need, not 64 MiB: a bigger message is refused unread (RESOURCE_EXHAUSTED)
+        max_receive_bytes=max_receive_bytes(args.max_prefill_tokens),
     )
 
 

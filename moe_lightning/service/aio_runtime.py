@@ -1,0 +1,288 @@
+"""`serve` on grpc.aio: for a service whose calls mostly wait (the orchestrator's public API), so that a
+waiting call holds no thread. Many long generations then cannot starve health checks or new calls of
+a thread (issue 14, item 5): what bounds waiting work is the scheduler's queue (--max-queue).
+
+The life is runtime.py's: live (health "" SERVING, the service NOT_SERVING) before `build` runs in a
+worker thread, ready after; SIGTERM flips health to NOT_SERVING, runs the drain hooks (in a thread:
+they may wait for in-flight work, which the event loop keeps serving), stops the server within the
+grace period, then runs the clean-up hooks. The interceptors are the aio twins of errors.py's error
+mapping and auth.py's bearer token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import signal
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from moe_lightning.service.auth import EXEMPT_PREFIXES
+from moe_lightning.service.errors import _lenient, _Undecodable, status_for
+from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+UNAUTHENTICATED = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
+
+
+class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """errors.py's ErrorMappingInterceptor for coroutine handlers: a domain exception becomes its
+    documented status, an undecodable request INVALID_ARGUMENT."""
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                await _reject_undecodable(request, context)
+                try:
+                    return await inner(request, context)
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                await _reject_undecodable(request, context)
+                try:
+                    async for msg in inner_stream(request, context):
+                        yield msg
+                except Exception as exc:
+                    await _abort(context, exc, method)
+
+            return handler._replace(unary_stream=stream)
+        return handler
+
+
+async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request could not be parsed ({request.error}); string fields such as text and stop "
+            "must be valid UTF-8",
+        )
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc  # context.abort() already set the status
+    code = status_for(exc)
+    message = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
+    log = structlog.get_logger()
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("rpc_failed", method=method, exc_info=exc)
+    else:
+        log.info("rpc_rejected", method=method, code=code.name, error=message)
+    await context.abort(code, message or code.name)
+
+
+class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """auth.py's BearerTokenInterceptor for the aio server: every call but health and reflection needs
+    `authorization: Bearer <token>`; unary and streaming handlers alike are denied without it."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the auth token must not be empty")
+        self._expected = f"Bearer {token}".encode()
+
+    def _ok(self, metadata: Any) -> bool:
+        for key, value in metadata or ():
+            if key == "authorization":
+                got = value if isinstance(value, bytes) else value.encode()
+                return hmac.compare_digest(got, self._expected)
+        return False
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES) or self._ok(details.invocation_metadata):
+            return handler
+
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+
+        async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED)
+            yield None  # never reached: makes this the async generator a streaming handler is
+
+        if handler.unary_stream is not None:
+            return handler._replace(unary_stream=deny_stream)
+        if handler.unary_unary is not None:
+            return handler._replace(unary_unary=deny)
+        return None  # no client-streaming methods here: refuse as unimplemented rather than serve unchecked
+
+
+class AioServiceRuntime:
+    """What `build` sees of the runtime (as runtime.ServiceRuntime): log, port, stopping, set_serving
+    from any thread, on_drain / on_shutdown hooks. Created on the event loop's thread."""
+
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        metrics_port: int | None,
+        metrics_host: str,
+        grace_seconds: float,
+        server_credentials: grpc.ServerCredentials | None,
+        interceptors: tuple[grpc.aio.ServerInterceptor, ...],
+        max_receive_bytes: int,
+    ) -> None:
+        self.name = name
+        self.grace_seconds = grace_seconds
+        self.log = structlog.get_logger()
+        self.loop = asyncio.get_running_loop()
+        self.server = grpc.aio.server(
+            interceptors=(*interceptors, AioErrorMappingInterceptor()),
+            options=[
+                ("grpc.max_receive_message_length", max_receive_bytes),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if server_credentials is not None:
+            self.port = self.server.add_secure_port(address, server_credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        self.address = address
+        self.metrics_port: int | None = None
+        if metrics_port is not None:
+            http, _ = start_http_server(metrics_port, addr=metrics_host)
+            self.metrics_port = http.server_port
+        self._stopping = threading.Event()
+        self._stopped = asyncio.Event()
+        self._stop_task: asyncio.Future[None] | None = None
+        self._cleanups: list[Callable[[], None]] = []
+        self._before_drain: list[Callable[[], None]] = []
+
+    def add_service(self, add_fn: Callable[[Any, Any], None], servicer: Any, full_name: str) -> None:
+        add_fn(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def on_shutdown(self, fn: Callable[[], None]) -> None:
+        self._cleanups.append(fn)
+
+    def on_drain(self, fn: Callable[[], None]) -> None:
+        self._before_drain.append(fn)
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    async def _set_health(self, ready: bool) -> None:
+        await self.health.set(self.name, SERVING if ready else NOT_SERVING)
+        await self.health.set("", NOT_SERVING if self.stopping else SERVING)
+
+    def set_serving(self, ready: bool) -> None:
+        """Callable from any thread (the supervisor's included)."""
+        try:
+            asyncio.run_coroutine_threadsafe(self._set_health(ready), self.loop)
+        except RuntimeError:  # the loop closed: the process is ending
+            pass
+
+    async def start(self) -> None:
+        await self._set_health(False)
+        reflection.enable_server_reflection(self._service_names, self.server)
+        await self.server.start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self._on_signal)
+        self.log.info("service_started", address=self.address, port=self.port, metrics_port=self.metrics_port)
+
+    def _on_signal(self) -> None:
+        self._stop_task = asyncio.ensure_future(self.stop())  # held: the loop keeps only weak references
+
+    async def stop(self) -> None:
+        if self._stopping.is_set():
+            await self._stopped.wait()  # a second caller (a failed start) returns once the first is done
+            return
+        self._stopping.set()
+        self.log.info("service_stopping", grace_seconds=self.grace_seconds)
+        await self.health.enter_graceful_shutdown()
+        for fn in self._before_drain:  # in a thread: a drain waits for calls this loop is serving
+            await self.loop.run_in_executor(None, _safe, fn, self.log)
+        await self.server.stop(self.grace_seconds)
+        for fn in reversed(self._cleanups):
+            await self.loop.run_in_executor(None, _safe, fn, self.log)
+        self.log.info("service_stopped")
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+def serve_aio(
+    args: Any,
+    owner: str,
+    service: str,
+    add_fn: Callable[[Any, Any], None],
+    servicer: Any,
+    build: Callable[[AioServiceRuntime], Mapping[str, Any]],
+    *,
+    failures: tuple[type[Exception], ...] = (Exception,),
+    grace_seconds: float = 10.0,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+) -> int:
+    """runtime.serve's contract on an asyncio server; `build` runs in a worker thread."""
+    from moe_lightning.service.logs import configure_logging
+    from moe_lightning.shm import sweep_stale
+
+    log = configure_logging(owner, args.log_level, args.log_json or None)
+    if getattr(args, "threads", 0) > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    for name in sweep_stale(args.run_id, owner=owner, at_startup=True):
+        log.warning("swept_stale_segment", name=name)
+    credentials = None
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        from moe_lightning.service.auth import server_credentials
+
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        credentials = server_credentials(args.tls_cert, args.tls_key)
+    interceptors = (AioBearerTokenInterceptor(args.auth_token),) if getattr(args, "auth_token", None) else ()
+
+    async def life() -> int:
+        runtime = AioServiceRuntime(
+            service,
+            args.address,
+            args.metrics_port,
+            args.metrics_host,
+            grace_seconds,
+            credentials,
+            interceptors,
+            max_receive_bytes,
+        )
+        runtime.add_service(add_fn, servicer, service)
+        await runtime.start()
+        try:
+            serving = await runtime.loop.run_in_executor(None, build, runtime)
+        except failures as exc:
+            log.error("startup_failed", error=str(exc))
+            await runtime.stop()
+            return 1
+        runtime.set_serving(True)
+        log.info("serving", **serving)
+        await runtime.wait()
+        return 0
+
+    return asyncio.run(life())

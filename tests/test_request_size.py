@@ -1,0 +1,118 @@
+"""Issue 14, item 4: a huge prompt text is refused before it is tokenised (encoding holds the GIL for
+a time that grows faster than the text), and the public API receives no more than a legal request needs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import grpc
+import pytest
+from fake_backend import FakeBackend
+
+from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.client import Prompt
+from moe_lightning.demo_model import build_tokenizer
+from moe_lightning.launcher import Stack
+from moe_lightning.placement import Placement
+from moe_lightning.request import InvalidRequestError
+from moe_lightning.service.names import GENERATION as API
+from moe_lightning.service.upstream import health_status, open_channel
+from moe_lightning.spec import ModelSpec
+from moe_lightning.tokenizer import TextTokenizer
+from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes, max_text_bytes
+from orchestrator.backend import KVCapacity
+from orchestrator.scheduler import Scheduler, SchedulerConfig
+
+TOK = TextTokenizer(build_tokenizer(400, seed=1))
+SPEC = ModelSpec("MixtralForCausalLM", 8, 16, 1, 2, 1, 4, 2, 1, 400, max_position_embeddings=1024)
+CONTEXT: Any = SimpleNamespace(add_callback=lambda _: None)
+EIGHT_MIB = "Kabeno tisar molu " * ((8 << 20) // 18)  # ~10 s to encode with this tokenizer
+
+
+@pytest.fixture()
+def servicer() -> Iterator[GenerationServicer]:
+    kv, config = KVCapacity(8, 16, "float32"), SchedulerConfig(max_prefill_tokens=40)
+    scheduler = Scheduler(SPEC, FakeBackend({}), TOK, kv, config, None, Placement())  # type: ignore[arg-type]
+    scheduler.start()
+    s = GenerationServicer()
+    s.scheduler = scheduler
+    yield s
+    scheduler.stop()
+
+
+def test_the_bounds_follow_max_prefill_tokens() -> None:
+    assert max_text_bytes(40) == 320
+    # a BatchGenerate of the most inputs, each at the bound, fits; a small server receives little
+    assert max_receive_bytes(8192) >= MAX_BATCH_PROMPTS * max_text_bytes(8192)
+    assert max_receive_bytes(64) < 5 << 20 and max_receive_bytes(1024) < 16 << 20
+
+
+def test_an_8_mib_text_is_refused_before_tokenising(servicer: GenerationServicer) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError, match=r"at most 320 bytes of UTF-8 \(40 tokens, --max-prefill-tokens"):
+        servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text=EIGHT_MIB).to_pb()), CONTEXT)
+    assert time.monotonic() - t0 < 1.0
+    # multi-byte text is measured in bytes: 107 characters, 321 bytes
+    with pytest.raises(InvalidRequestError, match="at most 320 bytes"):
+        servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text="€" * 107).to_pb()), CONTEXT)
+    batch = generation_pb2.BatchGenerateRequest(inputs=[Prompt(text="hi").to_pb(), Prompt(text=EIGHT_MIB).to_pb()])
+    with pytest.raises(InvalidRequestError, match="^input 1: prompt text is longer than any accepted prompt"):
+        servicer.BatchGenerate(batch, CONTEXT)
+
+
+def test_text_at_the_bound_is_tokenised_and_checked_in_tokens(servicer: GenerationServicer) -> None:
+    # 320 bytes pass the size check; the token count (over 40) is what refuses them
+    with pytest.raises(InvalidRequestError, match="this server accepts at most 40"):
+        servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text="Kabeno " * 45 + "x" * 5).to_pb()), CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def stack(make_module_stack: Callable[..., Stack], tiny_model: Path) -> Stack:
+    # text bound 8 KiB, receive limit 12 MiB
+    return make_module_stack(model=tiny_model, extra={"orchestrator": ["--max-prefill-tokens", "1024"]})
+
+
+def test_a_huge_text_is_refused_at_once_while_health_answers(stack: Stack) -> None:
+    ch = open_channel(stack.api_address)
+    slowest, stop = [0.0], threading.Event()
+
+    def probe() -> None:
+        hch = open_channel(stack.api_address)
+        while not stop.is_set():
+            t = time.monotonic()
+            assert health_status(hch, API, timeout=5) == 1
+            slowest[0] = max(slowest[0], time.monotonic() - t)
+            time.sleep(0.05)
+        hch.close()
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            generation_pb2_grpc.GenerationStub(ch).Generate(
+                generation_pb2.GenerateRequest(input=Prompt(text=EIGHT_MIB).to_pb()), timeout=60
+            )
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        prober.join()
+        ch.close()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 8192 bytes of UTF-8 (1024 tokens, --max-prefill-tokens" in info.value.details()
+    assert took < 1.0 and slowest[0] < 1.0
+
+
+def test_a_message_over_the_receive_limit_is_refused_unread(stack: Stack) -> None:
+    ch = open_channel(stack.api_address)  # our client sends up to 64 MiB
+    batch = generation_pb2.BatchGenerateRequest(inputs=[Prompt(text="Kabeno " * 2000).to_pb()] * 1300)  # ~18 MiB
+    with pytest.raises(grpc.RpcError) as info:
+        generation_pb2_grpc.GenerationStub(ch).BatchGenerate(batch, timeout=60)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert health_status(ch, API, timeout=5) == 1
+    ch.close()
