@@ -1,10 +1,19 @@
-"""The public Generation API: protobuf in, domain objects to the scheduler, protobuf out."""
+"""The public Generation API: protobuf in, domain objects to the scheduler, protobuf out, on grpc.aio.
+
+A waiting call holds no thread: checking and tokenising a request runs in a small worker pool, off
+the event loop (and off the scheduler's thread); the scheduler's thread completes a call through
+the ticket's done callback, which schedules the waiter's wake-up on the loop
+(`call_soon_threadsafe`), and feeds a stream through an asyncio.Queue the same way. A call that the
+client cancels, or whose deadline passes, has its handler task cancelled, and that cancels the
+ticket. So `--max-queue`, not a thread count, bounds the work that waits (docs/reliability.md).
+"""
 
 from __future__ import annotations
 
-import queue
+import asyncio
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
@@ -15,8 +24,8 @@ from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Genera
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
 from moe_lightning.service.errors import NotReadyError, ResourceExhaustedError
-from moe_lightning.validation import RequestLimits, prompt_ids, sampling_params, validate
-from orchestrator.scheduler import Scheduler, Ticket
+from moe_lightning.validation import RequestLimits, check_batch, prompt_ids, sampling_params, validate
+from orchestrator.scheduler import Scheduler, Ticket, TokenCallback
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BATCH_PROMPTS = 1024
@@ -63,24 +72,29 @@ FINISH_TO_PB = {
 }
 
 
-class StreamSink:
-    """A streaming waiter's queue, fed by the scheduler's thread once per generated token with the token
-    ids, their log-probabilities (when the request asked for them, else []) and the text the tokens
-    complete for the stream (the request's OutputText delta: "" while text is held back)."""
+Item = tuple[list[int], list[TokenLogprobs], str]
 
-    def __init__(self) -> None:
-        self.queue: queue.Queue[tuple[list[int], list[TokenLogprobs], str]] = queue.Queue()
 
-    def __call__(self, tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> None:
-        self.queue.put((tokens, logprobs, text))
+def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed (the process is ending): nobody waits any more
+        pass
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, device: str = "") -> None:
+    def __init__(self, device: str = "", workers: int = 8) -> None:
         self.scheduler: Scheduler | None = None
         self.device = device
         self.model_path = ""
         self.kv_cache_dtype = ""  # of the KV cache attention reads (set once the policy placed it)
+        # checks and tokenisation: a bounded prompt (check_text_size) takes milliseconds
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="orchestrator-tokenize")
 
     def _sched(self) -> Scheduler:
         if self.scheduler is None:
@@ -133,87 +147,132 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             logprobs=[logprobs_to_pb(lp) for lp in r.logprobs],
         )
 
-    def _submit(
-        self, m: generation_pb2.GenerationInput, context: grpc.ServicerContext, sink: StreamSink | None = None
-    ) -> Ticket:
-        sched = self._sched()
-        request = self.to_request(m, sched.limits())
-        with structlog.contextvars.bound_contextvars(request_id=request.request_id):
-            ticket = sched.submit(request, sink)
-        context.add_callback(lambda: None if ticket.done.is_set() else sched.cancel(ticket))
-        return ticket
-
     # ---- RPCs ----------------------------------------------------------------------------------
-    def Generate(
-        self, request: generation_pb2.GenerateRequest, context: grpc.ServicerContext
-    ) -> generation_pb2.GenerateResponse:
-        ticket = self._submit(request.input, context)
-        ticket.done.wait()
-        return generation_pb2.GenerateResponse(output=self.to_output(ticket))
+    async def _submit_async(
+        self,
+        inputs: list[generation_pb2.GenerationInput],
+        on_tokens: TokenCallback | None = None,
+        batch: bool = False,
+    ) -> tuple[Scheduler, list[Ticket], list[asyncio.Future[None]]]:
+        loop = asyncio.get_running_loop()
+        futs: list[asyncio.Future[None]] = [loop.create_future() for _ in inputs]
+        sched = self._sched()
 
-    def GenerateStream(
-        self, request: generation_pb2.GenerateStreamRequest, context: grpc.ServicerContext
-    ) -> Iterator[generation_pb2.GenerateStreamResponse]:
-        sink = StreamSink()
-        ticket = self._submit(request.input, context, sink)
+        def work() -> list[Ticket]:  # a worker thread: validation, tokenisation, queueing
+            limits = sched.limits()
+            requests = []
+            for i, m in enumerate(inputs):  # validate all before queueing any
+                try:
+                    requests.append(self.to_request(m, limits))
+                except (InvalidRequestError, ResourceExhaustedError) as exc:
+                    if not batch:
+                        raise
+                    raise type(exc)(f"input {i}: {exc}") from None  # the index names the bad row
+            if batch:
+                check_batch(requests, limits)  # its one response message must be sendable
+            tickets: list[Ticket] = []
+            try:
+                for r, fut in zip(requests, futs, strict=True):
+                    with structlog.contextvars.bound_contextvars(request_id=r.request_id):
+                        ticket = sched.submit(r, on_tokens)
+                    tickets.append(ticket)
+                    ticket.add_done_callback(lambda f=fut: _threadsafe(loop, _resolve, f))
+            except Exception:  # the queue filled up, or the server is stopping: none of the batch runs
+                for t in tickets:
+                    sched.cancel(t)
+                raise
+            return tickets
+
+        job = loop.run_in_executor(self._pool, work)
+        try:
+            return sched, await asyncio.shield(job), futs
+        except asyncio.CancelledError:  # the client left while its request was being checked
+
+            def drop(j: asyncio.Future[list[Ticket]]) -> None:
+                if not j.cancelled() and j.exception() is None:
+                    for t in j.result():
+                        sched.cancel(t)
+
+            job.add_done_callback(drop)
+            raise
+
+    @staticmethod
+    async def _wait(sched: Scheduler, tickets: list[Ticket], futs: list[asyncio.Future[None]]) -> None:
+        try:
+            await asyncio.gather(*futs)
+        finally:  # cancelled by the client or its deadline (CancelledError): the tickets go too
+            for t in tickets:
+                if not t.done.is_set():
+                    sched.cancel(t)
+
+    async def Generate(  # type: ignore[override]
+        self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.GenerateResponse:
+        sched, tickets, futs = await self._submit_async([request.input])
+        await self._wait(sched, tickets, futs)
+        return generation_pb2.GenerateResponse(output=self.to_output(tickets[0]))
+
+    async def BatchGenerate(  # type: ignore[override]
+        self, request: generation_pb2.BatchGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> generation_pb2.BatchGenerateResponse:
+        n = len(request.inputs)
+        if not 0 < n <= MAX_BATCH_PROMPTS:
+            raise InvalidRequestError(f"BatchGenerate takes 1 to {MAX_BATCH_PROMPTS} inputs, got {n}")
+        sched, tickets, futs = await self._submit_async(list(request.inputs), batch=True)
+        await self._wait(sched, tickets, futs)
+        return generation_pb2.BatchGenerateResponse(outputs=[self.to_output(t) for t in tickets])
+
+    async def GenerateStream(  # type: ignore[override]
+        self, request: generation_pb2.GenerateStreamRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Item | None] = asyncio.Queue()
+
+        def on_tokens(tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> None:
+            _threadsafe(loop, queue.put_nowait, (tokens, logprobs, text))
+
+        sched, tickets, futs = await self._submit_async([request.input], on_tokens)
+        ticket = tickets[0]
+        # after every token: the scheduler feeds the sink before it sets done, and the loop runs
+        # call_soon_threadsafe callbacks in order, so None is the last item
+        futs[0].add_done_callback(lambda _: queue.put_nowait(None))
 
         def chunk(tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> generation_pb2.GenerateStreamResponse:
             return generation_pb2.GenerateStreamResponse(
                 token_ids=tokens, text=text, logprobs=[logprobs_to_pb(lp) for lp in logprobs]
             )
 
-        while True:
-            try:
-                msg = chunk(*sink.queue.get(timeout=0.05))
-            except queue.Empty:
-                if ticket.done.is_set() and sink.queue.empty():
-                    break
-                continue
-            # the scheduler feeds the sink before it marks the ticket done, so an empty queue of a done
-            # ticket means these were the last tokens (their delta completes the text): send them with
-            # the final output
-            if ticket.done.is_set() and ticket.error is None and sink.queue.empty():
-                msg.output.CopyFrom(self.to_output(ticket))
-                yield msg
-                return
-            yield msg
+        try:
+            while (item := await queue.get()) is not None:
+                if not ticket.done.is_set():
+                    yield chunk(*item)
+                    continue
+                # done: the rest is already queued; the last tokens go with the final output (their
+                # delta completes the text)
+                rest = [item]
+                while (more := await queue.get()) is not None:
+                    rest.append(more)
+                msgs = [chunk(*i) for i in rest]
+                for msg in msgs[:-1]:
+                    yield msg
+                if ticket.error is None:
+                    msgs[-1].output.CopyFrom(self.to_output(ticket))
+                    yield msgs[-1]
+                    return
+                yield msgs[-1]
+                break
+        finally:
+            if not ticket.done.is_set():  # the client went away (or its deadline passed)
+                sched.cancel(ticket)
         yield generation_pb2.GenerateStreamResponse(output=self.to_output(ticket))  # raises the request's error
 
-    def BatchGenerate(
-        self, request: generation_pb2.BatchGenerateRequest, context: grpc.ServicerContext
-    ) -> generation_pb2.BatchGenerateResponse:
-        n = len(request.inputs)
-        if not 0 < n <= MAX_BATCH_PROMPTS:
-            raise InvalidRequestError(f"BatchGenerate takes 1 to {MAX_BATCH_PROMPTS} inputs, got {n}")
-        sched = self._sched()
-        limits = sched.limits()
-        requests = []
-        for i, m in enumerate(request.inputs):  # validate all before queueing any
-            try:
-                requests.append(self.to_request(m, limits))
-            except (InvalidRequestError, ResourceExhaustedError) as exc:
-                # the index lets a client with thousands of rows name the bad one
-                raise type(exc)(f"input {i}: {exc}") from None
-        tickets: list[Ticket] = []
-        try:
-            for r in requests:
-                tickets.append(sched.submit(r))
-        except Exception:  # the queue filled up, or the server is stopping: none of the batch runs
-            for t in tickets:
-                sched.cancel(t)
-            raise
-        context.add_callback(lambda: [sched.cancel(t) for t in tickets if not t.done.is_set()])
-        for t in tickets:
-            t.done.wait()
-        return generation_pb2.BatchGenerateResponse(outputs=[self.to_output(t) for t in tickets])
-
-    def GetModelInfo(
-        self, request: generation_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    async def GetModelInfo(  # type: ignore[override]
+        self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetModelInfoResponse:
         return generation_pb2.GetModelInfoResponse(model=model_info_to_pb(self._sched().spec, self.model_path))
 
-    def GetServerMetadata(
-        self, request: generation_pb2.GetServerMetadataRequest, context: grpc.ServicerContext
+    async def GetServerMetadata(  # type: ignore[override]
+        self, request: generation_pb2.GetServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.GetServerMetadataResponse:
         s = self._sched()
         return generation_pb2.GetServerMetadataResponse(

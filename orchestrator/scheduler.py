@@ -56,10 +56,28 @@ class Ticket:
     result: GenerationResult | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    _callbacks: list[Callable[[], None]] = field(default_factory=list)
+    _callbacks_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def request(self) -> GenerationRequest:
         return self.seq.request
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Calls `fn` (from the scheduler's thread) once the ticket is done; at once if it is already."""
+        with self._callbacks_lock:
+            if not self.done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def complete(self) -> None:
+        """The outcome (result or error) is set: wakes every kind of waiter."""
+        with self._callbacks_lock:
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
 
     def wait(self, timeout: float | None = None) -> GenerationResult:
         if not self.done.wait(timeout):
@@ -357,7 +375,7 @@ class Scheduler:
                 e2e_s=round(ticket.finished - ticket.arrival, 4),
             )
         finally:  # the result is complete: the waiter gets it whatever the metrics do
-            ticket.done.set()
+            ticket.complete()
             self._cv.notify_all()
 
     def _fail(self, seq: Sequence, error: BaseException) -> None:
@@ -373,5 +391,5 @@ class Scheduler:
         try:
             metrics.REQUESTS.labels(status_for(error).name.lower()).inc()
         finally:  # the waiter is told whatever the metrics do
-            ticket.done.set()
+            ticket.complete()
             self._cv.notify_all()

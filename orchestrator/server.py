@@ -18,7 +18,6 @@ from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
 from moe_lightning.service.names import GENERATION
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
-from orchestrator.aio_api import AioGenerationServicer
 from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes
 from orchestrator.backend import Backend, Capacity
 from orchestrator.planner import Planner, PlannerConfig
@@ -203,7 +202,7 @@ def _start(
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
-    servicer = AioGenerationServicer(workers=args.rpc_threads)
+    servicer = GenerationServicer(workers=args.rpc_threads)
     return serve_aio(
         args,
         "orchestrator",

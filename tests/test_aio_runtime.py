@@ -14,7 +14,7 @@ from grpc_health.v1._async import HealthServicer
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.client import Prompt
 from moe_lightning.service.aio_runtime import AioBearerTokenInterceptor, AioErrorMappingInterceptor
-from orchestrator.aio_api import AioGenerationServicer
+from orchestrator.api import GenerationServicer
 
 TOKEN = "s3cret-token"
 CALLS = {
@@ -44,7 +44,7 @@ async def _exercise() -> dict[str, dict[str, grpc.StatusCode]]:
     server = grpc.aio.server(interceptors=(AioBearerTokenInterceptor(TOKEN), AioErrorMappingInterceptor()))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    generation_pb2_grpc.add_GenerationServicer_to_server(AioGenerationServicer(), server)  # no scheduler yet
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(), server)  # no scheduler yet
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     seen: dict[str, dict[str, grpc.StatusCode]] = {}

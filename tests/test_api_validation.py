@@ -4,6 +4,7 @@ is the deltas the scheduler hands it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -74,7 +75,7 @@ def test_batch_checks_every_input_before_queueing_any(
     servicer, backend = _servicer(started)
     good = Prompt(token_ids=[1, 2], max_new_tokens=3)
     with pytest.raises(error) as info:
-        servicer.BatchGenerate(_batch(good, good, bad, good), CONTEXT)
+        asyncio.run(servicer.BatchGenerate(_batch(good, good, bad, good), CONTEXT))
     assert type(info.value) is error and str(info.value).startswith(message)
     assert backend.plans == [] and servicer.scheduler.stats()["waiting"] == 0  # type: ignore[union-attr]
 
@@ -82,10 +83,10 @@ def test_batch_checks_every_input_before_queueing_any(
 def test_a_single_request_is_refused_before_the_scheduler_sees_it(started: list[Scheduler]) -> None:
     servicer, backend = _servicer(started)
     with pytest.raises(ResourceExhaustedError) as info:
-        servicer.Generate(_one(Prompt(token_ids=[1], max_new_tokens=200)), CONTEXT)
+        asyncio.run(servicer.Generate(_one(Prompt(token_ids=[1], max_new_tokens=200)), CONTEXT))
     assert str(info.value) == "prompt + max_new_tokens needs 208 KV tokens; the cache holds 128 in all"
     with pytest.raises(InvalidRequestError, match="^this model has no tokenizer"):
-        servicer.Generate(_one(Prompt(text="hello")), CONTEXT)
+        asyncio.run(servicer.Generate(_one(Prompt(text="hello")), CONTEXT))
     assert backend.plans == []
 
 
@@ -93,7 +94,14 @@ def test_a_stream_sends_the_schedulers_text_deltas(started: list[Scheduler]) -> 
     script = TOK.encode("Kabeno tisar molu")[1:]
     servicer, _ = _servicer(started, TOK, script)
     prompt = Prompt(token_ids=[1, 2], max_new_tokens=20, stop=["o ti"])
-    *pieces, last = servicer.GenerateStream(generation_pb2.GenerateStreamRequest(input=prompt.to_pb()), CONTEXT)
+
+    async def stream() -> list[generation_pb2.GenerateStreamResponse]:
+        return [
+            m
+            async for m in servicer.GenerateStream(generation_pb2.GenerateStreamRequest(input=prompt.to_pb()), CONTEXT)
+        ]
+
+    *pieces, last = asyncio.run(stream())
     texts = [p.text for p in (*pieces, last)]  # the last token comes alone or with the output: either is right
     assert [t for t in texts if t] == ["K", "a", "ben"] and "".join(texts) == "Kaben"  # "o ti" held, then cut
     assert last.output.text == "Kaben" and last.output.finish_reason == generation_pb2.FINISH_REASON_STOP

@@ -3,6 +3,7 @@ a time that grows faster than the text), and the public API receives no more tha
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -55,20 +56,24 @@ def test_the_bounds_follow_max_prefill_tokens() -> None:
 def test_an_8_mib_text_is_refused_before_tokenising(servicer: GenerationServicer) -> None:
     t0 = time.monotonic()
     with pytest.raises(InvalidRequestError, match=r"at most 320 bytes of UTF-8 \(40 tokens, --max-prefill-tokens"):
-        servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text=EIGHT_MIB).to_pb()), CONTEXT)
+        asyncio.run(servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text=EIGHT_MIB).to_pb()), CONTEXT))
     assert time.monotonic() - t0 < 1.0
     # multi-byte text is measured in bytes: 107 characters, 321 bytes
     with pytest.raises(InvalidRequestError, match="at most 320 bytes"):
-        servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text="€" * 107).to_pb()), CONTEXT)
+        asyncio.run(servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text="€" * 107).to_pb()), CONTEXT))
     batch = generation_pb2.BatchGenerateRequest(inputs=[Prompt(text="hi").to_pb(), Prompt(text=EIGHT_MIB).to_pb()])
     with pytest.raises(InvalidRequestError, match="^input 1: prompt text is longer than any accepted prompt"):
-        servicer.BatchGenerate(batch, CONTEXT)
+        asyncio.run(servicer.BatchGenerate(batch, CONTEXT))
 
 
 def test_text_at_the_bound_is_tokenised_and_checked_in_tokens(servicer: GenerationServicer) -> None:
     # 320 bytes pass the size check; the token count (over 40) is what refuses them
     with pytest.raises(InvalidRequestError, match="this server accepts at most 40"):
-        servicer.Generate(generation_pb2.GenerateRequest(input=Prompt(text="Kabeno " * 45 + "x" * 5).to_pb()), CONTEXT)
+        asyncio.run(
+            servicer.Generate(
+                generation_pb2.GenerateRequest(input=Prompt(text="Kabeno " * 45 + "x" * 5).to_pb()), CONTEXT
+            )
+        )
 
 
 @pytest.fixture(scope="module")

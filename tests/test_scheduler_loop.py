@@ -4,6 +4,7 @@ and shutdown end what is in flight (real threads, no processes)."""
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,6 @@ from moe_lightning.plan import StepKind
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
 from moe_lightning.spec import ModelSpec
-from orchestrator.api import StreamSink
 from orchestrator.backend import KVCapacity
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 
@@ -39,15 +39,15 @@ def _request(max_new: int = 4) -> GenerationRequest:
 
 def test_requests_finish_and_stream_their_tokens(loop: tuple[Scheduler, FakeBackend]) -> None:
     s, backend = loop
-    sink = StreamSink()
-    streamed = s.submit(_request(5), sink)
+    sink: queue.Queue[list[int]] = queue.Queue()  # what a stream would send: the tokens, as they come
+    streamed = s.submit(_request(5), lambda tokens, logprobs, text: sink.put(tokens))
     others = [s.submit(_request(3 + i)) for i in range(20)]
     results = [t.wait(30) for t in (streamed, *others)]
     assert [len(r.token_ids) for r in results] == [5, *[3 + i for i in range(20)]]
     assert all(r.finish_reason == FINISH_LENGTH for r in results)
     tokens = []
-    while not sink.queue.empty():
-        tokens += sink.queue.get()[0]
+    while not sink.empty():
+        tokens += sink.get()
     assert tokens == results[0].token_ids
     assert backend.plans[0].kind is StepKind.PREFILL
     assert s.stats() == {"waiting": 0, "running": 0, "free_blocks": KV.blocks}
