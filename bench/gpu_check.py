@@ -338,7 +338,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
     p.add_argument("--micro-batches", type=int, default=None, help="force this many micro-batches (n_ub)")
     p.add_argument("--seed", type=int, default=0, help="the checkpoint's weights")
-    p.add_argument("--work-dir", default="/tmp/moe-lightning-gpu-check", help="checkpoints, arena copy, logs")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="checkpoints, arena copy, logs (default: a new private directory under the temp dir; a given "
+        "one is created 0700 and refused if another user could write to it)",
+    )
     p.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="the report (logs go next to it)")
     p.add_argument("--deadline", type=float, default=440.0, help="seconds for everything; phases share them")
     p.add_argument(

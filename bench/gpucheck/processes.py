@@ -104,7 +104,10 @@ class PhaseRunner:
         self.args = args
         self.json_path: Path = args.json
         self.logs = self.json_path.parent / "gpu_check-logs"
-        self.work = Path(args.work_dir)
+        from moe_lightning.private_paths import private_dir
+
+        # never a fixed path under /tmp: another user could have made it first and planted files in it
+        self.work = private_dir(Path(args.work_dir) if args.work_dir else None, prefix="moe-lightning-gpu-check-")
         self.deadline = time.monotonic() + args.deadline
         self.env = {
             **os.environ,
