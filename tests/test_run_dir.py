@@ -3,6 +3,7 @@ link in them), and a port in use is an error instead of a port shared with whate
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import stat
@@ -216,3 +217,20 @@ def test_launcher_names_a_port_in_use(tmp_path: Path) -> None:
         with pytest.raises(StackError, match=rf"127\.0\.0\.1:{port} is already in use"):
             stack.start(timeout=5)
         assert stack.procs == {}
+
+
+def test_the_asyncio_server_will_not_share_a_port_either() -> None:
+    """The public API runs on grpc.aio: the same server options, so the same refusal."""
+    from moe_lightning.service.aio_runtime import AioServiceRuntime
+    from moe_lightning.service.runtime import ServiceRuntime
+
+    first = ServiceRuntime("first", "127.0.0.1:0", None)
+
+    async def second() -> None:
+        AioServiceRuntime("second", f"127.0.0.1:{first.port}", None, "127.0.0.1", 1.0, None, (), 4 << 20)
+
+    try:
+        with pytest.raises(RuntimeError, match=rf"Failed to bind to address 127\.0\.0\.1:{first.port}"):
+            asyncio.run(second())
+    finally:
+        first.server.stop(0)

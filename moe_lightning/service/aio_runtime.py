@@ -26,8 +26,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from moe_lightning.service.auth import EXEMPT_PREFIXES
-from moe_lightning.service.errors import _lenient, _Undecodable, status_for
-from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe
+from moe_lightning.service.errors import _lenient, _Undecodable, rejection
+from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe, server_options
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 UNAUTHENTICATED = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
@@ -83,14 +83,7 @@ async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     if isinstance(exc, grpc.aio.AbortError):
         raise exc  # context.abort() already set the status
-    code = status_for(exc)
-    message = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
-    log = structlog.get_logger()
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("rpc_failed", method=method, exc_info=exc)
-    else:
-        log.info("rpc_rejected", method=method, code=code.name, error=message)
-    await context.abort(code, message or code.name)
+    await context.abort(*rejection(exc, method))
 
 
 class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -151,10 +144,7 @@ class AioServiceRuntime:
         self.loop = asyncio.get_running_loop()
         self.server = grpc.aio.server(
             interceptors=(*interceptors, AioErrorMappingInterceptor()),
-            options=[
-                ("grpc.max_receive_message_length", max_receive_bytes),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ],
+            options=server_options(max_receive_bytes),
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -88,7 +88,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+def rejection(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed call is answered with, logged once (a bug with its traceback)."""
     code = status_for(exc)
     message = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
     log = structlog.get_logger()
@@ -96,7 +97,11 @@ def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> No
         log.error("rpc_failed", method=method, exc_info=exc)
     else:
         log.info("rpc_rejected", method=method, code=code.name, error=message)
-    context.abort(code, message or code.name)
+    return code, message or code.name
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException, method: str) -> None:
+    context.abort(*rejection(exc, method))
 
 
 class _Undecodable:

@@ -25,6 +25,15 @@ from moe_lightning.service.errors import ErrorMappingInterceptor
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
+def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Every gRPC server's options, threaded or asyncio."""
+    return [
+        ("grpc.max_receive_message_length", max_receive_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),  # a port in use is an error, not shared with an orphan holding it
+    ]
+
+
 class ServiceRuntime:
     def __init__(
         self,
@@ -43,11 +52,7 @@ class ServiceRuntime:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{name}-rpc"),
             interceptors=(*interceptors, ErrorMappingInterceptor()),
-            options=[
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.so_reuseport", 0),  # a port in use is an error, not shared with an orphan holding it
-            ],
+            options=server_options(),
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
