@@ -1,7 +1,14 @@
 #!/usr/bin/env python3
-"""Exit 0 when ADDRESS reports SERVICE as SERVING over grpc.health.v1, else 1 (compose healthcheck)."""
+"""Exit 0 when ADDRESS reports SERVICE as SERVING over grpc.health.v1, else 1 (compose healthcheck).
 
+With MOE_LIGHTNING_TLS_CERT set (the orchestrator's TLS, from its environment) a TCP address is
+checked over TLS, verified against MOE_LIGHTNING_TLS_CA or else the certificate itself, as `up`'s
+own readiness check does.
+"""
+
+import os
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -12,8 +19,16 @@ def main() -> int:
         sys.stderr.write("usage: grpc-health-check ADDRESS SERVICE\n")
         return 2
     address, service = sys.argv[1:]
+    cert = os.environ.get("MOE_LIGHTNING_TLS_CERT")
     try:
-        with grpc.insecure_channel(address) as channel:
+        if cert and not address.startswith("unix:"):
+            from moe_lightning.service.upstream import readiness_channel
+
+            ca = os.environ.get("MOE_LIGHTNING_TLS_CA")
+            channel = readiness_channel(address, Path(cert), Path(ca) if ca else None)
+        else:
+            channel = grpc.insecure_channel(address)
+        with channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=3)
     except grpc.RpcError as exc:
         sys.stderr.write(f"{address}: {exc.code().name}\n")

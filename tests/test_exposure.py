@@ -93,6 +93,12 @@ def test_readiness_check_over_tls_on_a_wildcard_bind(tmp_path: Path) -> None:
         ch = readiness_channel(f"0.0.0.0:{port}", cert)
         assert health_status(ch, "svc", timeout=10) == health_pb2.HealthCheckResponse.SERVING
         ch.close()
+        # compose's health check, in the orchestrator's container, with its TLS environment
+        check = [sys.executable, "deploy/grpc_health_check.py", f"127.0.0.1:{port}", "svc"]
+        env = {**os.environ, "MOE_LIGHTNING_TLS_CERT": str(cert)}
+        assert subprocess.run(check, env=env, capture_output=True, timeout=30).returncode == 0
+        plain = subprocess.run(check, capture_output=True, timeout=30, text=True)  # no TLS: no handshake
+        assert plain.returncode == 1
     finally:
         server.stop(0)
 
