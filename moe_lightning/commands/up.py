@@ -107,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"warning: {w}\n")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        # set from another thread: the handler runs in the main thread, which may be inside stop.wait()
+        # holding the event's lock, and Event.set() taking it again there would deadlock for good
+        signal.signal(sig, lambda *_: threading.Thread(target=stop.set, daemon=True).start())
     stack = Stack(stack_config(args, args.port, args.host))
     try:
         try:

@@ -27,7 +27,7 @@ from prometheus_client import start_http_server
 
 from moe_lightning.service.auth import EXEMPT_PREFIXES
 from moe_lightning.service.errors import _lenient, _Undecodable, rejection
-from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe, server_options
+from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe, prepare_process, server_options
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 UNAUTHENTICATED = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
@@ -232,23 +232,7 @@ def serve_aio(
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
 ) -> int:
     """runtime.serve's contract on an asyncio server; `build` runs in a worker thread."""
-    from moe_lightning.service.logs import configure_logging
-    from moe_lightning.shm import sweep_stale
-
-    log = configure_logging(owner, args.log_level, args.log_json or None)
-    if getattr(args, "threads", 0) > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    for name in sweep_stale(args.run_id, owner=owner, at_startup=True):
-        log.warning("swept_stale_segment", name=name)
-    credentials = None
-    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
-        from moe_lightning.service.auth import server_credentials
-
-        if not (args.tls_cert and args.tls_key):
-            raise SystemExit("--tls-cert and --tls-key go together")
-        credentials = server_credentials(args.tls_cert, args.tls_key)
+    log, credentials, _ = prepare_process(args, owner, service)  # the public API checks no internal secret
     interceptors = (AioBearerTokenInterceptor(args.auth_token),) if getattr(args, "auth_token", None) else ()
 
     async def life() -> int:

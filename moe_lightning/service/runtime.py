@@ -128,6 +128,37 @@ def _safe(fn: Callable[[], None], log: Any) -> None:
         log.exception("shutdown_hook_failed", hook=getattr(fn, "__name__", repr(fn)))
 
 
+def prepare_process(
+    args: Any, owner: str, service: str, keep_segments: tuple[str, ...] = ()
+) -> tuple[Any, grpc.ServerCredentials | None, tuple[grpc.ServerInterceptor, ...]]:
+    """What every service main does before its server exists, threaded or asyncio: logging, torch
+    threads, the internal secret it sends and (an internal service) checks (auth.internal_guard: one
+    on TCP without a secret exits here), sweeping a dead predecessor's segments (but those named in
+    `keep_segments`, which the service may adopt), and the public API's TLS credentials. Returns the
+    logger, the credentials and the internal-secret interceptors."""
+    from moe_lightning.service.auth import internal_guard
+    from moe_lightning.service.logs import configure_logging
+    from moe_lightning.shm import sweep_stale
+
+    log = configure_logging(owner, args.log_level, args.log_json or None)
+    guard = internal_guard(args, service)
+    threads = getattr(args, "threads", 0)
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+    for name in sweep_stale(args.run_id, owner=owner, at_startup=True, keep=keep_segments):
+        log.warning("swept_stale_segment", name=name)
+    credentials = None
+    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+        from moe_lightning.service.auth import server_credentials
+
+        if not (args.tls_cert and args.tls_key):
+            raise SystemExit("--tls-cert and --tls-key go together")
+        credentials = server_credentials(args.tls_cert, args.tls_key)
+    return log, credentials, guard
+
+
 def bootstrap(
     args: Any,
     owner: str,
@@ -138,34 +169,12 @@ def bootstrap(
     keep_segments: tuple[str, ...] = (),
     max_workers: int = 16,
 ) -> tuple[Any, ServiceRuntime]:
-    """What every service main does first: logging, torch threads, sweeping a dead predecessor's
-    segments (but those named in `keep_segments`, which the service may adopt), and a started (live,
-    not yet ready) gRPC server with `servicer` registered."""
-    from moe_lightning.service.auth import internal_guard
-    from moe_lightning.service.logs import configure_logging
-    from moe_lightning.shm import sweep_stale
-
-    log = configure_logging(owner, args.log_level, args.log_json or None)
-    guard = internal_guard(args, service)  # an internal service on TCP without a secret exits here
-    threads = getattr(args, "threads", 0)
-    if threads > 0:
-        import torch
-
-        torch.set_num_threads(threads)
-    for name in sweep_stale(args.run_id, owner=owner, at_startup=True, keep=keep_segments):
-        log.warning("swept_stale_segment", name=name)
-    credentials, interceptors = None, ()
-    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
-        from moe_lightning.service.auth import server_credentials
-
-        if not (args.tls_cert and args.tls_key):
-            raise SystemExit("--tls-cert and --tls-key go together")
-        credentials = server_credentials(args.tls_cert, args.tls_key)
+    """`prepare_process`, then a started (live, not yet ready) gRPC server with `servicer` registered."""
+    log, credentials, interceptors = prepare_process(args, owner, service, keep_segments)
     if getattr(args, "auth_token", None):
         from moe_lightning.service.auth import BearerTokenInterceptor
 
-        interceptors = (BearerTokenInterceptor(args.auth_token),)
-    interceptors = (*guard, *interceptors)
+        interceptors = (*interceptors, BearerTokenInterceptor(args.auth_token))
     runtime = ServiceRuntime(
         service,
         args.address,
