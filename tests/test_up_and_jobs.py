@@ -57,7 +57,11 @@ class Up:
 
     def stop(self, sig: int) -> int:
         self.proc.send_signal(sig)
-        return self.proc.wait(60)
+        try:
+            return self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # and its services with it (parent-death signal): a failed test leaves nothing
+            raise
 
 
 @pytest.fixture(scope="module")
