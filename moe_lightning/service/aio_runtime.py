@@ -23,11 +23,10 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from moe_lightning.service.auth import EXEMPT_PREFIXES
 from moe_lightning.service.errors import _lenient, _Undecodable, rejection
-from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe, prepare_process, server_options
+from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe, bind, prepare_process, server_options
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 UNAUTHENTICATED = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
@@ -149,15 +148,8 @@ class AioServiceRuntime:
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        if server_credentials is not None:
-            self.port = self.server.add_secure_port(address, server_credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
         self.address = address
-        self.metrics_port: int | None = None
-        if metrics_port is not None:
-            http, _ = start_http_server(metrics_port, addr=metrics_host)
-            self.metrics_port = http.server_port
+        self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
         self._stopping = threading.Event()
         self._stopped = asyncio.Event()
         self._stop_task: asyncio.Future[None] | None = None

@@ -34,6 +34,22 @@ def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str
     ]
 
 
+def bind(
+    server: Any,
+    address: str,
+    credentials: grpc.ServerCredentials | None,
+    metrics_port: int | None,
+    metrics_host: str,
+) -> tuple[int, int | None]:
+    """Binds a gRPC server (threaded or asyncio) to `address`, over TLS when given `credentials`, and
+    starts the Prometheus port; returns (the gRPC port, the metrics port or None)."""
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if metrics_port is None:
+        return port, None
+    http, _ = start_http_server(metrics_port, addr=metrics_host)
+    return port, http.server_port
+
+
 class ServiceRuntime:
     def __init__(
         self,
@@ -57,15 +73,8 @@ class ServiceRuntime:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        if server_credentials is not None:
-            self.port = self.server.add_secure_port(address, server_credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
         self.address = address
-        self.metrics_port: int | None = None
-        if metrics_port is not None:
-            http, _ = start_http_server(metrics_port, addr=metrics_host)
-            self.metrics_port = http.server_port
+        self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._cleanups: list[Callable[[], None]] = []
