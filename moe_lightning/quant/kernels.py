@@ -1,0 +1,262 @@
+"""y = x @ W^T for quantized W, by whichever kernel is fastest for the shape on this machine.
+
+The kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the int4 "tinygemm"
+kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+), and
+dequantize-then-GEMM everywhere. None is fastest everywhere (on the 2-core AVX2 dev VM the int8
+kernel is 3x faster than fp32 GEMM at 8 rows with bf16 activations and 25x slower with fp32 ones;
+docs/quantization.md has the table), so the first call of each (shape, rows bucket, dtype) times
+every candidate on the real operands and keeps the winner: warm-up is when that happens.
+
+`exact` kernels compute in x's dtype, as the reference does on the dequantized weights; the others
+round activations to bfloat16 (exact for a bf16 model). `--expert-kernels exact` keeps only the
+former; the default, `fastest`, allows both.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from moe_lightning.quant.linear import QuantizedLinear
+from moe_lightning.quant.scheme import QuantFormat
+from moe_lightning.stages.linear import dense_linear
+
+POLICIES = ("fastest", "exact")
+MAX_BUCKET = 1024
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 values in [0, 15]."""
+    n = qweight.shape[0]
+    return torch.stack([qweight >> 4, qweight & 15], dim=-1).view(n, -1)
+
+
+def _dequantize_rows(ql: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
+    """(N, K) in the permuted column order when ql has a perm (the kernels' order)."""
+    if ql.format is QuantFormat.INT8:
+        return (ql.qweight.to(torch.float32) * ql.scales[:, None]).to(dtype)
+    assert ql.zeros is not None
+    n, groups = ql.scales.shape
+    q = unpack_int4(ql.qweight).view(n, groups, -1).to(torch.float32)  # (N, K/G, G)
+    offset = (ql.zeros - 8 * ql.scales)[..., None]  # (q - 8) * s + z = q * s + (z - 8 s)
+    return torch.addcmul(offset, q, ql.scales[..., None]).view(n, -1).to(dtype)
+
+
+def dequantize(ql: QuantizedLinear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    w = _dequantize_rows(ql, dtype)
+    if ql.perm is None:
+        return w
+    out = torch.empty_like(w)
+    rows = ql.out_features // ql.perm.shape[0]
+    for p in range(ql.perm.shape[0]):
+        out[p * rows : (p + 1) * rows, ql.perm[p].long()] = w[p * rows : (p + 1) * rows]
+    return out
+
+
+# --- the candidates: (x (M, K) in ql's column order, ql without perm) -> (M, N) in x.dtype -------
+def _dequant_mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    return dense_linear(x, _dequantize_rows(ql, x.dtype))
+
+
+def _int8mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    return torch.ops.aten._weight_int8pack_mm(x, ql.qweight, ql.scales.to(x.dtype))
+
+
+def _int8mm_bf16(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), ql.qweight, ql.scales.to(torch.bfloat16))
+    return y.to(x.dtype)
+
+
+def _scales_and_zeros(ql: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
+    assert ql.zeros is not None
+    return torch.stack([ql.scales.t(), ql.zeros.t()], dim=-1).to(dtype).contiguous()  # (K/G, N, 2)
+
+
+def _int4mm_cpu(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(ql.qweight).to(torch.int32), 1)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, ql.group_size, _scales_and_zeros(ql, x.dtype))
+
+
+def _int4mm_cuda(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    packed = torch.ops.aten._convert_weight_to_int4pack(ql.qweight, 8)
+    xb = x.to(torch.bfloat16)
+    y = torch.ops.aten._weight_int4pack_mm(xb, packed, ql.group_size, _scales_and_zeros(ql, torch.bfloat16))
+    return y.to(x.dtype)
+
+
+def _int4_grouped_int8mm_bf16(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    """int4 as int8 group by group (q - 8 fits int8): sum_g x_g @ ((q_g - 8) s_g)^T + (sum_g x_g) z_g."""
+    assert ql.zeros is not None
+    n, groups = ql.scales.shape
+    g = ql.in_features // groups
+    q8 = (unpack_int4(ql.qweight).view(torch.int8) - 8).view(n, groups, g).transpose(0, 1).contiguous()
+    xb = x.to(torch.bfloat16)
+    scales = ql.scales.t().to(torch.bfloat16).contiguous()  # (K/G, N)
+    y = x.view(x.shape[0], groups, g).float().sum(dim=-1) @ ql.zeros.t()  # (M, N): the zeros' share
+    for j in range(groups):
+        y += torch.ops.aten._weight_int8pack_mm(xb[:, j * g : (j + 1) * g].contiguous(), q8[j], scales[j]).float()
+    return y.to(x.dtype)
+
+
+Fn = Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    name: str
+    format: QuantFormat
+    fn: Fn
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    exact_for: tuple[torch.dtype, ...] | None = None  # None: computes in x's dtype, whatever it is
+
+    def exact(self, dtype: torch.dtype) -> bool:
+        return self.exact_for is None or dtype in self.exact_for
+
+    def usable(self, device: torch.device) -> bool:
+        if device.type not in self.devices:
+            return False
+        if self.name == "int4mm_cuda":  # tinygemm needs tensor cores of compute capability 8.0+
+            return torch.cuda.get_device_capability(device) >= (8, 0)
+        return True
+
+
+BF16 = (torch.bfloat16,)
+KERNELS = (
+    Kernel("dequant_mm", QuantFormat.INT8, _dequant_mm),
+    Kernel("int8mm", QuantFormat.INT8, _int8mm),
+    Kernel("int8mm_bf16", QuantFormat.INT8, _int8mm_bf16, exact_for=BF16),
+    Kernel("dequant_mm", QuantFormat.INT4, _dequant_mm),
+    Kernel("int4mm_cpu", QuantFormat.INT4, _int4mm_cpu, devices=("cpu",)),
+    Kernel("int4_grouped_int8mm_bf16", QuantFormat.INT4, _int4_grouped_int8mm_bf16, ("cpu",), exact_for=BF16),
+    Kernel("int4mm_cuda", QuantFormat.INT4, _int4mm_cuda, devices=("cuda",), exact_for=BF16),
+)
+
+
+def rows_bucket(m: int) -> int:
+    return min(MAX_BUCKET, 1 << max(0, math.ceil(math.log2(max(1, m)))))
+
+
+@dataclass(slots=True)
+class Choice:
+    kernel: Kernel
+    seconds: dict[str, float]  # every candidate's time on the operands it was chosen with
+
+
+@dataclass(slots=True)
+class KernelChooser:
+    policy: str = "fastest"
+    only: str | None = None  # one kernel by name (tests, benchmarks of a single kernel)
+    table: dict[tuple, Choice] = field(default_factory=dict)
+
+    def candidates(self, fmt: QuantFormat, device: torch.device, dtype: torch.dtype) -> list[Kernel]:
+        found = [k for k in KERNELS if k.format is fmt and k.usable(device)]
+        if self.only is not None:
+            found = [k for k in found if k.name == self.only]
+        elif self.policy == "exact":
+            found = [k for k in found if k.exact(dtype)]
+        if not found:
+            raise ValueError(f"no {self.only or self.policy} kernel for {fmt} weights on {device.type}")
+        return found
+
+    def pick(self, x: torch.Tensor, ql: QuantizedLinear) -> Kernel:
+        key = (str(x.device), ql.format, ql.shape, ql.group_size, rows_bucket(x.shape[0]), x.dtype)
+        choice = self.table.get(key)
+        if choice is None:
+            choice = self.table[key] = self._measure(x, ql, key)
+        return choice.kernel
+
+    def _measure(self, x: torch.Tensor, ql: QuantizedLinear, key: tuple) -> Choice:
+        found = self.candidates(ql.format, x.device, x.dtype)
+        if len(found) == 1:
+            return Choice(found[0], {})
+        seconds: dict[str, float] = {}
+        for kernel in found:
+            try:
+                seconds[kernel.name] = _time(kernel.fn, x, ql, best=min(seconds.values(), default=math.inf))
+            except (RuntimeError, NotImplementedError) as exc:  # this build or device lacks it
+                structlog.get_logger().info("kernel_unavailable", kernel=kernel.name, error=str(exc).splitlines()[0])
+        if not seconds:
+            raise RuntimeError(f"every kernel for {ql.format} on {x.device} failed")
+        best = min(seconds, key=seconds.__getitem__)
+        structlog.get_logger().info(
+            "kernel_chosen",
+            shape=list(ql.shape),
+            rows=key[4],
+            dtype=str(x.dtype).removeprefix("torch."),
+            kernel=best,
+            ms={k: round(v * 1e3, 3) for k, v in seconds.items()},
+        )
+        return Choice(next(k for k in found if k.name == best), seconds)
+
+    def report(self) -> list[dict]:
+        """What won for each shape and rows bucket, with the times it won by (benchmarks print it)."""
+        return [
+            {
+                "shape": list(key[2]),
+                "rows": key[4],
+                "dtype": str(key[5]).removeprefix("torch."),
+                "kernel": c.kernel.name,
+                "ms": {k: round(v * 1e3, 3) for k, v in c.seconds.items()},
+            }
+            for key, c in self.table.items()
+        ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Fn, x: torch.Tensor, ql: QuantizedLinear, best: float, reps: int = 3) -> float:
+    """Best of `reps` after one warm call; a candidate far slower than the best so far stops early."""
+    _sync(x.device)
+    t0 = time.perf_counter()
+    fn(x, ql)
+    _sync(x.device)
+    first = time.perf_counter() - t0
+    if first > 4 * best:
+        return first
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x, ql)
+        _sync(x.device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+CHOOSER = KernelChooser()
+
+
+def configure(policy: str = "fastest", only: str | None = None) -> KernelChooser:
+    """Sets this process's kernel policy (gpu_expert's --expert-kernels) and forgets past choices."""
+    global CHOOSER
+    if policy not in POLICIES:
+        raise ValueError(f"--expert-kernels must be one of {', '.join(POLICIES)}, got {policy!r}")
+    if only is not None and only not in {k.name for k in KERNELS}:
+        raise ValueError(f"unknown kernel {only!r}: one of {', '.join(sorted({k.name for k in KERNELS}))}")
+    CHOOSER = KernelChooser(policy, only)
+    return CHOOSER
+
+
+def chooser() -> KernelChooser:
+    return CHOOSER
+
+
+def quantized_linear(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    """x: (M, K) -> (M, N), applying the activation order part by part when ql has one."""
+    if ql.perm is None:
+        return CHOOSER.pick(x, ql).fn(x, ql)
+    parts = ql.perm.shape[0]
+    rows = ql.out_features // parts
+    outs = []
+    for p in range(parts):
+        part = ql.rows(p * rows, (p + 1) * rows)
+        xp = x[:, ql.perm[p].long()]  # (M, K) in the order the part's groups were formed
+        outs.append(CHOOSER.pick(xp, part).fn(xp, part))
+    return torch.cat(outs, dim=-1)

@@ -1,0 +1,96 @@
+"""How expert weights are stored: the model's own dtype, int8 or int4 (docs/quantization.md).
+
+Formats, with N output features, K input features and G the int4 group size:
+
+    int8  qweight int8 (N, K), scales float32 (N,): w = q * scale (per output channel, symmetric)
+    int4  qweight uint8 (N, K/2), two values per byte, column 2j in the high nibble (the packing
+          PyTorch's int4 kernels take); scales and zeros float32 (N, K/G): w = (q - 8) * scale + zero
+          (the zero in the weights' domain, as those kernels want it); perm int32 (P, K) when the
+          checkpoint was quantized in activation order (GPTQ desc_act): part p of the rows (gate,
+          up) reads its input columns in the order perm[p], so its groups are contiguous again
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class QuantFormat(StrEnum):
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+
+
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 128
+COMPONENT_ALIGN = 64  # between the parts of one expert's page: a page stays one contiguous transfer
+
+
+@dataclass(frozen=True, slots=True)
+class QuantScheme:
+    """The format of the expert pages. `group_size` is int4's (-1: one group per row, as GPTQ's
+    group_size -1); `act_order` adds the input permutation of GPTQ's desc_act checkpoints."""
+
+    format: QuantFormat = QuantFormat.NONE
+    group_size: int = DEFAULT_GROUP_SIZE
+    act_order: bool = False
+
+    def __post_init__(self) -> None:
+        if self.format is QuantFormat.INT4 and self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"int4 group size must be positive or -1, got {self.group_size}")
+        if self.act_order and self.format is not QuantFormat.INT4:
+            raise ValueError("activation order (GPTQ desc_act) exists only for int4 pages")
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not QuantFormat.NONE
+
+    def groups(self, in_features: int) -> int:
+        g = in_features if self.group_size == -1 else self.group_size
+        if in_features % g:
+            raise ValueError(f"int4 group size {g} does not divide the input width {in_features}")
+        return in_features // g
+
+    def components(self, out_features: int, in_features: int, parts: int) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(suffix, dtype, shape) of one linear's pages; `parts`: row blocks with their own
+        activation order (2 for a fused gate/up)."""
+        n, k = out_features, in_features
+        if self.format is QuantFormat.INT8:
+            return [("qweight", "int8", (n, k)), ("scales", "float32", (n,))]
+        if self.format is QuantFormat.INT4:
+            if k % 2:
+                raise ValueError(f"int4 needs an even input width, got {k}")
+            g = self.groups(k)
+            out = [("qweight", "uint8", (n, k // 2)), ("scales", "float32", (n, g)), ("zeros", "float32", (n, g))]
+            if self.act_order:
+                out.append(("perm", "int32", (parts, k)))
+            return out
+        raise ValueError("an unquantized linear is one page in the model's dtype")
+
+    def bytes_per_weight(self, in_features: int, dtype_bytes: int) -> float:
+        """Average bytes one weight takes in an expert page (scales and zeros included)."""
+        if self.format is QuantFormat.INT8:
+            return 1 + 4 / in_features
+        if self.format is QuantFormat.INT4:
+            return 0.5 + 8 * self.groups(in_features) / in_features
+        return float(dtype_bytes)
+
+    def key(self) -> str:
+        """Part of the arena's adoption and converted-copy key."""
+        if self.format is QuantFormat.INT4:
+            return f"int4-g{self.group_size}{'-act' if self.act_order else ''}"
+        return self.format.value
+
+
+def parse_quantize(value: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantScheme:
+    """`--quantize` and `--quantize-group-size` as given on a command line."""
+    try:
+        fmt = QuantFormat(value)
+    except ValueError:
+        allowed = ", ".join(f.value for f in QuantFormat)
+        raise ValueError(f"--quantize must be one of {allowed}, got {value!r}") from None
+    if fmt is QuantFormat.INT4 and group_size not in (*INT4_GROUP_SIZES, -1):
+        allowed = ", ".join(str(g) for g in (*INT4_GROUP_SIZES, -1))
+        raise ValueError(f"--quantize-group-size must be one of {allowed}, got {group_size}")
+    return QuantScheme(fmt, group_size)
