@@ -11,6 +11,7 @@ DEMO_MODEL ?= models/demo-$(DEMO_PRESET)
 DEMO_PROMPTS ?= examples/demo_prompts.jsonl
 DEMO_OUT ?= models/demo-out.parquet
 DEMO_TOKENS ?= 32
+DEMO_QUANTIZE ?= auto
 
 .PHONY: install dev test lint demo demo-model clean proto
 
@@ -44,7 +45,8 @@ demo-model: $(DEMO_MODEL)/config.json
 
 demo: install demo-model
 	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) \
-		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache --show 3
+		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache --show 3 \
+		--quantize $(DEMO_QUANTIZE)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

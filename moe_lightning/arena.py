@@ -1,13 +1,18 @@
-"""The paged weight arena: every weight of our layout is one page, 4 KiB aligned, in one region.
+"""The paged weight arena: every weight of our layout is a page in one region, 4 KiB aligned.
 
-The weight store fills it (from the checkpoint or its on-disk converted copy); every other process
-maps it and builds `ModelWeights` as views, so the weights exist once in host memory.
+One expert is one contiguous range (its w13 and w2 and, when quantized, their scales and zeros, 64 B
+apart), so streaming an expert is one transfer. The expert format (docs/quantization.md) shows in
+the pages themselves: `layers.L.experts.E.w13` in the model's dtype, or `...w13.qweight`,
+`...w13.scales`, ... The weight store fills the arena (from the checkpoint or its on-disk converted
+copy); every other process maps it and builds `ModelWeights` as views, so the weights exist once in
+host memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +20,15 @@ from pathlib import Path
 import torch
 
 from moe_lightning.checkpoint import INDEX_FILE, CheckpointReader, load_layer, top_names
+from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme
+from moe_lightning.quant.rtn import quantize
+from moe_lightning.quant.scheme import COMPONENT_ALIGN
 from moe_lightning.spec import DTYPES, ModelSpec
-from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
+from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights, Weight
 
 PAGE_ALIGN = 4096
-LAYOUT_VERSION = 2  # bump when the page set or order changes: invalidates on-disk copies
+LAYOUT_VERSION = 3  # bump when the page set or order changes: invalidates on-disk copies
+PAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,17 +46,51 @@ class ArenaLayout:
     total_bytes: int
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec, dtype: str) -> ArenaLayout:
-        elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    def for_spec(cls, spec: ModelSpec, dtype: str, scheme: QuantScheme | None = None) -> ArenaLayout:
+        scheme = scheme or QuantScheme()
         pages: dict[str, Page] = {}
         offset = 0
         for name, shape in page_shapes(spec):
-            n = elem
-            for s in shape:
-                n *= s
-            pages[name] = Page(name, offset, n, dtype, shape)
-            offset = (offset + n + PAGE_ALIGN - 1) // PAGE_ALIGN * PAGE_ALIGN
+            parts = _expert_parts(name, shape, scheme) if ".experts." in name else []
+            parts = parts or [(name, dtype, shape)]
+            for k, (part, part_dtype, part_shape) in enumerate(parts):
+                n = PAGE_DTYPES[part_dtype].itemsize * math.prod(part_shape)
+                pages[part] = Page(part, offset, n, part_dtype, part_shape)
+                # an expert's two weights (and their parts) stay together: one range, one transfer
+                together = name.endswith(".w13") or k < len(parts) - 1
+                align = COMPONENT_ALIGN if together else PAGE_ALIGN
+                offset = (offset + n + align - 1) // align * align
         return cls(pages, offset)
+
+    def expert_scheme(self) -> QuantScheme:
+        """The experts' format, read off the pages (a manifest carries no other description)."""
+        name = next(n for n in self.pages if ".experts." in n and ".w13" in n)
+        if name.endswith(".w13"):
+            return QuantScheme()
+        base = name.rsplit(".", 1)[0]
+        q = self.pages[f"{base}.qweight"]
+        if q.dtype == "int8":
+            return QuantScheme(QuantFormat.INT8)
+        act_order = f"{base}.perm" in self.pages
+        w2 = base.removesuffix(".w13") + ".w2"
+        groups = [self.pages[f"{b}.scales"].shape[1] for b in (base, w2)]
+        if groups == [1, 1]:  # one group per row whatever the width: GPTQ's group size -1
+            return QuantScheme(QuantFormat.INT4, -1, act_order)
+        return QuantScheme(QuantFormat.INT4, q.shape[1] * 2 // groups[0], act_order)
+
+    def expert_page_bytes(self, layer: int, expert: int = 0) -> int:
+        """The bytes one expert's range spans (what streaming it moves)."""
+        prefix = f"layers.{layer}.experts.{expert}."
+        parts = [p for n, p in self.pages.items() if n.startswith(prefix)]
+        return max(p.offset + p.nbytes for p in parts) - min(p.offset for p in parts)
+
+
+def _expert_parts(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A quantized expert weight's pages (none: it is one page in the model's dtype)."""
+    if not scheme.quantized:
+        return []
+    parts = 2 if name.endswith(".w13") else 1
+    return [(f"{name}.{suffix}", dt, shp) for suffix, dt, shp in scheme.components(*shape, parts)]
 
 
 def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -83,13 +126,15 @@ def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def expert_page_names(layer: int, expert: int) -> tuple[str, str]:
+    """The names an expert's two weights start from (a quantized one adds `.qweight`, `.scales`, ...)."""
     return f"layers.{layer}.experts.{expert}.w13", f"layers.{layer}.experts.{expert}.w2"
 
 
-def checkpoint_key(model_dir: str | Path, dtype: str) -> str:
-    """Identifies a checkpoint + target dtype cheaply: config, index, and each file's header/size/mtime."""
+def checkpoint_key(model_dir: str | Path, dtype: str, scheme: QuantScheme | None = None) -> str:
+    """Identifies a checkpoint + target dtype and expert format cheaply: config, index, and each
+    file's header/size/mtime."""
     root = Path(model_dir)
-    h = hashlib.sha256(f"layout{LAYOUT_VERSION}:{dtype}".encode())
+    h = hashlib.sha256(f"layout{LAYOUT_VERSION}:{dtype}:{(scheme or QuantScheme()).key()}".encode())
     for name in ("config.json", INDEX_FILE):
         if (root / name).is_file():
             h.update((root / name).read_bytes())
@@ -104,14 +149,34 @@ def checkpoint_key(model_dir: str | Path, dtype: str) -> str:
 def fill_arena(
     arena: torch.Tensor, layout: ArenaLayout, model_dir: str | Path, spec: ModelSpec, progress: bool = True
 ) -> None:
-    """Converts the checkpoint into `arena` (a uint8 tensor of layout.total_bytes), layer by layer."""
+    """Converts the checkpoint into `arena` (a uint8 tensor of layout.total_bytes), layer by layer;
+    experts are quantized (round to nearest) when the layout's format asks for it and the checkpoint
+    is not quantized already."""
     from tqdm import tqdm
 
     reader = CheckpointReader(model_dir)
     dtype = DTYPES[next(iter(layout.pages.values())).dtype]
+    scheme = layout.expert_scheme()
 
     def put(name: str, t: torch.Tensor) -> None:
         view(arena, layout.pages[name]).copy_(t)
+
+    def put_expert(name: str, w: Weight) -> None:
+        if not scheme.quantized:
+            if not isinstance(w, torch.Tensor):
+                raise ValueError(f"the checkpoint's experts are quantized ({w.format}); run with --quantize auto")
+            put(name, w)
+            return
+        if isinstance(w, torch.Tensor):
+            w = quantize(w, scheme)
+        elif w.format is not scheme.format or w.group_size != view_group(layout, name, w):
+            held = f"{w.format} with group size {w.group_size}"
+            raise ValueError(f"{name}: the checkpoint holds {held}, the arena was laid out for {scheme.key()}")
+        for part, t in w.components():
+            put(f"{name}.{part}", t)
+        if f"{name}.perm" in layout.pages and w.perm is None:  # in order already (GPTQ desc_act, trivial g_idx)
+            perm = layout.pages[f"{name}.perm"]
+            put(f"{name}.perm", torch.arange(perm.shape[1], dtype=torch.int32).expand(perm.shape))
 
     d, v = spec.hidden_size, spec.vocab_size
     names = top_names(spec)
@@ -119,7 +184,8 @@ def fill_arena(
     if "lm_head" in layout.pages:
         put("lm_head", reader.get(names.lm_head, (v, d)))
     put("final_norm", reader.get(names.final_norm, (d,)))
-    for i in tqdm(range(spec.num_layers), desc="converting layers", unit="layer", disable=not progress, leave=False):
+    desc = "converting layers" if not scheme.quantized else f"converting layers ({scheme.key()} experts)"
+    for i in tqdm(range(spec.num_layers), desc=desc, unit="layer", disable=not progress, leave=False):
         layer = load_layer(reader, spec, i, dtype, "cpu")
         p = f"layers.{i}"
         for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm", "wqkv_bias", "shared_gate"):
@@ -131,12 +197,30 @@ def fill_arena(
                 put(f"{p}.{kind}.w2", mlp.w2)
         for e, expert in enumerate(layer.experts):
             w13, w2 = expert_page_names(i, e)
-            put(w13, expert.w13)
-            put(w2, expert.w2)
+            put_expert(w13, expert.w13)
+            put_expert(w2, expert.w2)
+
+
+def view_group(layout: ArenaLayout, name: str, w: QuantizedLinear) -> int:
+    """The group size the layout gives the quantized weight `name` (w's own when it is not int4)."""
+    if w.format is not QuantFormat.INT4:
+        return w.group_size
+    return w.in_features // layout.pages[f"{name}.scales"].shape[1]
 
 
 def view(arena: torch.Tensor, page: Page) -> torch.Tensor:
-    return arena[page.offset : page.offset + page.nbytes].view(DTYPES[page.dtype]).view(page.shape)
+    return arena[page.offset : page.offset + page.nbytes].view(PAGE_DTYPES[page.dtype]).view(page.shape)
+
+
+def _expert_weight(arena: torch.Tensor, layout: ArenaLayout, name: str, scheme: QuantScheme) -> Weight:
+    if not scheme.quantized:
+        return view(arena, layout.pages[name])
+    parts = {
+        part: view(arena, layout.pages[f"{name}.{part}"])
+        for part in ("qweight", "scales", "zeros", "perm")
+        if f"{name}.{part}" in layout.pages
+    }
+    return QuantizedLinear(scheme.format, **parts)
 
 
 def weights_from_arena(
@@ -151,19 +235,21 @@ def weights_from_arena(
     `experts_on_host`: leave every expert as an arena view (a pager decides what goes to the device).
     """
     dev = torch.device(device)
+    scheme = layout.expert_scheme()
 
-    def get(name: str, host: bool = False) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor:
         t = view(arena, layout.pages[name])
-        return t if host or dev.type == "cpu" else t.to(dev)
+        return t if dev.type == "cpu" else t.to(dev)
+
+    def expert(i: int, e: int) -> ExpertWeights:
+        w = ExpertWeights(*(_expert_weight(arena, layout, n, scheme) for n in expert_page_names(i, e)))
+        return w if experts_on_host or dev.type == "cpu" else w.to(dev)
 
     embed = get("embed")
     layers = []
     for i in range(spec.num_layers):
         p = f"layers.{i}"
-        experts = [
-            ExpertWeights(*(get(n, experts_on_host) for n in expert_page_names(i, e)))
-            for e in range(spec.experts_in(i))
-        ]
+        experts = [expert(i, e) for e in range(spec.experts_in(i))]
         sparse = spec.is_sparse(i)
         shared = sparse and spec.shared_expert_size > 0
         layers.append(

@@ -70,9 +70,15 @@ class _Sequence:
 
 
 def forward_step(
-    spec: ModelSpec, weights: ModelWeights, cache: PagedKVCache, tokens: torch.Tensor, meta: AttentionMetadata
+    spec: ModelSpec,
+    weights: ModelWeights,
+    cache: PagedKVCache,
+    tokens: torch.Tensor,
+    meta: AttentionMetadata,
+    every_position: bool = False,
 ) -> torch.Tensor:
-    """Runs all layers for a ragged batch; tokens: (T,) -> logits of each sequence's last token (B, V)."""
+    """Runs all layers for a ragged batch; tokens: (T,) -> logits of each sequence's last token (B, V),
+    or of every token (T, V) with `every_position` (scoring a text)."""
     positions = meta.positions().to(tokens.device)  # (T,)
     plan = plan_attention(meta, spec.sliding_window, tokens.device)
     hidden = embed_tokens(weights.embed, tokens)  # (T, D)
@@ -81,6 +87,8 @@ def forward_step(
         write_kv(cache.k[i], cache.v[i], k, v, plan.write_slots)
         attn = paged_attention(q, cache.k[i], cache.v[i], plan)  # (T, H * Hd)
         hidden, _ = post_attention(spec, layer, hidden, attn)
+    if every_position:
+        return head_logits(spec, weights.final_norm, weights.lm_head, hidden)
     last = torch.tensor(meta.q_lens).cumsum(0) - 1  # (B,) row of each sequence's last token
     return head_logits(spec, weights.final_norm, weights.lm_head, hidden[last.to(hidden.device)])
 

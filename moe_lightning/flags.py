@@ -157,3 +157,33 @@ def add_batch_flags(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sequences per micro-batch (default: the HRM's policy; 0 = whole batch)",
     )
+
+
+def add_quantize_flags(parser: argparse.ArgumentParser, with_auto: bool = True) -> None:
+    """The expert format (docs/quantization.md): the weight store's, `up`'s, `bench`'s and `plan`'s."""
+    choices = ["auto", "none", "int8", "int4"] if with_auto else ["none", "int8", "int4"]
+    parser.add_argument(
+        "--quantize",
+        default=choices[0],
+        choices=choices,
+        help="format of the expert pages: int8 (per-channel) or int4 (group-wise), quantized at load by rounding "
+        "to nearest; none keeps the model's dtype"
+        + ("; auto: the checkpoint's own (int4 for a GPTQ checkpoint, else none)" if with_auto else ""),
+    )
+    parser.add_argument(
+        "--quantize-group-size",
+        type=int,
+        default=128,
+        help="int4 group size: 32, 64, 128, or -1 for one group per row (a GPTQ checkpoint keeps its own)",
+    )
+
+
+def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
+    """gpu_expert's (and `up`'s) choice of quantized kernels."""
+    parser.add_argument(
+        "--expert-kernels",
+        default="fastest",
+        choices=["fastest", "exact"],
+        help="quantized expert GEMMs: the fastest measured kernel per shape (some round activations to bfloat16), "
+        "or only kernels computing in the weights' dtype (equal to the dequantized model)",
+    )

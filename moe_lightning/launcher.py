@@ -61,6 +61,9 @@ class StackConfig:
     kv_cache_memory: str = "2GiB"
     kv_dtype: str = "auto"  # cpu_attention's KV cache: auto (the arena's dtype), float32, bfloat16, float16
     dtype: str = "auto"  # of the arena: auto resolves by the device (moe_lightning.spec.resolve_dtype)
+    quantize: str = "auto"  # the expert pages' format: auto (the checkpoint's), none, int8, int4
+    quantize_group_size: int = 128
+    expert_kernels: str = "fastest"  # gpu_expert's quantized kernels: fastest (measured) or exact
     max_batch_size: int | None = None  # None: the orchestrator's HRM policy decides
     micro_batch_size: int | None = None
     cache_dir: Path | None = None
@@ -105,6 +108,7 @@ class Stack:
             common += ["--threads", str(c.threads[name])]
         if name == "weight_store":
             own = ["--model", str(c.model), "--dtype", self.weight_dtype(), "--no-progress"]
+            own += ["--quantize", c.quantize, "--quantize-group-size", str(c.quantize_group_size)]
             own += ["--cache-dir", str(c.cache_dir)] if c.cache_dir else []
         elif name == "cpu_attention":
             own = [
@@ -116,7 +120,7 @@ class Stack:
                 c.kv_dtype,
             ]
         elif name == "gpu_expert":
-            own = ["--weight-store", a["weight_store"], "--device", c.device]
+            own = ["--weight-store", a["weight_store"], "--device", c.device, "--expert-kernels", c.expert_kernels]
             own += ["--device-memory", c.device_memory] if c.device_memory else []
             own += ["--device-kv-memory", c.device_kv_memory] if c.device_kv_memory else []
         else:

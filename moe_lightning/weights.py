@@ -12,15 +12,65 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lightning.quant.linear import QuantizedLinear
+
+Weight = torch.Tensor | QuantizedLinear  # an expert's weight: the model's dtype, or a quantized page
+
 
 @dataclass(slots=True)
 class ExpertWeights:
-    w13: torch.Tensor  # (2I, D): gate rows [0, I), up rows [I, 2I)
-    w2: torch.Tensor  # (D, I)
+    w13: Weight  # (2I, D): gate rows [0, I), up rows [I, 2I)
+    w2: Weight  # (D, I)
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        yield self.w13
-        yield self.w2
+        for w in (self.w13, self.w2):
+            if isinstance(w, torch.Tensor):
+                yield w
+            else:
+                yield from w.tensors()
+
+    @property
+    def device(self) -> torch.device:
+        return self.w13.device
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def page(self) -> torch.Tensor:
+        """The bytes of the one contiguous range every part of this expert lives in (an arena page),
+        as a uint8 tensor over the same storage: copying it moves the whole expert at once."""
+        parts = list(self.tensors())
+        storage = parts[0].untyped_storage()
+        if any(t.untyped_storage().data_ptr() != storage.data_ptr() or not t.is_contiguous() for t in parts):
+            raise ValueError("an expert page needs all its parts contiguous in one storage (an arena view)")
+        start = min(t.data_ptr() for t in parts)
+        end = max(t.data_ptr() + t.numel() * t.element_size() for t in parts)
+        out = torch.empty(0, dtype=torch.uint8, device=parts[0].device)
+        return out.set_(storage, start - storage.data_ptr(), (end - start,))
+
+    def in_buffer(self, buffer: torch.Tensor) -> ExpertWeights:
+        """The same parts at the same offsets inside `buffer` (uint8, the size of `page()`): how a
+        device slot holding a copy of this page, or of any expert laid out alike, is read."""
+        base = self.page().data_ptr()
+
+        def moved(t: torch.Tensor) -> torch.Tensor:
+            off = t.data_ptr() - base
+            return buffer[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+
+        def weight(w: Weight) -> Weight:
+            if isinstance(w, torch.Tensor):
+                return moved(w)
+            return QuantizedLinear(w.format, **{name: moved(t) for name, t in w.components()})
+
+        return ExpertWeights(weight(self.w13), weight(self.w2))
+
+    def to(self, device: torch.device | str) -> ExpertWeights:
+        """A copy on `device`: one transfer of the page when there is one, else part by part."""
+        try:
+            page = self.page()
+        except ValueError:
+            return ExpertWeights(self.w13.to(device), self.w2.to(device))
+        return self.in_buffer(page.to(device))
 
 
 @dataclass(slots=True)

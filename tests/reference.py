@@ -85,15 +85,15 @@ E2E_PROMPTS = [
 ]
 
 
-def device_budget(model: Path, ring: int, resident_per_layer: int = 0) -> int:
+def device_budget(model: Path, ring: int, resident_per_layer: int = 0, scheme: Any = None) -> int:
     """A gpu_expert --device-memory that holds the dense weights, `resident_per_layer` experts of every
-    sparse layer and `ring` buffer slots for the rest (fp32 arena)."""
-    from moe_lightning.arena import ArenaLayout, expert_page_names
+    sparse layer and `ring` buffer slots for the rest (fp32 arena; experts in `scheme`'s format)."""
+    from moe_lightning.arena import ArenaLayout
     from moe_lightning.spec import ModelSpec
 
     spec = ModelSpec.from_pretrained(model)
-    layout = ArenaLayout.for_spec(spec, "float32")
+    layout = ArenaLayout.for_spec(spec, "float32", scheme)
     first = spec.experts_per_layer.index(spec.num_experts)
-    expert = sum(layout.pages[n].nbytes for n in expert_page_names(first, 0))
+    expert = layout.expert_page_bytes(first)
     dense = layout.total_bytes - spec.total_experts * expert
     return dense + (spec.num_sparse_layers * resident_per_layer + ring) * expert

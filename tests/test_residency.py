@@ -64,7 +64,8 @@ def _model(layers: int, experts: int, dense: tuple[int, ...] = ()) -> ModelWeigh
 
     def layer(i: int) -> LayerWeights:
         n = 0 if i in dense else experts
-        ids = [ExpertWeights(torch.randn(6, 4, generator=g), torch.randn(4, 3, generator=g)) for _ in range(n)]
+        pages = [torch.randn(6 * 4 + 4 * 3, generator=g) for _ in range(n)]  # one page per expert, as in the arena
+        ids = [ExpertWeights(p[:24].view(6, 4), p[24:].view(4, 3)) for p in pages]
         return LayerWeights(z, z, z, z, None if i in dense else z, ids)
 
     return ModelWeights(z, [layer(i) for i in range(layers)], z, z)
@@ -81,7 +82,7 @@ class RecordingEngine(ThreadCopyEngine):
         self.jobs: list[tuple[int, int]] = []  # (layer, experts in the job)
 
     def copy(self, pairs: list[Pair], layer: int) -> Ticket:
-        self.jobs.append((layer, len(pairs) // 2))
+        self.jobs.append((layer, len(pairs)))  # one transfer per expert: its page
         return super().copy(pairs, layer)
 
 

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from moe_lightning.commands.bench_formats import compare_formats, kernels_chosen, parse_formats
 from moe_lightning.commands.common import add_placement_flags
 
 
@@ -39,6 +40,12 @@ def add_parser(sub: Any, name: str) -> None:
         help="dtype of cpu_attention's KV cache (auto: the weights' dtype)",
     )
     add_placement_flags(p)
+    p.add_argument(
+        "--quantize",
+        default=None,
+        help="compare expert formats instead, e.g. none,int8,int4: each streams its experts at --device-memory",
+    )
+    p.add_argument("--quantize-group-size", type=int, default=128, help="int4 group size for --quantize")
     sizes = p.add_mutually_exclusive_group()
     sizes.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
     sizes.add_argument(
@@ -106,6 +113,7 @@ def _ours(
     device_memory: str | None = "",
     attention: str | None = None,
     experts: str | None = None,
+    quantize: str = "auto",
 ) -> dict[str, Any]:
     """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory."""
     from moe_lightning.benchmark import decode_totals, run_batch
@@ -130,6 +138,8 @@ def _ours(
         device_kv_memory=args.device_kv_memory,
         attention_placement=attention or args.attention_placement,
         experts_placement=experts or args.experts_placement,
+        quantize=quantize,
+        quantize_group_size=args.quantize_group_size,
     )
     d = run.delta
     generated = sum(c.completion_tokens for c in run.done)
@@ -155,6 +165,12 @@ def _ours(
         "residency_changes": d("gpu_expert", "moe_lightning_residency_changes_total"),
         "resident_experts": run.after["gpu_expert"].get("moe_lightning_resident_experts", 0.0),
         "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
+        "expert_bytes_per_step": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total")
+        / max(
+            1.0,
+            sum(d("orchestrator", f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode")),
+        ),
+        "kernels": kernels_chosen(run.after["gpu_expert"]),
         "decode_stage_seconds": decode.seconds(),
         "_decode": decode,
         "timeline": summarize(events),
@@ -191,6 +207,15 @@ def run(args: argparse.Namespace) -> int:
     )
     trace_dir = Path(tempfile.mkdtemp(prefix="moe-lightning-bench-"))
     results: dict[str, Any] = {"prompts": n, "average_prompt_tokens": avg, "gen_len": args.gen_len}
+    if args.quantize is not None:  # the formats against each other, nothing else
+        formats = parse_formats(args.quantize)
+        runs = compare_formats(
+            formats, lambda f: _public(_ours(args, prompts, f.value, trace_dir, experts="gpu", quantize=f.value))
+        )
+        results["formats"] = runs
+        if args.json is not None:
+            args.json.write_text(json.dumps(results, indent=2))
+        return 0
     sys.stderr.write("ours (overlap on)...\n")
     ours = _ours(args, prompts, "1", trace_dir)
     if args.trace is not None:

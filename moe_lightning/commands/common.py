@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_lightning.flags import add_batch_flags
+from moe_lightning.flags import add_batch_flags, add_kernel_flags, add_quantize_flags
 
 
 def token_ids(text: str) -> list[int]:
@@ -72,6 +72,8 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
         help="dtype of the weights in the arena (and on the device); auto: float32 with --device cpu, else the "
         "checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint)",
     )
+    add_quantize_flags(p)
+    add_kernel_flags(p)
     add_batch_flags(p)
     p.add_argument("--run-id", default=None, help="names the shared-memory segments (default: per process)")
     p.add_argument("--cache-dir", default=None, help="where the weight store keeps its converted copy")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import structlog
 import torch
+from prometheus_client import Gauge
 
 from moe_lightning.quant.linear import QuantizedLinear
 from moe_lightning.quant.scheme import QuantFormat
@@ -28,6 +29,12 @@ from moe_lightning.stages.linear import dense_linear
 
 POLICIES = ("fastest", "exact")
 MAX_BUCKET = 1024
+WARM_UP_ROWS = 256  # buckets up to this are measured at start; larger ones (long prefills) on first use
+CHOSEN = Gauge(
+    "moe_lightning_expert_kernel_seconds",
+    "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
+    ["shape", "rows", "kernel"],
+)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
@@ -183,6 +190,7 @@ class KernelChooser:
         if not seconds:
             raise RuntimeError(f"every kernel for {ql.format} on {x.device} failed")
         best = min(seconds, key=seconds.__getitem__)
+        CHOSEN.labels("x".join(map(str, ql.shape)), str(key[4]), best).set(seconds[best])
         structlog.get_logger().info(
             "kernel_chosen",
             shape=list(ql.shape),
@@ -248,8 +256,23 @@ def chooser() -> KernelChooser:
     return CHOOSER
 
 
+def warm_up(linears: list[QuantizedLinear], dtype: torch.dtype, max_rows: int = WARM_UP_ROWS) -> None:
+    """Chooses the kernels of these weights (one per distinct shape) for every rows bucket up to
+    `max_rows`, so that steps do not pay for the measurements."""
+    shapes: dict[tuple, QuantizedLinear] = {}
+    for ql in linears:
+        shapes.setdefault((ql.shape, ql.group_size, ql.perm is None), ql)
+    for ql in shapes.values():
+        rows = 1
+        while rows <= min(max_rows, MAX_BUCKET):
+            x = torch.randn(rows, ql.in_features, device=ql.device).to(dtype)
+            quantized_linear(x, ql)
+            rows *= 2
+
+
 def quantized_linear(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
     """x: (M, K) -> (M, N), applying the activation order part by part when ql has one."""
+    x = x.contiguous()  # the packed kernels take row-major activations only
     if ql.perm is None:
         return CHOOSER.pick(x, ql).fn(x, ql)
     parts = ql.perm.shape[0]

@@ -24,6 +24,9 @@ DTYPE_TO_PB = {
     "float32": common_pb2.DTYPE_FLOAT32,
     "float16": common_pb2.DTYPE_FLOAT16,
     "bfloat16": common_pb2.DTYPE_BFLOAT16,
+    "int32": common_pb2.DTYPE_INT32,
+    "int8": common_pb2.DTYPE_INT8,
+    "uint8": common_pb2.DTYPE_UINT8,
 }
 DTYPE_FROM_PB = {v: k for k, v in DTYPE_TO_PB.items()}
 SIDE_TO_PB = {Side.HOST: gpu_expert_pb2.SIDE_HOST, Side.DEVICE: gpu_expert_pb2.SIDE_DEVICE}

@@ -237,4 +237,3 @@ def _check(msg: AttentionHandoff, expected: tuple[int, int, int]) -> None:
         raise ServiceError(f"attention failed: {msg.error}", code)
     if msg.header.key != expected:
         raise ServiceError(f"hand-off out of order: expected {expected}, got {msg.header.key}")
-

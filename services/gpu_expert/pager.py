@@ -60,11 +60,11 @@ class ExpertPager:
         self.resident: list[dict[int, ExpertWeights]] = [
             {e: self._resident_copy(layer, e) for e in ids} for layer, ids in enumerate(plan.resident)
         ]
+        # a slot is one expert page's bytes: every expert is laid out alike, so one view fits all
         proto = host.layers[plan.next_sparse(0)].experts[0]
-        self.slots = [
-            ExpertWeights(torch.empty_like(proto.w13, device=device), torch.empty_like(proto.w2, device=device))
-            for _ in range(plan.ring_slots)
-        ]
+        page_bytes = proto.page().numel()
+        self._slot_pages = [torch.empty(page_bytes, dtype=torch.uint8, device=device) for _ in range(plan.ring_slots)]
+        self.slots = [proto.in_buffer(page) for page in self._slot_pages]
         self._free: deque[int] = deque(range(plan.ring_slots))
         self._issued: dict[int, dict[int, tuple[int, Ticket]]] = {}  # layer -> expert -> (slot, ticket)
         self._waiting: deque[tuple[int, int]] = deque()  # (layer, expert) issued but short of a free slot
@@ -80,7 +80,7 @@ class ExpertPager:
         src = self.host.layers[layer].experts[e]
         if self.device.type == "cpu":
             return src  # the arena's own page: zero copy
-        return ExpertWeights(src.w13.to(self.device), src.w2.to(self.device))
+        return src.to(self.device)
 
     # --- issuing pages --------------------------------------------------------------------------
     def _pending(self, layer: int) -> list[int]:
@@ -105,9 +105,8 @@ class ExpertPager:
             by_layer.setdefault(layer, []).append((e, slot))
         for layer, pages in by_layer.items():
             pairs = []
-            for e, slot in pages:
-                src, dst = self.host.layers[layer].experts[e], self.slots[slot]
-                pairs += [(dst.w13, src.w13), (dst.w2, src.w2)]
+            for e, slot in pages:  # one transfer per expert: its page holds weights, scales and zeros
+                pairs.append((self._slot_pages[slot], self.host.layers[layer].experts[e].page()))
             ticket = self.engine.copy(pairs, layer)
             issued = self._issued.setdefault(layer, {})
             for e, slot in pages:

@@ -16,11 +16,19 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
-from moe_lightning.arena import expert_page_names, weights_from_arena
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, internal_address, parse_size
+from moe_lightning.arena import weights_from_arena
+from moe_lightning.flags import (
+    EnvDefaultsParser,
+    add_kernel_flags,
+    add_service_flags,
+    add_worker_flags,
+    internal_address,
+    parse_size,
+)
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.quant import kernels
 from moe_lightning.service.convert import (
     DTYPE_FROM_PB,
     layout_from_pb,
@@ -140,6 +148,7 @@ def build_parser() -> EnvDefaultsParser:
         help="baseline schedule: copy each layer's experts when needed, one micro-batch at a time",
     )
     add_worker_flags(p)
+    add_kernel_flags(p)
     p.add_argument(
         "--residency-interval",
         type=int,
@@ -180,8 +189,7 @@ def _start(args: argparse.Namespace, servicer: GpuExpertServicer, runtime: Servi
     elif reserve:
         log.info("device_memory_default", budget=budget, kept_back=reserve)
     first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
-    w13, w2 = (layout.pages[n] for n in expert_page_names(first, 0))
-    expert_bytes = w13.nbytes + w2.nbytes
+    expert_bytes = layout.expert_page_bytes(first)  # what one streamed expert moves (its scales included)
     dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
     weight_budget = budget - args.device_kv_memory
     shape = (spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
@@ -204,7 +212,14 @@ def _start(args: argparse.Namespace, servicer: GpuExpertServicer, runtime: Servi
     link = HandoffLink(output, device)
     # as it computes: resident, else buffer slots, else on the host
     experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
-    key = f"gpu_expert-{device}-{experts[0].w13.dtype}-{spec.hidden_size}x{spec.intermediate_size}".replace(":", "")
+    kernels.configure(args.expert_kernels)
+    scheme = layout.expert_scheme()
+    dense_dtype = weights.layers[0].wo.dtype
+    if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
+        kernels.warm_up([w for e in experts[:1] for w in (e.w13, e.w2)], dense_dtype)
+        log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
+    key = f"gpu_expert-{device}-{dense_dtype}-{scheme.key()}-{spec.hidden_size}x{spec.intermediate_size}"
+    key = key.replace(":", "")
     measurements = cached_measurements(
         key,
         lambda: measure_expert_side(experts, str(device), budget),

@@ -14,7 +14,8 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, internal_address
+from moe_lightning.flags import EnvDefaultsParser, add_quantize_flags, add_service_flags, internal_address
+from moe_lightning.quant.resolve import resolve_scheme
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import WEIGHT_STORE
@@ -65,6 +66,7 @@ def build_parser() -> EnvDefaultsParser:
         choices=DTYPE_CHOICES,
         help="dtype of the arena's weights (auto: the checkpoint's 16-bit dtype when a GPU is visible, else float32)",
     )
+    add_quantize_flags(p)
     p.add_argument(
         "--cache-dir",
         type=Path,
@@ -108,7 +110,8 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
         tokenizer.check_fits(spec.vocab_size, args.model)
     dtype = resolve_dtype(args.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     cache_dir = None if args.no_cache else args.cache_dir or default_cache_dir()
-    arena = WeightArena(args.model, spec, dtype, cache_dir, args.run_id)
+    scheme = resolve_scheme(args.model, args.quantize, args.quantize_group_size)
+    arena = WeightArena(args.model, spec, dtype, cache_dir, args.run_id, scheme)
     runtime.on_shutdown(arena.close)  # before the load: a load that fails still releases the arena
     report = arena.load(progress=not args.no_progress)
     servicer.ready(arena, report)
@@ -119,6 +122,7 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
     return {
         "region": arena.segment.name,
         "bytes": arena.layout.total_bytes,
+        "experts": scheme.key(),
         "from_cache": report.from_cache,
         "adopted": report.adopted,
         "load_seconds": round(report.seconds, 3),

@@ -19,6 +19,7 @@ from prometheus_client import Gauge
 from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
+from moe_lightning.quant import QuantScheme
 from moe_lightning.shm import Segment, segment_name
 from moe_lightning.shm.segment import SHM_DIR, adopt, leftover_stat, pid_alive, read_leftover, stale_segments
 from moe_lightning.spec import ModelSpec
@@ -40,15 +41,23 @@ class LoadReport:
 
 
 class WeightArena:
-    def __init__(self, model_dir: Path, spec: ModelSpec, dtype: str, cache_dir: Path | None, run_id: str) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        spec: ModelSpec,
+        dtype: str,
+        cache_dir: Path | None,
+        run_id: str,
+        scheme: QuantScheme | None = None,
+    ) -> None:
         self.model_dir = model_dir
         self.spec = spec
         self.dtype = dtype
         self.cache_dir = cache_dir
-        self.layout = ArenaLayout.for_spec(spec, dtype)
+        self.layout = ArenaLayout.for_spec(spec, dtype, scheme)
         self.log = structlog.get_logger()
         self.run_id = run_id
-        self.key = checkpoint_key(model_dir, dtype)
+        self.key = checkpoint_key(model_dir, dtype, scheme)  # the format too: an int4 arena is not an fp32 one
         name = segment_name(run_id, "weight_store", ARENA)
         self.adopted = self._adopt_predecessor(name)
         if self.adopted:

@@ -15,12 +15,16 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_INT64: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_INT64: DType
 DTYPE_INT32: DType
+DTYPE_INT8: DType
+DTYPE_UINT8: DType
 
 class TensorDescriptor(_message.Message):
     __slots__ = ("name", "region", "offset", "nbytes", "dtype", "shape")

@@ -1,0 +1,79 @@
+"""bench --quantize none,int8,int4: the expert formats against each other in one run.
+
+Each format runs the same batch through a fresh stack with the experts streamed through the device
+buffers (the placement where the bytes of an expert page bind) at the bench's --device-memory. The
+result is each format's decode tok/s and expert bytes streamed per step, as ratios to the first
+format, and which kernel won each shape (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from moe_lightning.quant.scheme import QuantFormat
+
+# targets on the dev box (issue 15): bytes per step / 3.5 for int8 and / 6 for int4 against fp32;
+# decode tok/s >= 1.3x for int8 and never below fp32
+BYTES_TARGET = {QuantFormat.INT8: 3.5, QuantFormat.INT4: 6.0}
+SPEED_TARGET = {QuantFormat.INT8: 1.3, QuantFormat.INT4: 1.0}
+KERNEL_SERIES = re.compile(r'^moe_lightning_expert_kernel_seconds\{kernel="(\w+)",rows="(\d+)",shape="(\S+)"\}$')
+
+
+def parse_formats(text: str) -> list[QuantFormat]:
+    formats = []
+    for part in text.split(","):
+        try:
+            formats.append(QuantFormat(part.strip()))
+        except ValueError:
+            allowed = ", ".join(f.value for f in QuantFormat)
+            raise ValueError(f"--quantize takes a comma-separated list of {allowed}, got {part!r}") from None
+    if len(set(formats)) != len(formats):
+        raise ValueError(f"--quantize lists a format twice: {text}")
+    return formats
+
+
+def kernels_chosen(gpu_expert_metrics: dict[str, float]) -> dict[str, dict[int, str]]:
+    """{weight shape: {rows bucket: kernel}} from gpu_expert's metrics."""
+    out: dict[str, dict[int, str]] = {}
+    for key in gpu_expert_metrics:
+        found = KERNEL_SERIES.match(key)
+        if found:
+            out.setdefault(found[3], {})[int(found[2])] = found[1]
+    return {shape: dict(sorted(rows.items())) for shape, rows in sorted(out.items())}
+
+
+def compare_formats(
+    formats: list[QuantFormat], run_one: Callable[[QuantFormat], dict[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Runs each format (`run_one` returns the bench's numbers of one run) and prints the table."""
+    results: dict[str, dict[str, Any]] = {}
+    for fmt in formats:
+        sys.stderr.write(f"ours with {fmt} experts, streamed...\n")
+        results[fmt.value] = run_one(fmt)
+    base = results[formats[0].value]
+    print(f"expert formats, experts streamed (ratios against {formats[0]}):")
+    print(
+        f"{'format':8} {'decode tok/s':>12} {'ratio':>6} {'target':>7} "
+        f"{'MiB streamed/step':>18} {'/ it':>6} {'target':>7}"
+    )
+    for fmt in formats:
+        r = results[fmt.value]
+        speed = (
+            r["decode_tokens_per_second"] / base["decode_tokens_per_second"] if base["decode_tokens_per_second"] else 0
+        )
+        fewer = base["expert_bytes_per_step"] / r["expert_bytes_per_step"] if r["expert_bytes_per_step"] else 0
+        r["ratios"] = {"decode_tokens_per_second": speed, "bytes_per_step_reduction": fewer}
+        against_none = formats[0] is QuantFormat.NONE and fmt is not QuantFormat.NONE
+        t_speed = f">= {SPEED_TARGET[fmt]}" if against_none else ""
+        t_bytes = f">= {BYTES_TARGET[fmt]}" if against_none else ""
+        print(
+            f"{fmt.value:8} {r['decode_tokens_per_second']:12.1f} {speed:6.2f} {t_speed:>7} "
+            f"{r['expert_bytes_per_step'] / 2**20:18.1f} {fewer:6.2f} {t_bytes:>7}"
+        )
+    for fmt in formats:
+        for shape, rows in results[fmt.value].get("kernels", {}).items():
+            print(f"  {fmt.value} {shape}: " + ", ".join(f"{n} rows {k}" for n, k in rows.items()))
+    return results

@@ -1,0 +1,23 @@
+"""Which expert format a stack runs: `--quantize` against what the checkpoint already is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme, parse_quantize
+
+
+def resolve_scheme(model_dir: str | Path, quantize: str = "auto", group_size: int = 128) -> QuantScheme:
+    """auto: the checkpoint's own format (a GPTQ checkpoint's int4, else none). A quantized checkpoint
+    loads only in its own format: widening it back or quantizing twice would lose what it holds."""
+    from moe_lightning.quant.gptq import read_gptq_config
+
+    gptq = read_gptq_config(model_dir)
+    if gptq is None:
+        return QuantScheme() if quantize == "auto" else parse_quantize(quantize, group_size)
+    if quantize not in ("auto", QuantFormat.INT4.value):
+        raise ValueError(
+            f"{model_dir} is a 4-bit GPTQ checkpoint: its experts load as int4 pages (--quantize auto or int4), "
+            f"not {quantize}"
+        )
+    return gptq.scheme

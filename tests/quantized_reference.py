@@ -1,0 +1,43 @@
+"""The reference for quantized experts: the same checkpoint with every expert weight replaced by
+what our quantization makes of it (quantize, then dequantize), for transformers to run."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moe_lightning.quant import QuantScheme
+from moe_lightning.quant.rtn import quantize
+
+# per-expert Linear weights (Mixtral, OLMoE, Qwen-MoE; not Qwen2-MoE's shared expert, which is dense)
+PER_EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """(N, K) -> the (N, K) weight our pages hold for it, in w's dtype."""
+    return quantize(w, scheme).dequantize().to(w.dtype)
+
+
+def write_dequantized(src: Path, dst: Path, scheme: QuantScheme, experts_per_layer: int | None = None) -> Path:
+    """Copies the checkpoint at `src` to `dst` with its experts replaced by their dequantized pages."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, dst / f.name)
+    for f in src.glob("*.safetensors"):
+        sd = load_file(f)
+        for name, t in sd.items():
+            if PER_EXPERT.search(name) or name.endswith(("ffn.experts.mlp.w1", "ffn.experts.mlp.v1")):
+                sd[name] = fake_quantize(t, scheme)
+            elif name.endswith("ffn.experts.mlp.w2"):  # DBRX: expert j's w2 is block j transposed
+                assert experts_per_layer is not None
+                blocks = t.view(experts_per_layer, -1, t.shape[1])  # (E, I, D)
+                sd[name] = torch.stack([fake_quantize(b.T, scheme).T for b in blocks]).view_as(t).contiguous()
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (E, out, in)
+                sd[name] = fake_quantize(t.reshape(-1, t.shape[-1]), scheme).view_as(t)
+        save_file(sd, dst / f.name, metadata={"format": "pt"})
+    return dst
