@@ -9,18 +9,25 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from moe_lightning.quant.linear import QuantizedLinear
 
 
 @dataclass(slots=True)
 class ExpertWeights:
-    w13: torch.Tensor  # (2I, D): gate rows [0, I), up rows [I, 2I)
-    w2: torch.Tensor  # (D, I)
+    w13: torch.Tensor | QuantizedLinear  # (2I, D): gate rows [0, I), up rows [I, 2I)
+    w2: torch.Tensor | QuantizedLinear  # (D, I); quantized only in an expert (quant/)
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        yield self.w13
-        yield self.w2
+        for w in (self.w13, self.w2):
+            if isinstance(w, torch.Tensor):
+                yield w
+            else:  # a quantized page is several tensors (qweight, scales, ...)
+                yield from w.tensors()
 
 
 @dataclass(slots=True)
