@@ -1,7 +1,8 @@
 """Reading HF safetensors checkpoints (single file or sharded) into our weight layout.
 
 Headers are parsed and checked here before any tensor is mapped, so a truncated or mislabelled file
-is reported with its name instead of failing deep inside a later read.
+is reported with its name instead of failing deep inside a later read. A 4-bit GPTQ checkpoint
+(quant/gptq.py) loads with its experts kept int4 and every other linear dequantized.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
+
+from moe_lightning.quant.gptq import dequantize_gptq, load_gptq_expert, read_gptq_config
 
 # the header reader lives in its own module; these stay importable from here, where callers look
 from moe_lightning.safetensors_header import SAFETENSORS_DTYPES as SAFETENSORS_DTYPES
@@ -35,6 +38,8 @@ class CheckpointReader:
         for file in files:
             self.entries.update(read_safetensors_header(file))
         self._handles: dict[Path, object] = {}
+        # read up front: a quantization we cannot run fails here, before any layer is converted
+        self.gptq = read_gptq_config(self.model_dir)
 
     def _files(self) -> list[Path]:
         index = self.model_dir / INDEX_FILE
@@ -91,6 +96,16 @@ class CheckpointReader:
     def total_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
+    def has_linear(self, base: str) -> bool:
+        """Whether the linear layer `base` (its name without .weight) is stored, dense or GPTQ."""
+        return f"{base}.weight" in self or (self.gptq is not None and f"{base}.qweight" in self)
+
+    def weight(self, base: str, shape: tuple[int, int]) -> torch.Tensor:
+        """The dense weight of the linear `base`: as stored, or dequantized when GPTQ quantized it."""
+        if self.gptq is not None and f"{base}.weight" not in self and f"{base}.qweight" in self:
+            return dequantize_gptq(self, base, self.gptq, shape)
+        return self.get(f"{base}.weight", shape)
+
 
 def _convert(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     return t.to(device=device, dtype=dtype).contiguous()
@@ -125,19 +140,19 @@ def load_layer(
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return _convert(reader.get(name, shape), dtype, device)
 
-    q = reader.get(f"{p}.self_attn.q_proj.weight", (spec.q_size, d))
-    k = reader.get(f"{p}.self_attn.k_proj.weight", (spec.kv_size, d))
-    v = reader.get(f"{p}.self_attn.v_proj.weight", (spec.kv_size, d))
+    q = reader.weight(f"{p}.self_attn.q_proj", (spec.q_size, d))
+    k = reader.weight(f"{p}.self_attn.k_proj", (spec.kv_size, d))
+    v = reader.weight(f"{p}.self_attn.v_proj", (spec.kv_size, d))
     router = mlp = None
     experts: list[ExpertWeights] = []
     if spec.is_sparse(i):
         experts = _load_experts(reader, spec, p, dtype, device)
         if len(experts) != e:
             raise CheckpointError(f"layer {i}: found {len(experts)} experts, config says {e}")
-        router_name = f"{p}.block_sparse_moe.gate.weight"
-        if router_name not in reader:
-            router_name = f"{p}.mlp.gate.weight"
-        router = get(router_name, (e, d))
+        router_name = f"{p}.block_sparse_moe.gate"
+        if not reader.has_linear(router_name):
+            router_name = f"{p}.mlp.gate"
+        router = _convert(reader.weight(router_name, (e, d)), dtype, device)
     else:  # a dense layer (Qwen-MoE): one SwiGLU MLP
         mlp = _load_mlp(reader, f"{p}.mlp", d, spec.dense_intermediate_size, dtype, device)
     bias = shared = shared_gate = None
@@ -152,7 +167,7 @@ def load_layer(
         bias = _convert(bias, dtype, device)
     if spec.shared_expert_size and spec.is_sparse(i):
         shared = _load_mlp(reader, f"{p}.mlp.shared_expert", d, spec.shared_expert_size, dtype, device)
-        shared_gate = get(f"{p}.mlp.shared_expert_gate.weight", (1, d))
+        shared_gate = _convert(reader.weight(f"{p}.mlp.shared_expert_gate", (1, d)), dtype, device)
     q_norm = k_norm = None
     if spec.qk_norm is not None:
         q_size, k_size = spec.qk_norm_shapes()
@@ -161,7 +176,7 @@ def load_layer(
     return LayerWeights(
         attn_norm=get(f"{p}.input_layernorm.weight", (d,)),
         wqkv=_convert(torch.cat([q, k, v], dim=0), dtype, device),
-        wo=get(f"{p}.self_attn.o_proj.weight", (d, spec.q_size)),
+        wo=_convert(reader.weight(f"{p}.self_attn.o_proj", (d, spec.q_size)), dtype, device),
         ffn_norm=get(f"{p}.post_attention_layernorm.weight", (d,)),
         router=router,
         experts=experts,
@@ -178,9 +193,9 @@ def _load_mlp(
     reader: CheckpointReader, prefix: str, d: int, inter: int, dtype: torch.dtype, device: torch.device | str
 ) -> ExpertWeights:
     """A SwiGLU MLP stored as {gate,up,down}_proj (Qwen-MoE's shared expert and dense layers)."""
-    w1 = reader.get(f"{prefix}.gate_proj.weight", (inter, d))
-    w3 = reader.get(f"{prefix}.up_proj.weight", (inter, d))
-    w2 = reader.get(f"{prefix}.down_proj.weight", (d, inter))
+    w1 = reader.weight(f"{prefix}.gate_proj", (inter, d))
+    w3 = reader.weight(f"{prefix}.up_proj", (inter, d))
+    w2 = reader.weight(f"{prefix}.down_proj", (d, inter))
     return ExpertWeights(_convert(torch.cat([w1, w3], dim=0), dtype, device), _convert(w2, dtype, device))
 
 
@@ -225,14 +240,17 @@ def _load_experts(
     experts = []
     for j in range(e):
         q = f"{prefix}.block_sparse_moe.experts.{j}"
-        if f"{q}.w1.weight" in reader:  # Mixtral's names
-            names = (f"{q}.w1.weight", f"{q}.w3.weight", f"{q}.w2.weight")
+        if reader.has_linear(f"{q}.w1"):  # Mixtral's names
+            names = (f"{q}.w1", f"{q}.w3", f"{q}.w2")
         else:  # OLMoE / Qwen-MoE: mlp.experts.j.{gate,up,down}_proj
             q = f"{prefix}.mlp.experts.{j}"
-            names = (f"{q}.gate_proj.weight", f"{q}.up_proj.weight", f"{q}.down_proj.weight")
-        w1 = reader.get(names[0], (inter, d))
-        w3 = reader.get(names[1], (inter, d))
-        w2 = reader.get(names[2], (d, inter))
+            names = (f"{q}.gate_proj", f"{q}.up_proj", f"{q}.down_proj")
+        if reader.gptq is not None:  # experts stay int4 on the CPU (expert_ffn computes where they live)
+            experts.append(load_gptq_expert(reader, names, d, inter, reader.gptq))
+            continue
+        w1 = reader.get(f"{names[0]}.weight", (inter, d))
+        w3 = reader.get(f"{names[1]}.weight", (inter, d))
+        w2 = reader.get(f"{names[2]}.weight", (d, inter))
         experts.append(ExpertWeights(_convert(torch.cat([w1, w3], dim=0), dtype, device), _convert(w2, dtype, device)))
     return experts
 
@@ -251,12 +269,13 @@ def load_model_weights(
     d, v = spec.hidden_size, spec.vocab_size
     names = top_names(spec)
     embed = _convert(reader.get(names.embed, (v, d)), dtype, device)
-    if spec.tie_word_embeddings or names.lm_head not in reader:
+    head = names.lm_head.removesuffix(".weight")  # GPTQModel may quantize it (its config's lm_head)
+    if spec.tie_word_embeddings or not reader.has_linear(head):
         if not spec.tie_word_embeddings:
             reader.entry(names.lm_head)  # raises: untied model without lm_head
         lm_head = embed
     else:
-        lm_head = _convert(reader.get(names.lm_head, (v, d)), dtype, device)
+        lm_head = _convert(reader.weight(head, (v, d)), dtype, device)
     wanted = list(range(spec.num_layers)) if layers is None else list(layers)
     loaded = []
     bar = tqdm(wanted, desc="loading layers", unit="layer", disable=not progress, leave=False)
