@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from bench.gpucheck import log  # noqa: E402
 from bench.gpucheck.budget import Budget, describe_budget, device_budget, layers_that_fit, shm_needed  # noqa: E402
 from bench.gpucheck.environment import environment  # noqa: E402
+from bench.gpucheck.formats import run_formats  # noqa: E402
 from bench.gpucheck.processes import Phase, PhaseRunner  # noqa: E402
 from bench.gpucheck.workers import WORKERS  # noqa: E402
 from bench.gpucheck.workload import bench_prompts, prompts_digest  # noqa: E402
@@ -228,6 +229,11 @@ class GpuCheck(PhaseRunner):
                 offload = json.loads(result.read_text())
                 offload["same_prompts"] = offload.pop("prompts_sha256") == self.report["workload"]["prompts_sha256"]
         self.report["offload"] = offload
+        if built and dtype is not None:  # last: the formats, on the checkpoint, in what time is left
+            group = 32 if a.dry_run else 128
+            run_formats(
+                self, "formats", model_dir, budget, dtype, a.num_prompts, a.gen_len, self.timeout(240, 0), group
+            )
         return self.conclude(bench, offload)
 
     def preflight(self) -> str | None:
@@ -258,6 +264,8 @@ class GpuCheck(PhaseRunner):
             name = f"preflight-device-attention-{dtype}"
             result = self.bench(name, toy_dir, on_device, dtype, 16, 6, self.timeout(120, 240), True, attention)
             self.report["preflight"][name] = _preflight_facts(result) if result else {"ok": False}
+            formats = f"preflight-formats-{dtype}"
+            run_formats(self, formats, toy_dir, budget, dtype, 16, 6, self.timeout(150, 240), group_size=32)
             if dtype != a.dtype:
                 self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours ran in {dtype}"
                 log(f"WARNING: {self.report['dtype_fallback']}")

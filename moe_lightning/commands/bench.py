@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moe_lightning.commands.bench_formats import compare_formats, kernels_chosen, parse_formats
+from moe_lightning.commands.bench_formats import compare_formats, device_memory_for, kernels_chosen, parse_formats
 from moe_lightning.commands.common import add_placement_flags
 
 
@@ -32,7 +32,12 @@ def add_parser(sub: Any, name: str) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights' dtype (auto: float32 on a CPU, the checkpoint's 16-bit dtype on a GPU)",
     )
-    p.add_argument("--device-memory", default=None, help="gpu_expert's budget, e.g. 25%% of the weights: 800MiB")
+    p.add_argument(
+        "--device-memory",
+        default=None,
+        help="gpu_expert's budget, e.g. 800MiB, or the dense weights plus a share of the experts (in each run's "
+        "format): 25%%",
+    )
     p.add_argument(
         "--kv-dtype",
         default="auto",
@@ -205,13 +210,19 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(
         f"{n} prompts (average {avg:.0f}, longest {max(map(len, prompts))} tokens), {args.gen_len} generated each\n"
     )
+    if args.quantize is None:  # a share of the weights: of this stack's arena
+        args.device_memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, None, 128)
     trace_dir = Path(tempfile.mkdtemp(prefix="moe-lightning-bench-"))
     results: dict[str, Any] = {"prompts": n, "average_prompt_tokens": avg, "gen_len": args.gen_len}
     if args.quantize is not None:  # the formats against each other, nothing else
         formats = parse_formats(args.quantize)
-        runs = compare_formats(
-            formats, lambda f: _public(_ours(args, prompts, f.value, trace_dir, experts="gpu", quantize=f.value))
-        )
+
+        def one(fmt: Any) -> dict[str, Any]:
+            memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, fmt, args.quantize_group_size)
+            run = _ours(args, prompts, fmt.value, trace_dir, device_memory=memory, experts="gpu", quantize=fmt.value)
+            return {**_public(run), "device_memory": memory}
+
+        runs = compare_formats(formats, one)
         results["formats"] = runs
         if args.json is not None:
             args.json.write_text(json.dumps(results, indent=2))

@@ -11,9 +11,13 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from moe_lightning.quant.scheme import QuantFormat
+from moe_lightning.quant.scheme import QuantFormat, parse_quantize
+
+if TYPE_CHECKING:
+    from moe_lightning.spec import ModelSpec
 
 # targets on the dev box (issue 15): bytes per step / 3.5 for int8 and / 6 for int4 against fp32;
 # decode tok/s >= 1.3x for int8 and never below fp32
@@ -33,6 +37,27 @@ def parse_formats(text: str) -> list[QuantFormat]:
     if len(set(formats)) != len(formats):
         raise ValueError(f"--quantize lists a format twice: {text}")
     return formats
+
+
+def device_memory_for(
+    asked: str | None, model: Path, spec: ModelSpec, dtype: str, fmt: QuantFormat | None, group_size: int
+) -> str | None:
+    """`--device-memory` as gpu_expert takes it: "25%" is the dense weights plus that share of the
+    expert pages, in the run's expert format (`fmt` None: the checkpoint's own), so every format
+    keeps the same number of experts on the device and streams the rest."""
+    if asked is None or not asked.strip().endswith("%"):
+        return asked
+    from moe_lightning.arena import ArenaLayout  # torch: only when a bench runs, not for `--help`
+    from moe_lightning.quant.resolve import resolve_scheme
+
+    share = float(asked.strip().removesuffix("%")) / 100
+    if not 0 < share <= 1:
+        raise ValueError(f"--device-memory as a share of the weights must be in (0%, 100%], got {asked}")
+    scheme = resolve_scheme(model) if fmt is None else parse_quantize(fmt.value, group_size)
+    layout = ArenaLayout.for_spec(spec, dtype, scheme)
+    first = spec.experts_per_layer.index(spec.num_experts)
+    experts = spec.total_experts * layout.expert_page_bytes(first)
+    return str(int(layout.total_bytes - experts + experts * share))
 
 
 def kernels_chosen(gpu_expert_metrics: dict[str, float]) -> dict[str, dict[int, str]]:

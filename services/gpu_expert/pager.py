@@ -62,8 +62,9 @@ class ExpertPager:
         ]
         # a slot is one expert page's bytes: every expert is laid out alike, so one view fits all
         proto = host.layers[plan.next_sparse(0)].experts[0]
-        page_bytes = proto.page().numel()
-        self._slot_pages = [torch.empty(page_bytes, dtype=torch.uint8, device=device) for _ in range(plan.ring_slots)]
+        # filled with a real expert: warm-up and calibration compute on slots, and an int4 page's
+        # input order (perm) indexes the activations, so garbage there would read out of bounds
+        self._slot_pages = [proto.page().to(device, copy=True) for _ in range(plan.ring_slots)]
         self.slots = [proto.in_buffer(page) for page in self._slot_pages]
         self._free: deque[int] = deque(range(plan.ring_slots))
         self._issued: dict[int, dict[int, tuple[int, Ticket]]] = {}  # layer -> expert -> (slot, ticket)
