@@ -19,11 +19,12 @@ from dataclasses import dataclass, replace
 import structlog
 from prometheus_client import Counter, Gauge, Info
 
-from moe_lightning.hrm.costmodel import Estimate, Policy, Workload, estimate
+from moe_lightning.hrm.costmodel import NO_QUANT, Estimate, Policy, Workload, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.measured import measured_per_layer, predicted_per_layer
 from moe_lightning.hrm.optimizer import optimize
 from moe_lightning.plan import StepKind, StepTimings
+from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
 PREDICTED = Gauge("moe_lightning_stage_predicted_seconds", "HRM-predicted time per layer of a decode step", ["stage"])
@@ -58,16 +59,19 @@ class Planner:
         resident_experts: int | None = None,
         max_micro_batch: int | None = None,
         kv_dtype: str | None = None,
+        quant: QuantScheme = NO_QUANT,
     ) -> None:
         """`attention` / `experts`: the placements the running services support (and the operator
         allows); `kv_tokens` is the attention service's cache, `device_kv_tokens` gpu_expert's;
-        `kv_dtype` the dtype the attention service's cache stores (default: the weights')."""
+        `kv_dtype` the dtype the attention service's cache stores (default: the weights'); `quant` the
+        format of the expert pages the weight store serves (default: the model dtype)."""
         self.spec = spec
         self.profile = profile
         self.workload = workload
         self.planned_workload = workload
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
+        self.quant = quant
         self.kv_tokens = {"cpu": kv_tokens, "gpu": device_kv_tokens}
         self.attention = attention
         self.experts = experts
@@ -104,6 +108,7 @@ class Planner:
                     resident=self.resident_experts,
                     max_micro_batch=self.max_micro_batch,
                     kv_dtype=self.kv_dtype,
+                    quant=self.quant,
                 )
                 self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
                 if best is None or est.tokens_per_second > best.tokens_per_second:
@@ -177,7 +182,9 @@ class Planner:
         with self._lock:
             p = self.policy
             policy = Policy(n_ub * micro_batch, micro_batch, p.attention, p.experts, p.resident_experts)
-            est = estimate(self.spec, self.workload, self.profile, policy, self.dtype, kv_dtype=self.kv_dtype)
+            est = estimate(
+                self.spec, self.workload, self.profile, policy, self.dtype, kv_dtype=self.kv_dtype, quant=self.quant
+            )
             predicted = predicted_per_layer(est)
             for stage in measured:
                 prev = self._measured.get(stage, measured[stage])
@@ -192,7 +199,8 @@ class Planner:
                 return None
             factors = {st: predicted[st] / self._measured[st] for st in drifted}
             if "device" in drifted:
-                self.profile = self.profile.scaled(gpu_flops=factors["device"], gpu_bandwidth=factors["device"])
+                f = factors["device"]  # every device roof, the measured expert GEMM's included
+                self.profile = self.profile.scaled(gpu_flops=f, gpu_bandwidth=f, expert_flops=f, expert_bandwidth=f)
             if "attention" in drifted:
                 f = factors["attention"]
                 self.profile = self.profile.scaled(cpu_flops=f, cpu_bandwidth=f)

@@ -6,9 +6,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moe_lightning.flags import parse_size
+
+if TYPE_CHECKING:
+    from moe_lightning.hrm.costmodel import Workload
+    from moe_lightning.hrm.hardware import HardwareProfile
+    from moe_lightning.quant.scheme import QuantScheme
+    from moe_lightning.spec import ModelSpec
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -36,16 +42,45 @@ def add_parser(sub: Any, name: str) -> None:
         help="dtype of the host KV cache (cpu_attention's --kv-dtype; default: the weight dtype): it decides how "
         "many sequences the host holds",
     )
+    p.add_argument(
+        "--quantize",
+        default="none",
+        choices=["none", "int8", "int4"],
+        help="format of the expert pages (the weight store's --quantize): smaller pages stream faster and leave "
+        "room for more resident experts and a larger batch; dense weights stay in the model dtype",
+    )
+    p.add_argument(
+        "--quantize-group-size", type=int, default=128, help="int4 group size (32, 64, 128, or -1: one per row)"
+    )
+    p.add_argument(
+        "--compare-quantize",
+        action="store_true",
+        help="plan for every expert page format (none, int8, int4) and print them side by side",
+    )
     p.add_argument("--json", action="store_true", help="one JSON object instead of the explanation")
     p.add_argument("--plot", type=Path, default=None, help="draw the hierarchical roofline to this PNG")
+
+
+def _profile(args: argparse.Namespace, spec: ModelSpec, quant: QuantScheme) -> HardwareProfile:
+    from moe_lightning.hrm.hardware import load_profile
+
+    if args.hardware == "calibrate":
+        from moe_lightning.hrm.calibrate import cached_profile
+
+        hw = cached_profile(spec, args.device, quant=quant).with_gpus(args.gpus)
+    else:
+        hw = load_profile(args.hardware).with_gpus(args.gpus)
+    if args.host_memory is not None:
+        hw = hw.scaled(cpu_memory=args.host_memory / hw.cpu_memory)
+    return hw
 
 
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.hrm.archs import ARCHS
     from moe_lightning.hrm.costmodel import Workload
     from moe_lightning.hrm.explain import explain, host_kv, plan_to_dict
-    from moe_lightning.hrm.hardware import load_profile
     from moe_lightning.hrm.optimizer import optimize
+    from moe_lightning.quant.scheme import parse_quantize
     from moe_lightning.spec import ModelSpec
 
     if args.arch is not None:
@@ -54,19 +89,15 @@ def run(args: argparse.Namespace) -> int:
         spec, name = ARCHS[args.arch], args.arch
     else:
         spec, name = ModelSpec.from_pretrained(args.model), str(args.model)
-    if args.hardware == "calibrate":
-        from moe_lightning.hrm.calibrate import cached_profile
-
-        hw = cached_profile(spec, args.device).with_gpus(args.gpus)
-    else:
-        hw = load_profile(args.hardware).with_gpus(args.gpus)
-    if args.host_memory is not None:
-        hw = hw.scaled(cpu_memory=args.host_memory / hw.cpu_memory)
+    quant = parse_quantize(args.quantize, args.quantize_group_size)
     work = Workload(args.prompt_len, args.gen_len)
+    if args.compare_quantize:
+        return _compare(args, spec, name, work, args.quantize_group_size)
+    hw = _profile(args, spec, quant)
     dtype = args.dtype or ("float32" if hw.shared_host_device else None)  # CPU compute runs fp32
     kv_dtype = args.kv_dtype or dtype or spec.dtype
-    est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype)
-    kv = host_kv(spec, work, hw, dtype, kv_dtype)
+    est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant)
+    kv = host_kv(spec, work, hw, dtype, kv_dtype, quant=quant)
     if args.plot is not None:
         from moe_lightning.hrm.plot import plot_roofline
 
@@ -75,4 +106,41 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(plan_to_dict(name, spec, work, hw, est, kv)) + "\n")
     else:
         sys.stdout.write(explain(name, spec, work, hw, est, kv) + "\n")
+    return 0
+
+
+def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workload, group_size: int) -> int:
+    """The best plan for each expert page format, one row each (or their JSON plans)."""
+    from moe_lightning.hrm.explain import link_bytes_per_step, plan_to_dict
+    from moe_lightning.hrm.optimizer import optimize
+    from moe_lightning.quant.scheme import QuantFormat, parse_quantize
+
+    plans = []
+    for fmt in QuantFormat:
+        quant = parse_quantize(fmt.value, group_size)
+        hw = _profile(args, spec, quant)
+        dtype = args.dtype or ("float32" if hw.shared_host_device else None)
+        kv_dtype = args.kv_dtype or dtype or spec.dtype
+        plans.append((quant, hw, optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant)))
+    if args.json:
+        out = {"model": name, "plans": [plan_to_dict(name, spec, work, hw, est) for _, hw, est in plans]}
+        sys.stdout.write(json.dumps(out) + "\n")
+        return 0
+    hw = plans[0][1]
+    lines = [
+        f"{name} on {hw.name}: prompt {work.prompt_len:g} tokens, {work.gen_len} generated",
+        f"{'pages':<10} {'MB/page':>8} {'resident':>10} {'batch = n_ub x mu':>20} {'link GB/step':>13} "
+        f"{'bound':>6} {'tokens/s':>9} {'vs none':>8}",
+    ]
+    base = plans[0][2].tokens_per_second
+    for quant, _, est in plans:
+        p = est.policy
+        label = quant.format.value + (f" g{quant.group_size}" if quant.format is QuantFormat.INT4 else "")
+        lines.append(
+            f"{label:<10} {est.page_bytes / 1e6:8.1f} {p.resident_experts:>5}/{spec.total_experts:<4} "
+            f"{f'{p.batch} = {p.num_micro_batches} x {p.micro_batch}':>20} "
+            f"{link_bytes_per_step(spec, est)['total'] / 1e9:13.2f} {est.binding:>6} "
+            f"{est.tokens_per_second:9.1f} {est.tokens_per_second / base:7.2f}x"
+        )
+    sys.stdout.write("\n".join(lines) + "\n")
     return 0

@@ -3,8 +3,9 @@
 The reference implementation took its constants as flags and predicted ~4.6x its measured
 throughput. Here each roof is the rate our code actually reaches: GEMM FLOP/s, the bandwidth at
 which expert FFNs stream their weights (small batches are weight-bound), the rate at which paged
-decode attention reads its KV cache, and host<->device copies (pinned, on CUDA). Results are cached
-per machine and device; `moe-lightning profile` re-measures.
+decode attention reads its KV cache, and host<->device copies (pinned, on CUDA). Quantized expert
+pages are measured through the kernels chosen for them, their rates in bytes of the page format.
+Results are cached per machine, device and page format; `moe-lightning profile` re-measures.
 """
 
 from __future__ import annotations
@@ -16,76 +17,35 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-import structlog
 import torch
 
+from moe_lightning.hrm.costmodel import NO_QUANT
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
+from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, profile_cache_dir: the module's API)
+    PROFILE_CACHE_ENV,
+    cache_file,
+    cache_warning,
+    profile_cache_dir,
+    read_cache,
+    write_cache,
+)
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import paged_attention, plan_attention
+from moe_lightning.stages.linear import dense_linear
 from moe_lightning.stages.moe import expert_ffn
 from moe_lightning.weights import ExpertWeights
 
-PROFILE_CACHE_ENV = "MOE_LIGHTNING_PROFILE_CACHE"
+# rows per expert GEMM at which the quantized kernels' compute rate is measured: compute-bound there
+FLOPS_TOKENS = {"cpu": 64, "cuda": 1024}
 # Part of every cache key: bump it when a kernel the roofs are measured with changes, so cached
 # roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU; 3: decode
 # attention gathers whole blocks a chunk at a time, over an fp32, bf16 or fp16 KV cache)
 KERNELS_VERSION = 3
-
-
-def profile_cache_dir() -> Path:
-    """Where measured roofs are kept between runs: $MOE_LIGHTNING_PROFILE_CACHE (the services'
-    --profile-cache), else ~/.cache/moe-lightning/profiles. The test suite points it at a fresh
-    temporary directory, so no test depends on what an earlier run measured."""
-    return Path(os.environ.get(PROFILE_CACHE_ENV) or Path.home() / ".cache" / "moe-lightning" / "profiles")
-
-
-# The cache only saves a re-measurement: a cache that cannot be read or written (a container user whose
-# HOME is /nonexistent, a read-only or foreign directory) is a warning, never a failed start.
-
-
-def _cache_file(cache_dir: Path | None, name: str) -> Path | None:
-    try:
-        return (cache_dir or profile_cache_dir()) / name
-    except RuntimeError as exc:  # Path.home(): no HOME and no passwd entry
-        _cache_warning("profile_cache_unavailable", None, exc)
-        return None
-
-
-def _cache_warning(event: str, path: Path | None, exc: BaseException) -> None:
-    structlog.get_logger().warning(
-        event,
-        path=None if path is None else str(path),
-        error=f"{type(exc).__name__}: {exc}",
-        hint=f"set --profile-cache or ${PROFILE_CACHE_ENV} to a writable directory",
-    )
-
-
-def _read_cache(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return path.read_text() if path.is_file() else None
-    except (OSError, UnicodeDecodeError) as exc:
-        _cache_warning("profile_cache_read_failed", path, exc)
-        return None
-
-
-def _write_cache(path: Path | None, text: str) -> None:
-    if path is None:
-        return
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.replace(path)  # atomic: a concurrent reader never sees half a file
-    except OSError as exc:
-        _cache_warning("profile_cache_write_failed", path, exc)
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 def _sync(device: torch.device) -> None:
@@ -129,27 +89,45 @@ def expert_stream_bandwidth(
     repeats: int = 3,
     weights: Sequence[ExpertWeights] | None = None,
 ) -> float:
-    """Weight bytes per second of expert FFNs at a small, weight-bound batch (distinct experts, so
-    nothing stays in cache between them). `weights`: measure on these (a service's real experts)."""
-    ws = (
-        list(weights)
-        if weights is not None
-        else [
-            ExpertWeights(
-                torch.randn(2 * inter, hidden, device=device, dtype=dtype) * 0.02,
-                torch.randn(hidden, inter, device=device, dtype=dtype) * 0.02,
-            )
-            for _ in range(experts)
-        ]
-    )
-    x = torch.randn(tokens, ws[0].w13.shape[1], device=device, dtype=ws[0].w13.dtype)
+    """Page bytes per second of expert FFNs at a small, weight-bound batch (distinct experts, so
+    nothing stays in cache between them), activations in `dtype`. `weights`: measure on these (a
+    service's real experts, quantized or not: the rate is then in bytes of their page format, through
+    the kernels chosen for them; the warm-up calls choose them)."""
+    ws = list(weights) if weights is not None else random_experts(device, dtype, hidden, inter, experts)
+    x = torch.randn(tokens, ws[0].w13.shape[1], device=device, dtype=dtype)
 
     def run() -> None:
         for w in ws:
             expert_ffn(w, x)
 
-    nbytes = sum(w.w13.numel() * w.w13.element_size() + w.w2.numel() * w.w2.element_size() for w in ws)
-    return nbytes / _best_seconds(run, device, repeats)
+    return sum(page_nbytes(w) for w in ws) / _best_seconds(run, device, repeats)
+
+
+def expert_gemm_flops(
+    weights: Sequence[ExpertWeights], device: torch.device, dtype: torch.dtype, tokens: int, repeats: int = 3
+) -> float:
+    """FLOP/s of expert FFNs at `tokens` rows each (compute-bound), through the kernels their format uses."""
+    inter, hidden = weights[0].w2.shape[1], weights[0].w2.shape[0]
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+
+    def run() -> None:
+        for w in weights:
+            expert_ffn(w, x)
+
+    return len(weights) * 2 * tokens * 3 * hidden * inter / _best_seconds(run, device, repeats)
+
+
+def dense_stream_bandwidth(
+    tensors: Sequence[torch.Tensor], device: torch.device, tokens: int = 8, repeats: int = 3
+) -> float:
+    """Bytes per second dense projections (a model's own weights) read at a small, weight-bound batch."""
+    xs = {t.shape[1]: torch.randn(tokens, t.shape[1], device=device, dtype=t.dtype) for t in tensors}
+
+    def run() -> None:
+        for t in tensors:
+            dense_linear(xs[t.shape[1]], t)
+
+    return sum(t.numel() * t.element_size() for t in tensors) / _best_seconds(run, device, repeats)
 
 
 def attention_bandwidth(
@@ -192,18 +170,30 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def measure(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype | None = None) -> HardwareProfile:
-    """Measures every roof for `spec`'s shapes on `device` (CPU-only: host and device are one)."""
+def measure(
+    spec: ModelSpec, device: str = "cpu", dtype: torch.dtype | None = None, quant: QuantScheme = NO_QUANT
+) -> HardwareProfile:
+    """Measures every roof for `spec`'s shapes on `device` (CPU-only: host and device are one); with
+    `quant`, also the expert GEMM's roofs on pages of that format (random weights, quantized)."""
     dev = torch.device(device)
     dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     host_flops = matmul_flops(torch.device("cpu"), torch.float32)
     expert_bw = expert_stream_bandwidth(dev, dtype, spec.hidden_size, spec.intermediate_size)
+    roofs: dict[str, Any] = {}
+    if quant.quantized:
+        pages = random_experts(dev, dtype, spec.hidden_size, spec.intermediate_size, 8, quant)
+        roofs = {
+            "expert_format": quant.key(),
+            "expert_bandwidth": expert_stream_bandwidth(dev, dtype, 0, 0, weights=pages),
+            "expert_flops": expert_gemm_flops(pages[:2], dev, dtype, FLOPS_TOKENS.get(dev.type, 64)),
+        }
     attn_bw = attention_bandwidth(spec, dtype=dtype)  # the `auto` KV dtype: the weights'
     if dev.type == "cuda":
         gpu_flops = matmul_flops(dev, dtype, n=4096)
         h2d, d2h = link_bandwidth(dev)
         gpu_memory = float(torch.cuda.get_device_properties(dev).total_memory)
         shared = False
+        roofs["compute_capability"] = float("{}.{}".format(*torch.cuda.get_device_capability(dev)))
     else:
         gpu_flops = host_flops
         h2d = d2h = copy_bandwidth(dev) / 2
@@ -221,23 +211,29 @@ def measure(spec: ModelSpec, device: str = "cpu", dtype: torch.dtype | None = No
         d2h_bandwidth=d2h,
         shared_host_device=shared,
         source="calibrated",
+        **roofs,
     )
 
 
 def cached_profile(
-    spec: ModelSpec, device: str = "cpu", refresh: bool = False, cache_dir: Path | None = None
+    spec: ModelSpec,
+    device: str = "cpu",
+    refresh: bool = False,
+    cache_dir: Path | None = None,
+    quant: QuantScheme = NO_QUANT,
 ) -> HardwareProfile:
-    """The machine's calibrated profile, measured once per (host, device, model shape) and cached."""
+    """The machine's calibrated profile, measured once per (host, device, model shape, expert page
+    format) and cached."""
     key = f"{platform.node() or 'host'}-{device.replace(':', '')}-{spec.hidden_size}x{spec.intermediate_size}"
-    key += f"-k{KERNELS_VERSION}"
-    path = _cache_file(cache_dir, f"{key}.json")
-    if not refresh and path is not None and _read_cache(path) is not None:
+    key += (f"-{quant.key()}" if quant.quantized else "") + f"-k{KERNELS_VERSION}"
+    path = cache_file(cache_dir, f"{key}.json")
+    if not refresh and path is not None and read_cache(path) is not None:
         try:
             return HardwareProfile.from_file(path)
         except ValueError as exc:  # an older or damaged cache: measure again
-            _cache_warning("profile_cache_damaged", path, exc)
-    profile = measure(spec, device)
-    _write_cache(path, profile.to_json())
+            cache_warning("profile_cache_damaged", path, exc)
+    profile = measure(spec, device, quant=quant)
+    write_cache(path, profile.to_json())
     return profile
 
 
@@ -253,13 +249,53 @@ class Measurements:
     d2h_bandwidth: float = 0.0
     shared_host_device: bool = False
     source: str = ""
+    # gpu_expert with quantized expert pages: their format (QuantScheme.key()), the expert GEMM's
+    # FLOP/s and the page bytes per second it reads, both through the kernels chosen for the pages.
+    # weight_stream_bandwidth is then the dense weights' rate (unquantized: the experts' own)
+    expert_format: str = "none"
+    expert_matmul_flops: float = 0.0
+    expert_stream_bandwidth: float = 0.0
 
 
-def measure_expert_side(experts: Sequence[ExpertWeights], device: str, memory_bytes: float) -> Measurements:
-    """gpu_expert's warm-up: GEMM rate, the rate its real experts stream weights, the host link."""
+def measure_expert_side(
+    experts: Sequence[ExpertWeights],
+    device: str,
+    memory_bytes: float,
+    dtype: torch.dtype | None = None,
+    dense: Sequence[torch.Tensor] | None = None,
+    scheme: QuantScheme | None = None,
+) -> Measurements:
+    """gpu_expert's warm-up: GEMM rate, the rate its real experts stream weights, the host link.
+
+    `dtype`: the model's (activations, the matmul peak); default: the experts' own when they are
+    unquantized, else the dense weights'. `dense`: some of the model's dense weights (e.g. every
+    layer's wqkv and wo), on whose read rate the dense stages are planned when the experts are
+    quantized; without them random expert-shaped dense weights stand in. `scheme`: the pages' format as
+    the weight store names it (the key the planner matches); default: read off the experts."""
     dev = torch.device(device)
-    dtype = experts[0].w13.dtype
+    scheme = scheme or page_scheme(experts[0])
+    if dtype is None:
+        if not scheme.quantized:
+            dtype = experts[0].w13.dtype
+        elif dense:
+            dtype = dense[0].dtype
+        else:
+            raise ValueError("quantized experts carry no model dtype: pass dtype (or the dense weights)")
     stream = expert_stream_bandwidth(dev, dtype, 0, 0, weights=experts)
+    quantized: dict[str, Any] = {}
+    if scheme.quantized:
+        hidden, inter = experts[0].w2.shape
+        tokens = FLOPS_TOKENS.get(dev.type, 64)
+        quantized = {
+            "expert_format": scheme.key(),
+            "expert_stream_bandwidth": stream,
+            "expert_matmul_flops": expert_gemm_flops(experts[:2], dev, dtype, tokens),
+        }
+        stream = (
+            dense_stream_bandwidth(dense, dev)
+            if dense
+            else expert_stream_bandwidth(dev, dtype, hidden, inter, experts=min(2, len(experts)))
+        )
     if dev.type == "cuda":
         h2d, d2h = link_bandwidth(dev)
         flops = matmul_flops(dev, dtype, n=4096)
@@ -274,7 +310,15 @@ def measure_expert_side(experts: Sequence[ExpertWeights], device: str, memory_by
         d2h_bandwidth=d2h,
         shared_host_device=dev.type == "cpu",
         source=f"gpu_expert@{platform.node()}",
+        **quantized,
     )
+
+
+def expert_side_key(device: torch.device | str, dtype: torch.dtype, spec: ModelSpec, scheme: QuantScheme) -> str:
+    """gpu_expert's cache key for cached_measurements: one per device, model dtype, shape and page
+    format (unquantized pages keep the key they always had, so earlier caches stay valid)."""
+    key = f"gpu_expert-{device}-{dtype}-{spec.hidden_size}x{spec.intermediate_size}"
+    return (key + (f"-{scheme.key()}" if scheme.quantized else "")).replace(":", "")
 
 
 def measure_attention_side(
@@ -295,15 +339,15 @@ def cached_measurements(
     key: str, measure_fn: Callable[[], Measurements], refresh: bool = False, cache_dir: Path | None = None
 ) -> Measurements:
     """A service's warm-up measurements, re-used across restarts on this machine."""
-    path = _cache_file(cache_dir, f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json")
-    text = None if refresh else _read_cache(path)
+    path = cache_file(cache_dir, f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json")
+    text = None if refresh else read_cache(path)
     if text is not None:
         try:
             return Measurements(**json.loads(text))
         except (ValueError, TypeError, RecursionError):
             pass  # an older or damaged cache: measure again
     m = measure_fn()
-    _write_cache(path, json.dumps(asdict(m)))
+    write_cache(path, json.dumps(asdict(m)))
     return m
 
 
@@ -320,4 +364,7 @@ def profile_from(expert: Measurements, attention: Measurements, name: str = "cal
         d2h_bandwidth=expert.d2h_bandwidth,
         shared_host_device=expert.shared_host_device,
         source="calibrated by the services",
+        expert_format=expert.expert_format or "none",  # a peer without the field sent ""
+        expert_flops=expert.expert_matmul_flops,
+        expert_bandwidth=expert.expert_stream_bandwidth,
     )

@@ -8,6 +8,11 @@ itself (a CPU-only run) nothing overlaps: the device and host times add and ther
 
 Symbols (docs/design.md): h1 hidden, h2 expert intermediate, E experts, k top-k, nh/nkv heads, d head dim,
 s prompt length, n generation length, b bytes per weight, N batch, mu micro-batch, n_ub = N / mu.
+
+Expert pages may be quantized (`quant`, a QuantScheme): a page then holds its weights at
+`quant.bytes_per_weight` (scales and zeros included) while the dense weights stay in the model dtype.
+That changes what the link carries, what the memories hold and what the expert GEMM reads; its speed
+per kernel is in hrm/kernels.py.
 """
 
 from __future__ import annotations
@@ -16,10 +21,13 @@ import math
 from dataclasses import dataclass, field
 
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.kernels import KernelRoof, expert_kernels
 from moe_lightning.placement import Placement, Side
+from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+NO_QUANT = QuantScheme()  # expert pages in the model dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +98,10 @@ class Estimate:
     binding: str  # the resource with the largest time
     stage_work: dict[str, tuple[float, float]] = field(default_factory=dict)  # (flops, bytes) per layer
     kv_host_bytes: float = 0.0  # the part of cpu_bytes that is the host KV cache (in its own dtype)
+    quant: QuantScheme = NO_QUANT  # the expert pages' format
+    page_bytes: float = 0.0  # one expert page (w13 + w2) in that format
+    link_bytes: dict[str, float] = field(default_factory=dict)  # per layer, per link stage
+    kernels: dict[str, str] = field(default_factory=dict)  # expert stage -> the kernel the model assumed
 
     @property
     def fits(self) -> bool:
@@ -112,16 +124,23 @@ def sparse_share(spec: ModelSpec) -> float:
     return spec.num_sparse_layers / spec.num_layers
 
 
-def weight_bytes(spec: ModelSpec, b: int) -> dict[str, float]:
+def page_bytes_per_weight(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> float:
+    """Average bytes per weight of an expert page: w13 (2I, D) has D inputs per row, w2 (D, I) has I."""
+    h1, h2 = spec.hidden_size, spec.intermediate_size
+    return (2 * quant.bytes_per_weight(h1, b) + quant.bytes_per_weight(h2, b)) / 3
+
+
+def weight_bytes(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> dict[str, float]:
     h1, h2, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    pb = page_bytes_per_weight(spec, b, quant)
     attn = h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
     f = sparse_share(spec)
     # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device; so
     # does a dense layer's MLP
     ffn_dense = f * (e * h1 + 3 * h1 * spec.shared_expert_size) + (1 - f) * 3 * h1 * spec.dense_intermediate_size
     return {
-        "expert": 3 * h1 * h2 * b,  # one expert
-        "layer_experts": 3 * h1 * h2 * e * b,  # W_l of a sparse layer
+        "expert": 3 * h1 * h2 * pb,  # one expert page
+        "layer_experts": 3 * h1 * h2 * e * pb,  # W_l of a sparse layer
         "layer_dense": (attn + 2 * h1 + ffn_dense) * b,  # averaged over the layers
         "embed_head": spec.vocab_size * h1 * b * (1 if spec.tie_word_embeddings else 2) + h1 * b,
     }
@@ -135,12 +154,14 @@ def estimate(
     dtype: str | None = None,
     headroom: Headroom = Headroom(),
     kv_dtype: str | None = None,
+    quant: QuantScheme = NO_QUANT,
 ) -> Estimate:
     """`dtype`: the weights' (default the spec's), also the device KV cache's; `kv_dtype`: the host KV
-    cache's (cpu_attention's --kv-dtype; default the weights')."""
+    cache's (cpu_attention's --kv-dtype; default the weights'); `quant`: the expert pages' format."""
     b = DTYPE_BYTES[dtype or spec.dtype]
     kv_b = DTYPE_BYTES[kv_dtype] if kv_dtype else b
-    w = weight_bytes(spec, b)
+    w = weight_bytes(spec, b, quant)
+    page_bpw = page_bytes_per_weight(spec, b, quant)
     n, mu = policy.batch, policy.micro_batch
     n_ub = policy.num_micro_batches
     h1, h2, k = spec.hidden_size, spec.intermediate_size, spec.top_k
@@ -170,15 +191,28 @@ def estimate(
         stage_work[stage] = (flops * share, nbytes * share)
         stages[stage] = _roof(flops, nbytes, peak, bandwidth) * share
 
+    kernels: dict[str, KernelRoof] = {}
+
+    def expert_roof(stage: str, flops: float, weights: float, on_gpu: bool, share: float) -> None:
+        """The expert GEMM by the fastest kernel its side has for the page format; its work is
+        recorded as the dense roofs see it (flops over the kernel's share of the peak, bytes moved)."""
+        peak, bandwidth = (hw.gpu_flops, hw.gpu_bandwidth) if on_gpu else (hw.cpu_flops, hw.cpu_bandwidth)
+        candidates = expert_kernels(hw, quant, b, page_bpw, on_gpu)
+        kernel = min(candidates, key=lambda c: c.seconds(flops, weights, peak, bandwidth))
+        kernels[stage] = kernel
+        roof(stage, flops / kernel.flops, weights * kernel.traffic, on_gpu, share)
+
     roof("gpu_dense", dense_flops, dense_bytes, True)
     expert_flops = 2 * n * k * 3 * h1 * h2 * f
+    expert_weights = 3 * h1 * h2 * f  # weights of one expert, averaged over the layers
     if host_share < 1.0:
-        touched = n_ub * distinct_experts(mu, spec) * w["expert"] * f
-        roof("gpu_experts", expert_flops, touched, True, share=1.0 - host_share)
+        expert_roof(
+            "gpu_experts", expert_flops, n_ub * distinct_experts(mu, spec) * expert_weights, True, 1 - host_share
+        )
     if host_share > 0.0:
-        touched = distinct_experts(n, spec) * w["expert"] * f  # the host reads each needed expert once a step
+        touched = distinct_experts(n, spec) * expert_weights  # the host reads each needed expert once a step
         # one machine: the expert GEMM's calibrated roofs are the device-side ones wherever it is placed
-        roof("cpu_experts", expert_flops, touched, hw.shared_host_device, share=host_share)
+        expert_roof("cpu_experts", expert_flops, touched, hw.shared_host_device, host_share)
     if hw.shared_host_device and policy.experts == "gpu" and streamed:
         # one memory: "streaming" is a memcpy that reads and writes every streamed expert each step
         stages["gpu_expert_copy"] = 2 * streamed * w["expert"] / hw.gpu_bandwidth
@@ -192,16 +226,22 @@ def estimate(
 
     # --- link: streamed experts, activations to/from CPU stages, KV when attention is on GPU ------
     link = 0.0
+    link_bytes: dict[str, float] = {}
+
+    def over_link(stage: str, nbytes: float, bandwidth: float) -> None:
+        link_bytes[stage] = nbytes
+        stages[stage] = nbytes / bandwidth
+
     if not hw.shared_host_device:
         if policy.experts == "gpu":
-            stages["link_weights"] = streamed * w["expert"] / hw.h2d_bandwidth
+            over_link("link_weights", streamed * w["expert"], hw.h2d_bandwidth)
         elif host_share > 0.0:
-            stages["link_experts_io"] = 2 * n * h1 * b / hw.h2d_bandwidth
+            over_link("link_experts_io", 2 * n * h1 * b, hw.h2d_bandwidth)
         if policy.attention == "cpu":
-            stages["link_qkv"] = n * (spec.q_size + 2 * spec.kv_size) * b / hw.d2h_bandwidth
-            stages["link_attn_out"] = n * spec.q_size * b / hw.h2d_bandwidth
+            over_link("link_qkv", n * (spec.q_size + 2 * spec.kv_size) * b, hw.d2h_bandwidth)
+            over_link("link_attn_out", n * spec.q_size * b, hw.h2d_bandwidth)
         else:
-            stages["link_kv"] = (1 - policy.kv_gpu_fraction) * n * ctx * kv_host_token / hw.h2d_bandwidth
+            over_link("link_kv", (1 - policy.kv_gpu_fraction) * n * ctx * kv_host_token, hw.h2d_bandwidth)
         link = sum(v for s, v in stages.items() if s.startswith("link_"))
 
     gpu = sum(v for s, v in stages.items() if s.startswith("gpu_"))
@@ -220,6 +260,10 @@ def estimate(
     kv_host = n * work.max_context * kv_host_token * layers  # all of it, were it all on the host
     kv_device = n * work.max_context * kv_device_token * layers
     activations = mu * (4 * h1 + spec.q_size + 2 * spec.kv_size + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
+    # a kernel's per-call copies of the largest expert linear (w13, 2I x D): dequantized or repacked
+    # (one call at a time: the largest kernel's, on the side it runs)
+    scratch = {s: kernel.scratch * 2 * h2 * h1 for s, kernel in kernels.items()}
+    activations += max((v for s, v in scratch.items() if s == "gpu_experts" or hw.shared_host_device), default=0.0)
     gpu_bytes = dense_all + activations
     gpu_bytes += resident * w["expert"]
     if policy.experts == "gpu" and buffered and not hw.shared_host_device:
@@ -232,6 +276,8 @@ def estimate(
     if hw.shared_host_device:  # one memory: count it once, against the host
         cpu_bytes += activations + (policy.kv_gpu_fraction * kv_device if policy.attention == "gpu" else 0)
         gpu_bytes = cpu_bytes
+    else:
+        cpu_bytes += scratch.get("cpu_experts", 0.0)
     return Estimate(
         policy=policy,
         stage_seconds=stages,
@@ -245,4 +291,8 @@ def estimate(
         binding=binding,
         stage_work=stage_work,
         kv_host_bytes=kv_host_bytes,
+        quant=quant,
+        page_bytes=w["expert"],
+        link_bytes=link_bytes,
+        kernels={s: kernel.name for s, kernel in kernels.items()},
     )

@@ -6,9 +6,10 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moe_lightning.hrm.costmodel import DTYPE_BYTES, Estimate, Headroom, Workload
+from moe_lightning.hrm.costmodel import DTYPE_BYTES, NO_QUANT, Estimate, Headroom, Workload
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.optimizer import max_batch
+from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
 ROOF_NAMES = {"gpu": "device compute/HBM roof", "cpu": "host compute/DRAM roof", "link": "host-device link roof"}
@@ -31,10 +32,31 @@ def host_kv(
     dtype: str | None,
     kv_dtype: str,
     headroom: Headroom = Headroom(),  # noqa: B008 (frozen)
+    quant: QuantScheme = NO_QUANT,
 ) -> HostKV:
     per_seq = 2 * spec.kv_size * DTYPE_BYTES[kv_dtype] * spec.num_layers * work.max_context
-    sequences = max_batch(spec, work, hw, dtype, headroom, sys.maxsize, kv_dtype)
+    sequences = max_batch(spec, work, hw, dtype, headroom, sys.maxsize, kv_dtype, quant)
     return HostKV(kv_dtype, work.max_context, per_seq, sequences)
+
+
+def page_format(est: Estimate) -> str:
+    """The expert pages' format in words: "bfloat16" (the model's), "int8", "int4, groups of 128"."""
+    q = est.quant
+    if not q.quantized:
+        return "the model dtype"
+    if q.format == "int4":
+        groups = "one group per row" if q.group_size == -1 else f"groups of {q.group_size}"
+        return f"int4, {groups}" + (", activation order" if q.act_order else "")
+    return q.format.value
+
+
+def link_bytes_per_step(spec: ModelSpec, est: Estimate) -> dict[str, float]:
+    """What the link carries in one decode step: the streamed expert pages and everything."""
+    per_layer = est.link_bytes
+    return {
+        "expert_pages": per_layer.get("link_weights", 0.0) * spec.num_layers,
+        "total": sum(per_layer.values()) * spec.num_layers,
+    }
 
 
 def plan_to_dict(
@@ -57,6 +79,14 @@ def plan_to_dict(
             "resident_fraction": p.resident_experts / spec.total_experts,
             "kv_gpu_fraction": p.kv_gpu_fraction,
         },
+        "expert_pages": {
+            "format": est.quant.format.value,
+            "group_size": est.quant.group_size if est.quant.format == "int4" else None,
+            "act_order": est.quant.act_order,
+            "bytes_per_page": est.page_bytes,
+            "kernels": est.kernels,
+        },
+        "link_bytes_per_step": link_bytes_per_step(spec, est),
         "predicted_decode_tokens_per_second": est.tokens_per_second,
         "layer_seconds": est.layer_seconds,
         "stage_seconds_per_layer": est.stage_seconds,
@@ -75,6 +105,16 @@ def plan_to_dict(
     return out
 
 
+def link_text(spec: ModelSpec, est: Estimate) -> str:
+    if not est.link_bytes:
+        return "none: host and device are one memory"
+    step = link_bytes_per_step(spec, est)
+    return (
+        f"{step['total'] / 1e9:,.2f} GB per decode step, of which expert pages "
+        f"{step['expert_pages'] / 1e9:,.2f} GB ({step['expert_pages'] / max(est.page_bytes, 1):,.0f} pages)"
+    )
+
+
 def explain(
     name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate, kv: HostKV | None = None
 ) -> str:
@@ -87,6 +127,9 @@ def explain(
         f"{p.attention}, experts on {p.experts}; {p.resident_experts} of {spec.total_experts} "
         f"expert pages resident on the device"
         + (f"; {p.kv_gpu_fraction:.0%} of the KV cache on the device" if p.attention == "gpu" else ""),
+        f"experts    pages in {page_format(est)}: {est.page_bytes / 1e6:,.1f} MB each"
+        + (f"; expert GEMM by {', '.join(sorted(set(est.kernels.values())))}" if est.quant.quantized else ""),
+        f"link       {link_text(spec, est)}",
         f"predicted  {est.tokens_per_second:,.1f} decode tokens/s ({1e3 * est.layer_seconds:.2f} ms per layer, "
         f"{1e3 * est.layer_seconds * spec.num_layers:.0f} ms per step)",
         "per layer  "

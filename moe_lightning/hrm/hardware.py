@@ -30,6 +30,15 @@ class HardwareProfile:
     d2h_bandwidth: float  # device -> host bytes/s (per GPU)
     shared_host_device: bool = False  # the "device" is the host itself (CPU-only run): no overlap, no link
     source: str = "preset"
+    # CUDA compute capability (7.5 T4, 8.9 L4, ...): which quantized expert kernels the device has
+    # (int4 tinygemm needs 8.0+); 0 when unknown, then only dequantize-then-GEMM is assumed
+    compute_capability: float = 0.0
+    # The expert GEMM's own roofs, measured on expert pages of `expert_format` (QuantScheme.key())
+    # through the kernels the services chose: FLOP/s and page bytes read per second. 0: derive them
+    # from gpu_flops / gpu_bandwidth and the kernel table in hrm/kernels.py
+    expert_format: str = "none"
+    expert_flops: float = 0.0
+    expert_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         for field in (
@@ -44,6 +53,8 @@ class HardwareProfile:
         ):
             if not getattr(self, field) > 0:
                 raise ValueError(f"hardware profile {self.name!r}: {field} must be positive")
+        if self.expert_flops < 0 or self.expert_bandwidth < 0:
+            raise ValueError(f"hardware profile {self.name!r}: expert roofs must not be negative")
 
     def scaled(self, **factors: float) -> HardwareProfile:
         """A copy with some roofs multiplied (for calibration corrections and what-if tests)."""
@@ -55,7 +66,15 @@ class HardwareProfile:
             raise ValueError(f"--gpus must be >= 1, got {n}")
         if n == 1:
             return self
-        p = self.scaled(gpu_flops=n, gpu_bandwidth=n, gpu_memory=n, h2d_bandwidth=n, d2h_bandwidth=n)
+        p = self.scaled(
+            gpu_flops=n,
+            gpu_bandwidth=n,
+            gpu_memory=n,
+            h2d_bandwidth=n,
+            d2h_bandwidth=n,
+            expert_flops=n,
+            expert_bandwidth=n,
+        )
         return replace(p, name=f"{n}x{self.name}")
 
     def to_json(self) -> str:
@@ -77,10 +96,24 @@ def _host(memory_gb: float, bandwidth_gbs: float, tflops: float) -> dict[str, fl
 PRESETS: dict[str, HardwareProfile] = {
     # The reference code's constants (docs/design.md): usable memory, HBM, fp16 peak, PCIe 16 GB/s.
     "t4": HardwareProfile(
-        "t4", 65 * TFLOPS, 300 * GB, 15 * GB, **_host(192, 100, 1.6), h2d_bandwidth=16 * GB, d2h_bandwidth=16 * GB
+        "t4",
+        65 * TFLOPS,
+        300 * GB,
+        15 * GB,
+        **_host(192, 100, 1.6),
+        h2d_bandwidth=16 * GB,
+        d2h_bandwidth=16 * GB,
+        compute_capability=7.5,
     ),
     "l4": HardwareProfile(
-        "l4", 104 * TFLOPS, 300 * GB, 24 * GB, **_host(192, 100, 1.6), h2d_bandwidth=16 * GB, d2h_bandwidth=16 * GB
+        "l4",
+        104 * TFLOPS,
+        300 * GB,
+        24 * GB,
+        **_host(192, 100, 1.6),
+        h2d_bandwidth=16 * GB,
+        d2h_bandwidth=16 * GB,
+        compute_capability=8.9,
     ),
     # Datasheets: A100 40GB SXM 312 TFLOP/s bf16, 1555 GB/s; H100 SXM 989, 3350 GB/s, 80 GB;
     # H200 989, 4800 GB/s, 141 GB. Links at ~80 % of PCIe Gen4 (32 GB/s) / Gen5 (64 GB/s) x16.
@@ -92,12 +125,27 @@ PRESETS: dict[str, HardwareProfile] = {
         **_host(512, 200, 3.0),
         h2d_bandwidth=25 * GB,
         d2h_bandwidth=25 * GB,
+        compute_capability=8.0,
     ),
     "h100": HardwareProfile(
-        "h100", 989 * TFLOPS, 3350 * GB, 80 * GB, **_host(1024, 300, 5.0), h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB
+        "h100",
+        989 * TFLOPS,
+        3350 * GB,
+        80 * GB,
+        **_host(1024, 300, 5.0),
+        h2d_bandwidth=50 * GB,
+        d2h_bandwidth=50 * GB,
+        compute_capability=9.0,
     ),
     "h200": HardwareProfile(
-        "h200", 989 * TFLOPS, 4800 * GB, 141 * GB, **_host(1024, 300, 5.0), h2d_bandwidth=50 * GB, d2h_bandwidth=50 * GB
+        "h200",
+        989 * TFLOPS,
+        4800 * GB,
+        141 * GB,
+        **_host(1024, 300, 5.0),
+        h2d_bandwidth=50 * GB,
+        d2h_bandwidth=50 * GB,
+        compute_capability=9.0,
     ),
 }
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from moe_lightning.hrm.costmodel import Estimate, Headroom, Policy, Workload, estimate
+from moe_lightning.hrm.costmodel import NO_QUANT, Estimate, Headroom, Policy, Workload, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
 KV_GPU_FRACTIONS = (0.0, 0.5, 1.0)
@@ -55,15 +56,16 @@ def best_resident(
     dtype: str | None,
     headroom: Headroom,
     kv_dtype: str | None = None,
+    quant: QuantScheme = NO_QUANT,
 ) -> Estimate | None:
     """The policy with the most resident experts that fits (memory is linear in that count)."""
     from dataclasses import replace
 
     e = spec.total_experts
-    low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom, kv_dtype)
+    low = estimate(spec, work, hw, replace(base, resident_experts=0), dtype, headroom, kv_dtype, quant)
     if low.cpu_bytes > low.cpu_capacity:
         return None
-    high = estimate(spec, work, hw, replace(base, resident_experts=e), dtype, headroom, kv_dtype)
+    high = estimate(spec, work, hw, replace(base, resident_experts=e), dtype, headroom, kv_dtype, quant)
     slope = (high.gpu_bytes - low.gpu_bytes) / e
     if high.gpu_bytes <= high.gpu_capacity:
         if base.experts == "gpu":
@@ -78,7 +80,7 @@ def best_resident(
     j = max(0, min(e, j))
     # the double buffer shrinks in whole experts, so memory is only nearly linear: step down to a fit
     while j >= 0:
-        est = estimate(spec, work, hw, replace(base, resident_experts=j), dtype, headroom, kv_dtype)
+        est = estimate(spec, work, hw, replace(base, resident_experts=j), dtype, headroom, kv_dtype, quant)
         if est.fits:
             break
         j -= 1
@@ -91,7 +93,7 @@ def best_resident(
     # count is next to where the two lines cross, or at an end
 
     def at(i: int) -> Estimate:
-        return estimate(spec, work, hw, replace(base, resident_experts=i), dtype, headroom, kv_dtype)
+        return estimate(spec, work, hw, replace(base, resident_experts=i), dtype, headroom, kv_dtype, quant)
 
     top = est if j == est.policy.resident_experts else at(j)
     diff0 = low.resource_seconds["gpu"] - low.resource_seconds["cpu"]
@@ -110,11 +112,12 @@ def max_batch(
     headroom: Headroom,
     cap: int,
     kv_dtype: str | None = None,
+    quant: QuantScheme = NO_QUANT,
 ) -> int:
     """The largest N whose KV cache (in `kv_dtype`) and weights fit in host memory (attention on CPU), at
     most cap: with a 16-bit cache twice the sequences of an fp32 one."""
-    probe = estimate(spec, work, hw, Policy(1, 1), dtype, headroom, kv_dtype)
-    per_seq = estimate(spec, work, hw, Policy(2, 1), dtype, headroom, kv_dtype).cpu_bytes - probe.cpu_bytes
+    probe = estimate(spec, work, hw, Policy(1, 1), dtype, headroom, kv_dtype, quant)
+    per_seq = estimate(spec, work, hw, Policy(2, 1), dtype, headroom, kv_dtype, quant).cpu_bytes - probe.cpu_bytes
     room = probe.cpu_capacity - probe.cpu_bytes
     if room < 0:
         return 0
@@ -135,6 +138,7 @@ def optimize(
     resident: int | None = None,
     max_micro_batch: int | None = None,
     kv_dtype: str | None = None,
+    quant: QuantScheme = NO_QUANT,
 ) -> Estimate:
     """The best fitting policy; raises ValueError when nothing fits (the message says why).
 
@@ -146,9 +150,12 @@ def optimize(
 
     `kv_dtype`: the host KV cache's dtype (default: the weights'); it decides how many sequences fit.
 
+    `quant`: the format of the expert pages (default: the model dtype); smaller pages stream faster and
+    leave room for more resident experts and a larger batch.
+
     `mus` / `n_ubs` replace the default grids (tests compare against brute force on small ones).
     """
-    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap, kv_dtype)
+    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap, kv_dtype, quant)
     if n_max < 1:
         raise ValueError(
             f"the weights alone ({spec.num_parameters() / 1e9:.1f} B parameters) do not fit in "
@@ -164,9 +171,9 @@ def optimize(
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
                         base = Policy(mu * n_ub, mu, att, exp, resident or 0, r_c)
                         if resident is None:
-                            est = best_resident(spec, work, hw, base, dtype, headroom, kv_dtype)
+                            est = best_resident(spec, work, hw, base, dtype, headroom, kv_dtype, quant)
                         else:
-                            est = estimate(spec, work, hw, base, dtype, headroom, kv_dtype)
+                            est = estimate(spec, work, hw, base, dtype, headroom, kv_dtype, quant)
                             est = est if est.cpu_bytes <= est.cpu_capacity else None
                         if est is not None and _better(est, best):
                             best = est
@@ -184,6 +191,7 @@ def brute_force(
     dtype: str | None = None,
     headroom: Headroom = Headroom(),  # noqa: B008
     kv_dtype: str | None = None,
+    quant: QuantScheme = NO_QUANT,
 ) -> Estimate | None:
     """Every policy on the given grid, every resident count: the reference the tests compare with."""
     best = None
@@ -194,7 +202,14 @@ def brute_force(
                     for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
                         for j in range(spec.total_experts + 1):
                             est = estimate(
-                                spec, work, hw, Policy(mu * n_ub, mu, att, exp, j, r_c), dtype, headroom, kv_dtype
+                                spec,
+                                work,
+                                hw,
+                                Policy(mu * n_ub, mu, att, exp, j, r_c),
+                                dtype,
+                                headroom,
+                                kv_dtype,
+                                quant,
                             )
                             if est.fits and _better(est, best):
                                 best = est

@@ -192,4 +192,7 @@ def measurements_from_pb(m: common_pb2.HardwareMeasurements) -> Measurements:
         m.d2h_bandwidth,
         m.shared_host_device,
         m.source,
+        m.expert_format or "none",  # a peer from before quantized pages leaves it unset
+        m.expert_matmul_flops,
+        m.expert_stream_bandwidth,
     )

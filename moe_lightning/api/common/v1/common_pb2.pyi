@@ -103,7 +103,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class HardwareMeasurements(_message.Message):
-    __slots__ = ("matmul_flops", "weight_stream_bandwidth", "attention_bandwidth", "memory_bytes", "h2d_bandwidth", "d2h_bandwidth", "shared_host_device", "source")
+    __slots__ = ("matmul_flops", "weight_stream_bandwidth", "attention_bandwidth", "memory_bytes", "h2d_bandwidth", "d2h_bandwidth", "shared_host_device", "source", "expert_format", "expert_matmul_flops", "expert_stream_bandwidth")
     MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_STREAM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,9 @@ class HardwareMeasurements(_message.Message):
     D2H_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     SHARED_HOST_DEVICE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_STREAM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     matmul_flops: float
     weight_stream_bandwidth: float
     attention_bandwidth: float
@@ -120,4 +123,7 @@ class HardwareMeasurements(_message.Message):
     d2h_bandwidth: float
     shared_host_device: bool
     source: str
-    def __init__(self, matmul_flops: _Optional[float] = ..., weight_stream_bandwidth: _Optional[float] = ..., attention_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., h2d_bandwidth: _Optional[float] = ..., d2h_bandwidth: _Optional[float] = ..., shared_host_device: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...
+    expert_format: str
+    expert_matmul_flops: float
+    expert_stream_bandwidth: float
+    def __init__(self, matmul_flops: _Optional[float] = ..., weight_stream_bandwidth: _Optional[float] = ..., attention_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., h2d_bandwidth: _Optional[float] = ..., d2h_bandwidth: _Optional[float] = ..., shared_host_device: _Optional[bool] = ..., source: _Optional[str] = ..., expert_format: _Optional[str] = ..., expert_matmul_flops: _Optional[float] = ..., expert_stream_bandwidth: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,97 @@
+"""The expert GEMM's kernels as the roofline sees them, per page format (docs/hrm.md, "Quantized experts").
+
+A kernel is described relative to its side's dense roofs (the matmul peak and the memory bandwidth the
+profile has for that side): the share of the peak it reaches when compute-bound, the memory bytes it
+moves per weight per call (reads, writes of temporaries, the GEMM's own read), and the scratch it
+allocates per call. The cost model takes, per stage, the fastest kernel the side has, as
+moe_lightning/quant/kernels.py does by measuring them at warm-up.
+
+Sources of the numbers (W weights, b bytes of the model dtype, p page bytes per weight):
+
+* unquantized: reads b per weight at the full peak.
+* dequantize-then-GEMM (moe_lightning/quant/kernels.py `_dequant_mm`, eager PyTorch; the only int8
+  path on CUDA, the only int4 one below compute capability 8.0, e.g. T4): every step of
+  `_dequantize_rows` is a pass over memory. int8: to float32 (read 1, write 4), x scale (4 + 4), to the
+  model dtype (4 + b, none in float32), the GEMM (b): 21 bytes per weight in bf16 against 2 unquantized.
+  int4: unpacking the nibbles (4), to float32 (1 + 4), addcmul (4 + 4), to the dtype (4 + b), the GEMM
+  (b): 25. Its peak scratch is the float32 copies of one linear (8, plus b while rounding). A fused
+  dequantization would read p and write b once.
+* int4 tinygemm (`_weight_int4pack_mm`, compute capability 8.0+): repacks the page per call (read and
+  write 0.5), reads the repacked weight (0.5) and the scales and zeros converted to bfloat16 (reading,
+  stacking and converting the float32 ones moves 4x their page bytes): 1.5 + 4 (p - 0.5) bytes per
+  weight, 1.75 at group size 128. It is built for a few rows per GEMM; its rate when compute-bound is
+  an assumption (a quarter of the tensor-core peak), not measured here.
+* host (CPU) kernels: measured on the 2-core AVX2 dev VM for a (7168, 1024) weight against fp32 dense
+  GEMM on the same machine (1.6 ms at 1 row: 18.4 GB/s; 6 ms at 64 rows: 157 GFLOP/s). int8
+  (`_weight_int8pack_mm`, bf16 activations) took 0.25 ms at 1 row and 6 ms at 64: 0.625 bytes per
+  weight at the dense bandwidth, the full peak. int4 (the best of its kernels) took 3.2 ms at 1-8 rows
+  and 10 ms at 64: 8 bytes per weight (unpacking bound), 0.6 of the peak. Other CPUs differ (AMX,
+  AVX-512): a calibrated profile measures its own.
+
+A calibrated profile that measured the expert GEMM on pages of the planned format (hardware.py
+`expert_format`, `expert_flops`, `expert_bandwidth`) replaces all of this by the one kernel it measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
+
+TINYGEMM_FLOPS = 0.25  # assumed share of the tensor-core peak for int4 tinygemm at large row counts
+TINYGEMM_MIN_CAPABILITY = 8.0
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRoof:
+    name: str
+    flops: float  # share of the side's matmul peak it reaches when compute-bound
+    traffic: float  # memory bytes it moves per weight per call
+    scratch: float = 0.0  # bytes per weight of one linear it allocates per call
+
+    def seconds(self, flops: float, weights: float, peak: float, bandwidth: float) -> float:
+        return max(flops / (peak * self.flops), weights * self.traffic / bandwidth)
+
+
+def _dequant(fmt: QuantFormat, b: int) -> KernelRoof:
+    rounding = 0 if b == 4 else 4 + b  # to the model dtype; a no-op in float32
+    if fmt is QuantFormat.INT8:
+        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0)
+    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b))
+
+
+def _tinygemm(page_bpw: float) -> KernelRoof:
+    scales = page_bpw - 0.5  # scales and zeros per weight in the page
+    return KernelRoof("int4mm_cuda", TINYGEMM_FLOPS, 1.5 + 4 * scales, 0.5 + 3 * scales)
+
+
+HOST_KERNELS = {
+    QuantFormat.INT8: KernelRoof("int8mm_bf16", 1.0, 0.625, 0.0),
+    QuantFormat.INT4: KernelRoof("int4_host", 0.6, 8.0, 4.0),  # the int4-pack kernel unpacks to int32
+}
+
+
+def measured(hw: HardwareProfile, scheme: QuantScheme) -> bool:
+    """Whether `hw` measured the expert GEMM on pages of this format."""
+    return hw.expert_format == scheme.key() and hw.expert_bandwidth > 0
+
+
+def expert_kernels(
+    hw: HardwareProfile, scheme: QuantScheme, b: int, page_bpw: float, on_device: bool
+) -> tuple[KernelRoof, ...]:
+    """The kernels the expert GEMM may run on one side. `b`: the model dtype's bytes; `page_bpw`: page
+    bytes per weight (scales and zeros included); `on_device`: the side whose roofs are the profile's
+    gpu_* (the device, or the host's experts when host and device are one)."""
+    if on_device and measured(hw, scheme):
+        flops = hw.expert_flops / hw.gpu_flops if hw.expert_flops else 1.0
+        # the measured rate is in page bytes per second: as traffic at the dense bandwidth
+        return (KernelRoof("measured", flops, page_bpw * hw.gpu_bandwidth / hw.expert_bandwidth),)
+    if not scheme.quantized:
+        return (KernelRoof("dense", 1.0, float(b)),)
+    if not on_device or hw.shared_host_device:
+        return (HOST_KERNELS[scheme.format],)
+    kernels = [_dequant(scheme.format, b)]
+    if scheme.format is QuantFormat.INT4 and hw.compute_capability >= TINYGEMM_MIN_CAPABILITY:
+        kernels.append(_tinygemm(page_bpw))
+    return tuple(kernels)
