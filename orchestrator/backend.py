@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -15,8 +15,10 @@ from moe_lightning.handoff import DEFAULT_MAX_TOKENS
 from moe_lightning.hrm.calibrate import Measurements
 from moe_lightning.placement import Side
 from moe_lightning.plan import StepOutput, StepPlan
+from moe_lightning.quant import QuantScheme
 from moe_lightning.service.convert import (
     DTYPE_FROM_PB,
+    layout_from_pb,
     measurements_from_pb,
     step_output_from_pb,
     step_plan_to_pb,
@@ -53,6 +55,7 @@ class Capacity:
     expert_ring_slots: int = 0  # its buffer slots for streaming the rest (0: host placement only)
     max_handoff_tokens: int = DEFAULT_MAX_TOKENS  # the largest micro-batch both workers' channels carry
     kv_dtype: str = "float32"  # what cpu_attention's KV cache stores (its --kv-dtype)
+    expert_scheme: QuantScheme = field(default_factory=QuantScheme)  # the arena's expert pages
 
     def placements(self, spec: ModelSpec) -> tuple[tuple[Side, ...], tuple[Side, ...]]:
         """(attention, experts) sides the running services support."""
@@ -116,6 +119,7 @@ class Backend:
             gpu.expert_ring_slots,
             min(gpu.max_handoff_tokens or DEFAULT_MAX_TOKENS, cpu.max_handoff_tokens or DEFAULT_MAX_TOKENS),
             kv_dtype=DTYPE_FROM_PB.get(cpu.kv_dtype, "float32"),  # unset: a cpu_attention that only kept fp32
+            expert_scheme=layout_from_pb(list(manifest.pages), manifest.region_bytes).expert_scheme(),
         )
 
     def step(self, plan: StepPlan) -> StepOutput:

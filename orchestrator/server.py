@@ -151,6 +151,7 @@ def _start(
         PlannerConfig(patience=10**9) if args.no_replan else None,
         attention=attention,
         experts=experts,
+        quant=capacity.expert_scheme,
         device_kv_tokens=capacity.kv_cache(Side.DEVICE).tokens,
         resident_experts=capacity.resident_experts,
         max_micro_batch=capacity.max_handoff_tokens,

@@ -265,10 +265,13 @@ def run(args: argparse.Namespace) -> int:
 
         results["transformers"] = transformers_generate(args.model, prompts, args.gen_len, args.device, args.dtype)
         rows.append(("(a) transformers generate", results["transformers"], "ours / it", 3.0))
-    profile = cached_profile(spec, args.device)
+    from moe_lightning.quant.resolve import resolve_scheme
+
+    quant = resolve_scheme(args.model)  # the checkpoint's own format: what this bench's stack ran
+    profile = cached_profile(spec, args.device, quant=quant)
     ran = policy_that_ran(policy, ours["resident_experts"], n, args.micro_batch_size)
     kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
-    bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype, kv_dtype=kv_dtype)
+    bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype, kv_dtype=kv_dtype, quant=quant)
     results["roofline_decode_tokens_per_second"] = bound.tokens_per_second
     results["roofline_policy"] = str(ran)
 

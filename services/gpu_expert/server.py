@@ -26,7 +26,7 @@ from moe_lightning.flags import (
     parse_size,
 )
 from moe_lightning.handoff import handoff_slot_bytes
-from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_expert_side
+from moe_lightning.hrm.calibrate import Measurements, cached_measurements, expert_side_key, measure_expert_side
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.quant import kernels
 from moe_lightning.service.convert import (
@@ -214,15 +214,14 @@ def _start(args: argparse.Namespace, servicer: GpuExpertServicer, runtime: Servi
     experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
     kernels.configure(args.expert_kernels)
     scheme = layout.expert_scheme()
-    dense_dtype = weights.layers[0].wo.dtype
+    dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
     if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
-        kernels.warm_up([w for e in experts[:1] for w in (e.w13, e.w2)], dense_dtype)
+        kernels.warm_up([w for e in experts[:1] for w in (e.w13, e.w2)], dtype)
         log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
-    key = f"gpu_expert-{device}-{dense_dtype}-{scheme.key()}-{spec.hidden_size}x{spec.intermediate_size}"
-    key = key.replace(":", "")
+    dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
     measurements = cached_measurements(
-        key,
-        lambda: measure_expert_side(experts, str(device), budget),
+        expert_side_key(device, dtype, spec, scheme),
+        lambda: measure_expert_side(experts, str(device), budget, dtype=dtype, dense=dense, scheme=scheme),
         refresh=args.recalibrate,
         cache_dir=args.profile_cache,
     )
