@@ -29,7 +29,8 @@ from moe_lightning.stages.linear import dense_linear
 
 POLICIES = ("fastest", "exact")
 MAX_BUCKET = 1024
-WARM_UP_ROWS = 256  # buckets up to this are measured at start; larger ones (long prefills) on first use
+WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pays for a measurement
+PRUNE_BEHIND = 8.0  # a kernel this many times slower than the best at half the rows is not timed again
 CHOSEN = Gauge(
     "moe_lightning_expert_kernel_seconds",
     "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
@@ -179,8 +180,12 @@ class KernelChooser:
 
     def _measure(self, x: torch.Tensor, ql: QuantizedLinear, key: tuple) -> Choice:
         found = self.candidates(ql.format, x.device, x.dtype)
-        if len(found) == 1:
+        if len(found) == 1 and self.only is not None:
             return Choice(found[0], {})
+        smaller = self.table.get((*key[:4], key[4] // 2, *key[5:]))
+        if smaller is not None and smaller.seconds:  # far behind at half the rows: not worth a slow try
+            best = min(smaller.seconds.values())
+            found = [k for k in found if smaller.seconds.get(k.name, math.inf) <= PRUNE_BEHIND * best] or found
         seconds: dict[str, float] = {}
         for kernel in found:
             try:
