@@ -12,6 +12,8 @@ DEMO_PROMPTS ?= examples/demo_prompts.jsonl
 DEMO_OUT ?= models/demo-out.parquet
 DEMO_TOKENS ?= 32
 DEMO_QUANTIZE ?= auto
+# int4's group size: 32 divides the tiny preset's widths too (the bench preset also takes 128)
+DEMO_GROUP_SIZE ?= 32
 
 .PHONY: install dev test lint demo demo-model clean proto
 
@@ -46,7 +48,7 @@ demo-model: $(DEMO_MODEL)/config.json
 demo: install demo-model
 	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) \
 		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache --show 3 \
-		--quantize $(DEMO_QUANTIZE)
+		--quantize $(DEMO_QUANTIZE) --quantize-group-size $(DEMO_GROUP_SIZE)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .ruff_cache *.egg-info

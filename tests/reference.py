@@ -59,6 +59,47 @@ def hf_greedy(model: Any, prompt: list[int], steps: int) -> tuple[list[int], lis
     return tokens, logits
 
 
+@torch.no_grad()
+def hf_generate(model: Any, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """Greedy tokens through transformers' own generate() loop (its KV cache), one prompt at a time."""
+    out = []
+    for p in prompts:
+        ids = model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=steps,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+def assert_engine_matches(
+    engine: Any, prompts: list[list[int]], steps: int, reference: list[tuple[list[int], list[torch.Tensor]]]
+) -> None:
+    """Our in-process engine on a ragged batch against `reference` (hf_greedy per prompt): identical
+    tokens, logits within 1e-4 x max(1, max|logit|) at every step."""
+    from moe_lightning.request import GenerationRequest
+
+    ours: dict[int, list[torch.Tensor]] = {}
+
+    def keep(step: int, idx: list[int], logits: torch.Tensor) -> None:
+        for i, row in zip(idx, logits, strict=True):
+            ours.setdefault(i, []).append(row.clone())
+
+    results, _ = engine.generate(
+        [GenerationRequest(p, max_new_tokens=steps, ignore_eos=True) for p in prompts], on_logits=keep
+    )
+    for i, (ref_tokens, ref_logits) in enumerate(reference):
+        assert results[i].token_ids == ref_tokens, f"prompt {i}: tokens differ"
+        assert len(ours[i]) == steps
+        for step, (a, b) in enumerate(zip(ours[i], ref_logits, strict=True)):
+            tol = 1e-4 * max(1.0, b.abs().max().item())
+            err = (a - b).abs().max().item()
+            assert err <= tol, f"prompt {i} step {step}: max |logit diff| {err:.3g} > {tol:.3g}"
+
+
 # The checkpoint and prompts of the end-to-end tests (made once per session in conftest.py).
 E2E_CONFIG = dict(
     vocab_size=320,

@@ -13,7 +13,7 @@ from moe_lightning.engine import InProcessEngine
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
 
-from reference import hf_greedy, load_hf, save_hf_mixtral
+from reference import assert_engine_matches, hf_greedy, load_hf, save_hf_mixtral
 
 STEPS = 17  # the prefill's token + 16 decode steps
 
@@ -68,23 +68,8 @@ def test_ragged_batch_matches_transformers(model_dir: Path, block_size: int) -> 
     spec = ModelSpec.from_pretrained(model_dir)
     weights = load_model_weights(model_dir, spec, progress=False)
     engine = InProcessEngine(spec, weights, block_size=block_size, kv_shuffle_seed=block_size)
-    ours: dict[int, list[torch.Tensor]] = {}
-
-    def keep(step: int, idx: list[int], logits: torch.Tensor) -> None:
-        for i, row in zip(idx, logits, strict=True):
-            ours.setdefault(i, []).append(row.clone())
-
-    requests = [GenerationRequest(p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS]
-    results, _ = engine.generate(requests, on_logits=keep)
     hf = load_hf(model_dir)
-    for i, prompt in enumerate(PROMPTS):
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, STEPS)
-        assert results[i].token_ids == ref_tokens, f"prompt {i}: tokens differ"
-        assert len(ours[i]) == STEPS
-        for step, (a, b) in enumerate(zip(ours[i], ref_logits, strict=True)):
-            tol = 1e-4 * max(1.0, b.abs().max().item())
-            err = (a - b).abs().max().item()
-            assert err <= tol, f"prompt {i} step {step}: max |logit diff| {err:.3g} > {tol:.3g}"
+    assert_engine_matches(engine, PROMPTS, STEPS, [hf_greedy(hf, p, STEPS) for p in PROMPTS])
 
 
 def test_greedy_generate_matches_transformers_generate(tiny_model: Path) -> None:

@@ -24,7 +24,7 @@ from moe_lightning.launcher import Stack
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
 
-from reference import device_budget, hf_greedy, load_hf, save_hf
+from reference import assert_engine_matches, device_budget, hf_greedy, load_hf, save_hf
 
 STEPS = 17  # the prefill's token + 16 decode steps
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -219,21 +219,7 @@ def test_spec_reads_the_family(family_model: Path) -> None:
 def test_ragged_batch_matches_transformers(family_model: Path, hf_reference: dict) -> None:
     spec = ModelSpec.from_pretrained(family_model)
     engine = InProcessEngine(spec, load_model_weights(family_model, spec, progress=False), block_size=4)
-    ours: dict[int, list[torch.Tensor]] = {}
-
-    def keep(step: int, idx: list[int], logits: torch.Tensor) -> None:
-        for i, row in zip(idx, logits, strict=True):
-            ours.setdefault(i, []).append(row.clone())
-
-    results, _ = engine.generate(
-        [GenerationRequest(p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS], on_logits=keep
-    )
-    for i in range(len(PROMPTS)):
-        ref_tokens, ref_logits = hf_reference[i]
-        assert results[i].token_ids == ref_tokens, f"prompt {i}: tokens differ"
-        for step, (a, b) in enumerate(zip(ours[i], ref_logits, strict=True)):
-            tol = 1e-4 * max(1.0, b.abs().max().item())
-            assert (a - b).abs().max().item() <= tol, f"prompt {i} step {step}"
+    assert_engine_matches(engine, PROMPTS, STEPS, [hf_reference[i] for i in range(len(PROMPTS))])
 
 
 def test_the_stack_with_streamed_experts_matches_transformers(

@@ -12,19 +12,18 @@ from typing import Any
 
 import pytest
 import torch
-from gptq_writer import write_gptq
 
 from moe_lightning.checkpoint import CheckpointReader, load_model_weights
 from moe_lightning.demo_model import demo_config, write_demo_model
 from moe_lightning.engine import InProcessEngine
 from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme, kernels
 from moe_lightning.quant.gptq import GPTQConfig, read_gptq_config
-from moe_lightning.request import GenerationRequest
 from moe_lightning.safetensors_header import CheckpointError
 from moe_lightning.spec import ModelSpec
 from moe_lightning.weights import ModelWeights
 
-from reference import hf_greedy, load_hf
+from gptq_writer import write_gptq
+from reference import assert_engine_matches, hf_greedy, load_hf
 
 # widths that group size 128 divides; small otherwise
 SHAPES = dict(
@@ -119,6 +118,8 @@ QWEN = dict(SHAPES, num_hidden_layers=2, mlp_only_layers=[1])  # layer 1 dense: 
 E2E = {  # family -> (preset, group size, desc_act, sym)
     "mixtral": (SHAPES, 128, True, False),
     "qwen2-moe": (QWEN, -1, True, True),
+    "olmoe": (SHAPES, 128, False, True),
+    "qwen3-moe": (SHAPES, 64, True, False),
 }
 
 
@@ -134,24 +135,9 @@ def test_generation_matches_transformers_on_the_dequantized_checkpoint(
     assert len(list(_quantized_experts(weights))) == spec.num_experts * spec.num_sparse_layers
     if arch == "qwen2-moe":  # the shared expert and the dense layer's MLP come out dense, as dequantized
         _assert_dense_equal(weights, load_model_weights(ref, spec, progress=False))
-    engine = InProcessEngine(spec, weights, block_size=4)
-    ours: dict[int, list[torch.Tensor]] = {}
-
-    def keep(step: int, idx: list[int], logits: torch.Tensor) -> None:
-        for i, row in zip(idx, logits, strict=True):
-            ours.setdefault(i, []).append(row.clone())
-
-    results, _ = engine.generate(
-        [GenerationRequest(p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS], on_logits=keep
-    )
     hf = load_hf(ref)
-    for i, prompt in enumerate(PROMPTS):
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, STEPS)
-        assert results[i].token_ids == ref_tokens, f"prompt {i}: tokens differ"
-        for step, (a, b) in enumerate(zip(ours[i], ref_logits, strict=True)):
-            tol = 1e-4 * max(1.0, b.abs().max().item())
-            err = (a - b).abs().max().item()
-            assert err <= tol, f"prompt {i} step {step}: max |logit diff| {err:.3g} > {tol:.3g}"
+    reference = [hf_greedy(hf, p, STEPS) for p in PROMPTS]
+    assert_engine_matches(InProcessEngine(spec, weights, block_size=4), PROMPTS, STEPS, reference)
 
 
 def _config_dir(tmp_path: Path, config: dict[str, Any], quantization: dict[str, Any] | None) -> Path:

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from gptq_writer import write_gptq
-from test_gptq import PROMPTS, SHAPES
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.demo_model import write_demo_model
@@ -20,7 +18,9 @@ from moe_lightning.launcher import Stack, StackError
 from moe_lightning.quant.gptq import read_gptq_config
 from moe_lightning.spec import ModelSpec
 
+from gptq_writer import write_gptq
 from reference import device_budget, hf_greedy, load_hf
+from test_gptq import PROMPTS, SHAPES
 
 STEPS = 8
 

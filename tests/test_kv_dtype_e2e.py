@@ -15,7 +15,7 @@ from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.launcher import Stack
 from moe_lightning.spec import ModelSpec
 
-from reference import E2E_PROMPTS
+from reference import E2E_PROMPTS, hf_generate
 
 PROMPTS = E2E_PROMPTS[:6]  # bf16 matmuls are emulated on AVX2 CPUs: few prompts, few tokens
 NEW_TOKENS = 12
@@ -26,18 +26,7 @@ def bf16_reference(hf_dir: Path) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    out = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = hf.generate(
-                torch.tensor([p]),
-                attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            out.append(ids[0, len(p) :].tolist())
-    return out
+    return hf_generate(hf, PROMPTS, NEW_TOKENS)
 
 
 def test_bf16_stack_gives_transformers_bf16_tokens(

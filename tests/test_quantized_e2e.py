@@ -10,8 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from quantized_reference import write_dequantized
 
 from moe_lightning.arena import ArenaLayout
 from moe_lightning.client import GenerationClient, Prompt
@@ -19,8 +17,9 @@ from moe_lightning.launcher import Stack
 from moe_lightning.quant import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
 
+from quantized_reference import write_dequantized
 from reference import E2E_PROMPTS as PROMPTS
-from reference import device_budget, load_hf
+from reference import device_budget, hf_generate, load_hf
 
 SCHEMES = {"int4": QuantScheme(QuantFormat.INT4, 32), "int8": QuantScheme(QuantFormat.INT8)}
 
@@ -30,21 +29,6 @@ def metric(stack: Stack, service: str, name: str) -> float:
         text = r.read().decode()
     found = re.search(rf"^{re.escape(name)} (\S+)", text, re.M)
     return float(found[1]) if found else 0.0
-
-
-def hf_tokens(model: Path, steps: int) -> list[list[int]]:
-    hf = load_hf(model)
-    out = []
-    for p in PROMPTS:
-        ids = hf.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=steps,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        out.append(ids[0, len(p) :].tolist())
-    return out
 
 
 @pytest.mark.parametrize("fmt", list(SCHEMES))
@@ -70,7 +54,7 @@ def test_streamed_quantized_experts_equal_the_dequantized_model(
     page = layout.expert_page_bytes(0)
     assert streamed > 0 and streamed % page == 0  # whole pages, each one transfer of the quantized bytes
     assert page < ArenaLayout.for_spec(spec, "float32").expert_page_bytes(0) / (3 if fmt == "int8" else 5)
-    reference = hf_tokens(write_dequantized(hf_dir, tmp_path / "dequantized", scheme), 14)
+    reference = hf_generate(load_hf(write_dequantized(hf_dir, tmp_path / "dequantized", scheme)), PROMPTS, 14)
     assert [d.token_ids for d in done] == reference
 
 

@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from quantized_reference import write_dequantized
-from test_families import CONFIGS, PROMPTS, STEPS
 
 from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
 from moe_lightning.engine import InProcessEngine
 from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme, kernels
-from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
 
-from reference import E2E_CONFIG, hf_greedy, load_hf, save_hf
+from quantized_reference import write_dequantized
+from reference import E2E_CONFIG, assert_engine_matches, hf_greedy, load_hf, save_hf
+from test_families import CONFIGS, PROMPTS, STEPS
 
 SCHEMES = {"int8": QuantScheme(QuantFormat.INT8), "int4-g8": QuantScheme(QuantFormat.INT4, 8)}
 FAMILIES = {"mixtral": ("mixtral", E2E_CONFIG), **CONFIGS}
@@ -50,21 +49,6 @@ def test_quantized_experts_match_transformers_on_the_dequantized_weights(
     spec, weights = quantized_weights(model, SCHEMES[scheme])
     sparse = spec.experts_per_layer.index(spec.num_experts)
     assert isinstance(weights.layers[sparse].experts[0].w13, QuantizedLinear)
-    engine = InProcessEngine(spec, weights, block_size=4)
-    ours: dict[int, list[torch.Tensor]] = {}
-
-    def keep(step: int, idx: list[int], logits: torch.Tensor) -> None:
-        for i, row in zip(idx, logits, strict=True):
-            ours.setdefault(i, []).append(row.clone())
-
-    results, _ = engine.generate(
-        [GenerationRequest(p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS], on_logits=keep
-    )
     hf = load_hf(write_dequantized(model, tmp_path / "dequantized", SCHEMES[scheme], spec.num_experts))
-    for i, prompt in enumerate(PROMPTS):
-        ref_tokens, ref_logits = hf_greedy(hf, prompt, STEPS)
-        assert results[i].token_ids == ref_tokens, f"prompt {i}: tokens differ"
-        for step, (a, b) in enumerate(zip(ours[i], ref_logits, strict=True)):
-            tol = 1e-4 * max(1.0, b.abs().max().item())
-            err = (a - b).abs().max().item()
-            assert err <= tol, f"prompt {i} step {step}: max |logit diff| {err:.3g} > {tol:.3g}"
+    reference = [hf_greedy(hf, p, STEPS) for p in PROMPTS]
+    assert_engine_matches(InProcessEngine(spec, weights, block_size=4), PROMPTS, STEPS, reference)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.arena import weights_from_arena
+from moe_lightning.arena import ArenaLayout, weights_from_arena
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.service.convert import layout_from_pb, spec_from_pb
 from moe_lightning.service.names import WEIGHT_STORE as SERVICE
@@ -76,7 +76,9 @@ def test_arena_matches_checkpoint_and_restart_maps_the_copy(tiny_model: Path, tm
         assert not first.from_cache and first.load_seconds > 0
         spec = spec_from_pb(first.model)
         layout = layout_from_pb(list(first.pages), first.region_bytes)
-        assert all(p.offset % 4096 == 0 for p in layout.pages.values())  # page-aligned for DMA
+        # page-aligned for DMA: every page but an expert's later parts, which follow in its one range
+        assert all(p.offset % 4096 == 0 for n, p in layout.pages.items() if not n.endswith(".w2"))
+        assert all(p.offset % 64 == 0 for p in layout.pages.values())
         assert len([n for n in layout.pages if ".experts." in n]) == 2 * spec.num_layers * spec.num_experts
         arena = Segment.attach(first.region)
         mapped = weights_from_arena(arena.bytes(), layout, spec)
@@ -222,4 +224,35 @@ def test_a_tokenizer_of_another_model_fails_at_start(tiny_model: Path, tmp_path:
     )
     assert r.returncode == 1
     assert f"has {vocab * 4} tokens but the model's vocabulary has {vocab}" in r.stderr
+    assert list_segments(run) == []
+
+
+def test_the_expert_format_is_part_of_the_arena_and_its_copy(tiny_model: Path, tmp_path: Path) -> None:
+    """--quantize int8 lays out int8 pages (one range per expert); its converted copy is keyed by the
+    format: a restart in int8 maps it, one in the model's dtype converts the checkpoint again."""
+    run = f"wsq{os.getpid()}"
+    sock = tmp_path / "ws.sock"
+    cache = tmp_path / "cache"
+    keys = {}
+    for fmt, from_cache in (("int8", False), ("int8", True), ("none", False)):
+        proc, _ = start(tiny_model, cache, run, sock, tmp_path / "ws.log", "--quantize", fmt)
+        try:
+            m = manifest(sock)
+            assert m.from_cache == from_cache, fmt
+            layout = layout_from_pb(list(m.pages), m.region_bytes)
+            assert layout.expert_scheme().format.value == fmt
+            keys.setdefault(fmt, m.checkpoint_key)
+            assert m.checkpoint_key == keys[fmt]
+            if fmt == "int8":
+                page = layout.pages["layers.0.experts.1.w13.qweight"]
+                assert page.dtype == "int8" and page.offset % 4096 == 0
+                fp32 = ArenaLayout.for_spec(spec_from_pb(m.model), "float32").expert_page_bytes(0)
+                assert layout.expert_page_bytes(0) < fp32 / 3.5  # int8 and its scales, against fp32
+            deadline = time.monotonic() + 30
+            while len(list(cache.glob("*.json"))) < len(keys) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+    assert keys["int8"] != keys["none"]
     assert list_segments(run) == []

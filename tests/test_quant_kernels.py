@@ -1,0 +1,145 @@
+"""The quantized formats and kernels on their own: round to nearest within its error bound, every
+kernel usable here equal to the dequantized GEMM (exactly the kernels that compute in the weights'
+dtype, within bf16 rounding the others), with an act-order permutation too, and the chooser's
+policies, pruning and warm-up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme, kernels, parse_quantize
+from moe_lightning.quant.rtn import pack_int4, quantize
+
+CPU = torch.device("cpu")
+SCHEMES = [
+    QuantScheme(QuantFormat.INT8),
+    QuantScheme(QuantFormat.INT4, 32),
+    QuantScheme(QuantFormat.INT4, 128),
+    QuantScheme(QuantFormat.INT4, -1),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_chooser() -> Iterator[None]:
+    kernels.configure()
+    yield
+    kernels.configure()
+
+
+def weight(n: int = 96, k: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.key())
+def test_round_to_nearest_stays_within_half_a_step(scheme: QuantScheme) -> None:
+    w = weight()
+    ql = quantize(w, scheme)
+    err = (ql.dequantize() - w).abs()
+    if scheme.format is QuantFormat.INT8:
+        step = ql.scales[:, None]  # (N, 1)
+    else:
+        step = ql.scales.repeat_interleave(w.shape[1] // ql.scales.shape[1], dim=1)  # (N, K)
+    assert (err <= step / 2 + 1e-6).all()
+    whole_row = scheme.group_size == -1 or scheme.format is QuantFormat.INT8
+    assert ql.shape == tuple(w.shape) and ql.group_size == (256 if whole_row else scheme.group_size)
+
+
+def test_int4_packing_puts_even_columns_in_the_high_nibble() -> None:
+    q = torch.tensor([[1, 2, 15, 0]])
+    assert pack_int4(q).tolist() == [[0x12, 0xF0]]
+    assert kernels.unpack_int4(pack_int4(q)).tolist() == q.tolist()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.key())
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_every_kernel_equals_the_dequantized_gemm(scheme: QuantScheme, rows: int) -> None:
+    ql = quantize(weight(), scheme)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+    want = x @ ql.dequantize().T
+    tried = []
+    for k in kernels.KERNELS:
+        if k.format is not scheme.format or not k.usable(CPU):
+            continue
+        try:
+            got = k.fn(x, ql)
+        except RuntimeError:  # a shape this kernel does not take (int4mm_cpu: group sizes 32-256)
+            assert k.name == "int4mm_cpu" and scheme.group_size == -1
+            continue
+        tried.append(k.name)
+        assert got.shape == want.shape and got.dtype == x.dtype
+        tol = 1e-5 if k.exact(x.dtype) else 1e-2  # bf16 activations: ~2^-9 relative per element
+        assert (got - want).abs().max() <= tol * want.abs().max(), k.name
+    assert "dequant_mm" in tried and len(tried) >= 2
+
+
+def test_an_act_order_permutation_is_applied_per_row_block() -> None:
+    """perm (2, K): the gate rows and the up rows each read the input in their own order."""
+    w = weight(64, 128)
+    perms = [torch.randperm(128, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    halves = [quantize(w[i * 32 : (i + 1) * 32, perms[i]], QuantScheme(QuantFormat.INT4, 32)) for i in (0, 1)]
+    ql = QuantizedLinear(
+        QuantFormat.INT4,
+        torch.cat([h.qweight for h in halves]),
+        torch.cat([h.scales for h in halves]),
+        torch.cat([h.zeros for h in halves]),
+        torch.stack(perms).to(torch.int32),
+    )
+    dense = ql.dequantize()
+    for i in (0, 1):  # in the model's column order again
+        torch.testing.assert_close(dense[i * 32 : (i + 1) * 32, perms[i]], halves[i].dequantize(), rtol=0, atol=0)
+    x = torch.randn(7, 128)
+    kernels.configure("exact")
+    torch.testing.assert_close(ql.matmul(x), x @ dense.T, rtol=1e-5, atol=1e-5)
+
+
+def test_exact_policy_keeps_only_kernels_in_the_weights_dtype() -> None:
+    fastest = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.INT8, CPU, torch.float32)}
+    exact = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT8, CPU, torch.float32)}
+    assert "int8mm_bf16" in fastest and "int8mm_bf16" not in exact and "dequant_mm" in exact
+    in_bf16 = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT8, CPU, torch.bfloat16)}
+    assert "int8mm_bf16" in in_bf16  # exact for a bf16 model
+    with pytest.raises(ValueError, match="--expert-kernels must be one of fastest, exact"):
+        kernels.configure("quick")
+    with pytest.raises(ValueError, match="unknown kernel 'nope'"):
+        kernels.configure(only="nope")
+
+
+def test_warm_up_chooses_every_bucket_once_and_prunes_losers() -> None:
+    ql = quantize(weight(64, 128), QuantScheme(QuantFormat.INT4, 32))
+    chooser = kernels.configure()
+    kernels.warm_up([ql, ql], torch.float32)
+    buckets = sorted(r["rows"] for r in chooser.report())
+    assert buckets == [2**i for i in range(11)]
+    for key, choice in chooser.table.items():
+        assert choice.kernel.name == min(choice.seconds, key=choice.seconds.__getitem__)
+        smaller = chooser.table.get((*key[:4], key[4] // 2, *key[5:]))
+        if smaller is not None:  # what lost by more than 8x at half the rows was not timed again
+            best = min(smaller.seconds.values())
+            far_behind = {n for n, t in smaller.seconds.items() if t > kernels.PRUNE_BEHIND * best}
+            assert not far_behind & set(choice.seconds)
+    chosen = chooser.table[next(iter(chooser.table))]
+    x = torch.randn(3, 128)
+    assert chooser.pick(x, ql) is chooser.table[(str(x.device), ql.format, ql.shape, 32, 4, torch.float32)].kernel
+    assert chosen.kernel in kernels.KERNELS
+
+
+def test_a_single_kernel_can_be_forced() -> None:
+    ql = quantize(weight(), QuantScheme(QuantFormat.INT8))
+    chooser = kernels.configure(only="dequant_mm")
+    ql.matmul(torch.randn(4, 256))
+    assert [r["kernel"] for r in chooser.report()] == ["dequant_mm"]
+
+
+def test_command_line_formats_are_checked() -> None:
+    assert parse_quantize("int4", 64) == QuantScheme(QuantFormat.INT4, 64)
+    with pytest.raises(ValueError, match="--quantize must be one of none, int8, int4, got 'fp8'"):
+        parse_quantize("fp8")
+    with pytest.raises(ValueError, match="--quantize-group-size must be one of 32, 64, 128, -1, got 100"):
+        parse_quantize("int4", 100)
+    with pytest.raises(ValueError, match="group size 128 does not divide the input width 96"):
+        QuantScheme(QuantFormat.INT4, 128).groups(96)
+    with pytest.raises(ValueError, match="activation order"):
+        QuantScheme(QuantFormat.INT8, act_order=True)
