@@ -30,10 +30,18 @@ def test_dry_run_runs_every_phase_and_writes_the_report(tmp_path: Path) -> None:
         "build-preflight": True,
         "preflight-float32": True,
         "preflight-device-attention-float32": True,
+        "preflight-formats-float32": True,
         "build-toy": True,
         "ours": True,
         "offload": True,
+        "formats": True,
     }
+    for name in ("preflight-formats-float32", "formats"):  # the expert formats, experts streamed
+        runs = report[name]
+        assert set(runs) == {"none", "int8", "int4", "int4_over_none"}
+        assert runs["int4"]["expert_bytes_per_step"] < runs["int8"]["expert_bytes_per_step"]
+        assert runs["int8"]["expert_bytes_per_step"] < runs["none"]["expert_bytes_per_step"]
+        assert runs["int4_over_none"]["target"] == 2.0
     pipeline = report["preflight"]["preflight-float32"]
     assert pipeline["micro_batches"] == 8 and pipeline["residency_changes"] >= 1
     assert pipeline["cuda_syncs_per_decode_step"] is None  # counted on CUDA only
