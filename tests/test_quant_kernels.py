@@ -143,3 +143,13 @@ def test_command_line_formats_are_checked() -> None:
         QuantScheme(QuantFormat.INT4, 128).groups(96)
     with pytest.raises(ValueError, match="activation order"):
         QuantScheme(QuantFormat.INT8, act_order=True)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES[:2], ids=lambda s: s.key())
+def test_dequantize_then_gemm_in_blocks_of_rows(scheme: QuantScheme, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large weight is dequantized a block of rows at a time (bounded scratch), same result."""
+    ql = quantize(weight(), scheme)
+    x = torch.randn(6, 256)
+    whole = kernels._dequant_mm(x, ql)
+    monkeypatch.setattr(kernels.scheme, "DEQUANT_CHUNK", 256 * 10)  # 10 rows per block: 10 blocks of 96
+    torch.testing.assert_close(kernels._dequant_mm(x, ql), whole, rtol=1e-5, atol=1e-5)

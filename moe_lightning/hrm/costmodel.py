@@ -262,7 +262,7 @@ def estimate(
     activations = mu * (4 * h1 + spec.q_size + 2 * spec.kv_size + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
     # a kernel's per-call copies of the largest expert linear (w13, 2I x D): dequantized or repacked
     # (one call at a time: the largest kernel's, on the side it runs)
-    scratch = {s: kernel.scratch * 2 * h2 * h1 for s, kernel in kernels.items()}
+    scratch = {s: kernel.scratch_bytes(2 * h2 * h1) for s, kernel in kernels.items()}
     activations += max((v for s, v in scratch.items() if s == "gpu_experts" or hw.shared_host_device), default=0.0)
     gpu_bytes = dense_all + activations
     gpu_bytes += resident * w["expert"]

@@ -14,7 +14,8 @@ Sources of the numbers (W weights, b bytes of the model dtype, p page bytes per 
   `_dequantize_rows` is a pass over memory. int8: to float32 (read 1, write 4), x scale (4 + 4), to the
   model dtype (4 + b, none in float32), the GEMM (b): 21 bytes per weight in bf16 against 2 unquantized.
   int4: unpacking the nibbles (4), to float32 (1 + 4), addcmul (4 + 4), to the dtype (4 + b), the GEMM
-  (b): 25. Its peak scratch is the float32 copies of one linear (8, plus b while rounding). A fused
+  (b): 25. Its scratch is the float32 copies of a block of rows (8, plus b while rounding), at most
+  DEQUANT_CHUNK weights at a time (moe_lightning/quant/scheme.py). A fused
   dequantization would read p and write b once.
 * int4 tinygemm (`_weight_int4pack_mm`, compute capability 8.0+): repacks the page per call (read and
   write 0.5), reads the repacked weight (0.5) and the scales and zeros converted to bfloat16 (reading,
@@ -34,10 +35,11 @@ A calibrated profile that measured the expert GEMM on pages of the planned forma
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.quant.scheme import QuantFormat, QuantScheme
+from moe_lightning.quant.scheme import DEQUANT_CHUNK, QuantFormat, QuantScheme
 
 TINYGEMM_FLOPS = 0.25  # assumed share of the tensor-core peak for int4 tinygemm at large row counts
 TINYGEMM_MIN_CAPABILITY = 8.0
@@ -49,6 +51,10 @@ class KernelRoof:
     flops: float  # share of the side's matmul peak it reaches when compute-bound
     traffic: float  # memory bytes it moves per weight per call
     scratch: float = 0.0  # bytes per weight of one linear it allocates per call
+    scratch_weights: float = math.inf  # ... for at most this many weights at a time
+
+    def scratch_bytes(self, weights: float) -> float:
+        return self.scratch * min(weights, self.scratch_weights)
 
     def seconds(self, flops: float, weights: float, peak: float, bandwidth: float) -> float:
         return max(flops / (peak * self.flops), weights * self.traffic / bandwidth)
@@ -57,8 +63,8 @@ class KernelRoof:
 def _dequant(fmt: QuantFormat, b: int) -> KernelRoof:
     rounding = 0 if b == 4 else 4 + b  # to the model dtype; a no-op in float32
     if fmt is QuantFormat.INT8:
-        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0)
-    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b))
+        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0, DEQUANT_CHUNK)
+    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b), DEQUANT_CHUNK)
 
 
 def _tinygemm(page_bpw: float) -> KernelRoof:

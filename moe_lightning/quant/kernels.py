@@ -23,6 +23,7 @@ import structlog
 import torch
 from prometheus_client import Gauge
 
+from moe_lightning.quant import scheme
 from moe_lightning.quant.linear import QuantizedLinear
 from moe_lightning.quant.scheme import QuantFormat
 from moe_lightning.stages.linear import dense_linear
@@ -68,7 +69,16 @@ def dequantize(ql: QuantizedLinear, dtype: torch.dtype = torch.float32) -> torch
 
 # --- the candidates: (x (M, K) in ql's column order, ql without perm) -> (M, N) in x.dtype -------
 def _dequant_mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
-    return dense_linear(x, _dequantize_rows(ql, x.dtype))
+    """Block by block of output rows, so a Mixtral w13 (117 M weights) never exists whole in fp32
+    next to the device's working set; the result is the same as one dequantization."""
+    rows = max(1, scheme.DEQUANT_CHUNK // ql.in_features)
+    if rows >= ql.out_features:
+        return dense_linear(x, _dequantize_rows(ql, x.dtype))
+    out = torch.empty(x.shape[0], ql.out_features, dtype=x.dtype, device=x.device)
+    for start in range(0, ql.out_features, rows):
+        stop = min(start + rows, ql.out_features)
+        out[:, start:stop] = dense_linear(x, _dequantize_rows(ql.rows(start, stop), x.dtype))
+    return out
 
 
 def _int8mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
@@ -266,7 +276,7 @@ def warm_up(linears: list[QuantizedLinear], dtype: torch.dtype, max_rows: int = 
     `max_rows`, so that steps do not pay for the measurements."""
     shapes: dict[tuple, QuantizedLinear] = {}
     for ql in linears:
-        shapes.setdefault((ql.shape, ql.group_size, ql.perm is None), ql)
+        shapes.setdefault((ql.shape, ql.group_size, ql.perm is None, str(ql.device)), ql)
     for ql in shapes.values():
         rows = 1
         while rows <= min(max_rows, MAX_BUCKET):

@@ -25,6 +25,7 @@ class QuantFormat(StrEnum):
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 COMPONENT_ALIGN = 64  # between the parts of one expert's page: a page stays one contiguous transfer
+DEQUANT_CHUNK = 1 << 22  # weights dequantize-then-GEMM expands at a time: bounds its scratch (~40 MB)
 
 
 @dataclass(frozen=True, slots=True)

@@ -216,7 +216,9 @@ def _start(args: argparse.Namespace, servicer: GpuExpertServicer, runtime: Servi
     scheme = layout.expert_scheme()
     dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
     if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
-        kernels.warm_up([w for e in experts[:1] for w in (e.w13, e.w2)], dtype)
+        # the device's experts, and the host's (the experts computed where they live) when apart
+        host = weights.layers[first].experts[0]
+        kernels.warm_up([w for e in (experts[0], host) for w in (e.w13, e.w2)], dtype)
         log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
     dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
     measurements = cached_measurements(
