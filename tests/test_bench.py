@@ -73,3 +73,24 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
     own = stages["device: dense + experts"]["measured"] + stages["head"]["measured"]
     assert own <= stages["layer (the step / L)"]["measured"]
     assert "HRM predicted vs measured" in r.stdout
+
+
+def test_bench_compares_expert_formats_in_both_placements(tiny_model: Path, tmp_path: Path) -> None:
+    """`bench --quantize none,int8,int4`: each format streamed at the dense weights plus 60 % of its
+    expert pages (fewer bytes per step the smaller the page), and computed in place (none streamed)."""
+    out = tmp_path / "formats.json"
+    argv = [sys.executable, "-m", "moe_lightning.cli", "bench", "--model", str(tiny_model), "--num-prompts", "4"]
+    argv += ["--gen-len", "3", "--device-memory", "60%", "--quantize", "none,int8,int4"]  # 4 of 8: one layer
+    argv += ["--quantize-group-size", "32", "--json", str(out)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    streamed, in_place = res["formats"], res["formats_in_place"]
+    assert [streamed[f]["policy"]["experts"] for f in ("none", "int8", "int4")] == ["gpu"] * 3
+    assert [in_place[f]["policy"]["experts"] for f in ("none", "int8", "int4")] == ["cpu"] * 3
+    per_step = [streamed[f]["expert_bytes_per_step"] for f in ("none", "int8", "int4")]
+    assert per_step[0] > per_step[1] > per_step[2] > 0
+    assert streamed["int8"]["ratios"]["bytes_per_step_reduction"] > 3.5  # int8 pages against fp32's
+    assert all(in_place[f]["expert_bytes_streamed"] == 0 for f in in_place)
+    assert set(streamed["int4"]["kernels"]) == {"256x64", "64x128"}  # w13 and w2 of the tiny model
+    assert "experts streamed (ratios against none)" in r.stdout and "computed in place" in r.stdout

@@ -217,13 +217,20 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize is not None:  # the formats against each other, nothing else
         formats = parse_formats(args.quantize)
 
-        def one(fmt: Any) -> dict[str, Any]:
-            memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, fmt, args.quantize_group_size)
-            run = _ours(args, prompts, fmt.value, trace_dir, device_memory=memory, experts="gpu", quantize=fmt.value)
-            return {**_public(run), "device_memory": memory}
+        # both placements unless one is asked for: streamed (the bytes bind) and in place (the kernels do)
+        placements = ["gpu", "cpu"] if args.experts_placement == "auto" else [args.experts_placement]
+        for placement in placements:
 
-        runs = compare_formats(formats, one)
-        results["formats"] = runs
+            def one(fmt: Any, placement: str = placement) -> dict[str, Any]:
+                memory = device_memory_for(
+                    args.device_memory, args.model, spec, args.dtype, fmt, args.quantize_group_size
+                )
+                tag = f"{fmt.value}{placement}"
+                run = _ours(args, prompts, tag, trace_dir, device_memory=memory, experts=placement, quantize=fmt.value)
+                return {**_public(run), "device_memory": memory}
+
+            key = "formats" if placement == "gpu" else "formats_in_place"
+            results[key] = compare_formats(formats, one, placement)
         if args.json is not None:
             args.json.write_text(json.dumps(results, indent=2))
         return 0

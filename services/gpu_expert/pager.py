@@ -60,10 +60,10 @@ class ExpertPager:
         self.resident: list[dict[int, ExpertWeights]] = [
             {e: self._resident_copy(layer, e) for e in ids} for layer, ids in enumerate(plan.resident)
         ]
-        # a slot is one expert page's bytes: every expert is laid out alike, so one view fits all
+        # a slot is one expert page's bytes, read through one view (every expert is laid out alike);
+        # filled with a real expert, as warm-up and calibration compute on slots and an int4 page's
+        # input order (perm) indexes the activations: garbage there would read out of bounds
         proto = host.layers[plan.next_sparse(0)].experts[0]
-        # filled with a real expert: warm-up and calibration compute on slots, and an int4 page's
-        # input order (perm) indexes the activations, so garbage there would read out of bounds
         self._slot_pages = [proto.page().to(device, copy=True) for _ in range(plan.ring_slots)]
         self.slots = [proto.in_buffer(page) for page in self._slot_pages]
         self._free: deque[int] = deque(range(plan.ring_slots))
