@@ -22,7 +22,7 @@ import torch
 from moe_lightning.checkpoint import INDEX_FILE, CheckpointReader, load_layer, top_names
 from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme
 from moe_lightning.quant.rtn import quantize
-from moe_lightning.quant.scheme import COMPONENT_ALIGN
+from moe_lightning.quant.scheme import COMPONENT_ALIGN, scheme_of
 from moe_lightning.spec import DTYPES, ModelSpec
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights, Weight
 
@@ -64,19 +64,18 @@ class ArenaLayout:
 
     def expert_scheme(self) -> QuantScheme:
         """The experts' format, read off the pages (a manifest carries no other description)."""
-        name = next(n for n in self.pages if ".experts." in n and ".w13" in n)
+        name = next((n for n in self.pages if ".experts." in n and ".w13" in n), None)
+        if name is None:
+            raise ValueError("the arena has no expert pages")
         if name.endswith(".w13"):
             return QuantScheme()
         base = name.rsplit(".", 1)[0]
-        q = self.pages[f"{base}.qweight"]
-        if q.dtype == "int8":
-            return QuantScheme(QuantFormat.INT8)
-        act_order = f"{base}.perm" in self.pages
         w2 = base.removesuffix(".w13") + ".w2"
-        groups = [self.pages[f"{b}.scales"].shape[1] for b in (base, w2)]
-        if groups == [1, 1]:  # one group per row whatever the width: GPTQ's group size -1
-            return QuantScheme(QuantFormat.INT4, -1, act_order)
-        return QuantScheme(QuantFormat.INT4, q.shape[1] * 2 // groups[0], act_order)
+        q = self.pages[f"{base}.qweight"]
+        fmt = QuantFormat.INT8 if q.dtype == "int8" else QuantFormat.INT4
+        widths = tuple(self.pages[f"{b}.qweight"].shape[1] * (2 if fmt is QuantFormat.INT4 else 1) for b in (base, w2))
+        groups = tuple(self.pages[f"{b}.scales"].shape[-1] if fmt is QuantFormat.INT4 else 1 for b in (base, w2))
+        return scheme_of(fmt, widths, groups, act_order=f"{base}.perm" in self.pages)  # type: ignore[arg-type]
 
     def expert_page_bytes(self, layer: int, expert: int = 0) -> int:
         """The bytes one expert's range spans (what streaming it moves)."""
@@ -182,7 +181,7 @@ def fill_arena(
     names = top_names(spec)
     put("embed", reader.get(names.embed, (v, d)))
     if "lm_head" in layout.pages:
-        put("lm_head", reader.get(names.lm_head, (v, d)))
+        put("lm_head", reader.weight(names.lm_head.removesuffix(".weight"), (v, d)))  # GPTQModel may quantize it
     put("final_norm", reader.get(names.final_norm, (d,)))
     desc = "converting layers" if not scheme.quantized else f"converting layers ({scheme.key()} experts)"
     for i in tqdm(range(spec.num_layers), desc=desc, unit="layer", disable=not progress, leave=False):

@@ -246,7 +246,7 @@ def _load_experts(
             q = f"{prefix}.mlp.experts.{j}"
             names = (f"{q}.gate_proj", f"{q}.up_proj", f"{q}.down_proj")
         if reader.gptq is not None:  # experts stay int4 on the CPU (expert_ffn computes where they live)
-            experts.append(load_gptq_expert(reader, names, d, inter, reader.gptq))
+            experts.append(load_gptq_expert(reader, names, d, inter, reader.gptq).to(device))
             continue
         w1 = reader.get(f"{names[0]}.weight", (inter, d))
         w3 = reader.get(f"{names[1]}.weight", (inter, d))

@@ -184,6 +184,7 @@ def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
         "--expert-kernels",
         default="fastest",
         choices=["fastest", "exact"],
-        help="quantized expert GEMMs: the fastest measured kernel per shape (some round activations to bfloat16), "
-        "or only kernels computing in the weights' dtype (equal to the dequantized model)",
+        help="quantized expert GEMMs: the fastest measured kernel per shape (some round activations or scales to "
+        "bfloat16), or only those equal to the GEMM on the dequantized weights (in a 16-bit model: dequantize, "
+        "then GEMM)",
     )

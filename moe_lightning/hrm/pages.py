@@ -7,7 +7,7 @@ import torch
 
 from moe_lightning.hrm.costmodel import NO_QUANT
 from moe_lightning.quant.rtn import quantize
-from moe_lightning.quant.scheme import QuantFormat, QuantScheme
+from moe_lightning.quant.scheme import QuantScheme, scheme_of
 from moe_lightning.weights import ExpertWeights
 
 
@@ -35,10 +35,10 @@ def page_nbytes(expert: ExpertWeights) -> int:
 
 
 def page_scheme(expert: ExpertWeights) -> QuantScheme:
-    """The format of an expert's pages, read off the weights themselves (a group as wide as the row
-    reads as -1, one group per row: pass the weight store's scheme where the two could differ)."""
-    w13 = expert.w13
-    if isinstance(w13, torch.Tensor):
+    """The format of an expert's pages, read off the weights themselves (as the arena reads it off
+    its pages: `quant.scheme.scheme_of`)."""
+    w13, w2 = expert.w13, expert.w2
+    if isinstance(w13, torch.Tensor) or isinstance(w2, torch.Tensor):
         return NO_QUANT
-    group = w13.group_size if w13.format is QuantFormat.INT4 else NO_QUANT.group_size
-    return QuantScheme(w13.format, -1 if group == w13.in_features else group, w13.perm is not None)
+    groups = (w13.in_features // w13.group_size, w2.in_features // w2.group_size)
+    return scheme_of(w13.format, (w13.in_features, w2.in_features), groups, w13.perm is not None)

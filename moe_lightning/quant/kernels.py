@@ -7,9 +7,9 @@ kernel is 3x faster than fp32 GEMM at 8 rows with bf16 activations and 25x slowe
 docs/quantization.md has the table), so the first call of each (shape, rows bucket, dtype) times
 every candidate on the real operands and keeps the winner: warm-up is when that happens.
 
-`exact` kernels compute in x's dtype, as the reference does on the dequantized weights; the others
-round activations to bfloat16 (exact for a bf16 model). `--expert-kernels exact` keeps only the
-former; the default, `fastest`, allows both.
+`exact` kernels give the GEMM on the dequantized weights (see KERNELS); the others round
+activations, scales or partial sums to bfloat16. `--expert-kernels exact` keeps only the former; the
+default, `fastest`, allows both.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from moe_lightning.stages.linear import dense_linear
 POLICIES = ("fastest", "exact")
 MAX_BUCKET = 1024
 WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pays for a measurement
-PRUNE_BEHIND = 8.0  # a kernel this many times slower than the best at half the rows is not timed again
+PRUNE_BEHIND = 8.0  # far behind the best ...
+GROWS = 1.5  # ... and slower by this much per doubling of the rows: not timed at more rows (_pruned)
 CHOSEN = Gauge(
     "moe_lightning_expert_kernel_seconds",
     "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
@@ -130,7 +131,7 @@ class Kernel:
     format: QuantFormat
     fn: Fn
     devices: tuple[str, ...] = ("cpu", "cuda")
-    exact_for: tuple[torch.dtype, ...] | None = None  # None: computes in x's dtype, whatever it is
+    exact_for: tuple[torch.dtype, ...] | None = None  # x's dtypes it is exact for; None: all
 
     def exact(self, dtype: torch.dtype) -> bool:
         return self.exact_for is None or dtype in self.exact_for
@@ -143,15 +144,18 @@ class Kernel:
         return True
 
 
-BF16 = (torch.bfloat16,)
+# Exact: the result is the GEMM on the dequantized weights (fp32 dequantization rounded once to x's
+# dtype), up to the order of the sums. Kernels that take scales (and zeros) in x's dtype are exact
+# only in fp32; those that round activations or scales to bf16 never are.
+FP32 = (torch.float32,)
 KERNELS = (
     Kernel("dequant_mm", QuantFormat.INT8, _dequant_mm),
-    Kernel("int8mm", QuantFormat.INT8, _int8mm),
-    Kernel("int8mm_bf16", QuantFormat.INT8, _int8mm_bf16, exact_for=BF16),
+    Kernel("int8mm", QuantFormat.INT8, _int8mm, exact_for=FP32),
+    Kernel("int8mm_bf16", QuantFormat.INT8, _int8mm_bf16, exact_for=()),
     Kernel("dequant_mm", QuantFormat.INT4, _dequant_mm),
-    Kernel("int4mm_cpu", QuantFormat.INT4, _int4mm_cpu, devices=("cpu",)),
-    Kernel("int4_grouped_int8mm_bf16", QuantFormat.INT4, _int4_grouped_int8mm_bf16, ("cpu",), exact_for=BF16),
-    Kernel("int4mm_cuda", QuantFormat.INT4, _int4mm_cuda, devices=("cuda",), exact_for=BF16),
+    Kernel("int4mm_cpu", QuantFormat.INT4, _int4mm_cpu, devices=("cpu",), exact_for=FP32),
+    Kernel("int4_grouped_int8mm_bf16", QuantFormat.INT4, _int4_grouped_int8mm_bf16, ("cpu",), exact_for=()),
+    Kernel("int4mm_cuda", QuantFormat.INT4, _int4mm_cuda, devices=("cuda",), exact_for=()),
 )
 
 
@@ -163,6 +167,7 @@ def rows_bucket(m: int) -> int:
 class Choice:
     kernel: Kernel
     seconds: dict[str, float]  # every candidate's time on the operands it was chosen with
+    pruned: frozenset[str] = frozenset()  # not timed: far behind and slower the more rows (see _pruned)
 
 
 @dataclass(slots=True)
@@ -192,16 +197,18 @@ class KernelChooser:
         found = self.candidates(ql.format, x.device, x.dtype)
         if len(found) == 1 and self.only is not None:
             return Choice(found[0], {})
-        smaller = self.table.get((*key[:4], key[4] // 2, *key[5:]))
-        if smaller is not None and smaller.seconds:  # far behind at half the rows: not worth a slow try
-            best = min(smaller.seconds.values())
-            found = [k for k in found if smaller.seconds.get(k.name, math.inf) <= PRUNE_BEHIND * best] or found
+        pruned = self._pruned(key)
+        found = [k for k in found if k.name not in pruned] or found
         seconds: dict[str, float] = {}
         for kernel in found:
             try:
                 seconds[kernel.name] = _time(kernel.fn, x, ql, best=min(seconds.values(), default=math.inf))
-            except (RuntimeError, NotImplementedError) as exc:  # this build or device lacks it
-                structlog.get_logger().info("kernel_unavailable", kernel=kernel.name, error=str(exc).splitlines()[0])
+            except torch.OutOfMemoryError:
+                raise  # not a missing kernel: the step's own error handling says so
+            except (RuntimeError, NotImplementedError, AttributeError) as exc:  # this build or device lacks it
+                structlog.get_logger().warning(
+                    "kernel_unavailable", kernel=kernel.name, error=str(exc).splitlines()[0] if str(exc) else repr(exc)
+                )
         if not seconds:
             raise RuntimeError(f"every kernel for {ql.format} on {x.device} failed")
         best = min(seconds, key=seconds.__getitem__)
@@ -214,7 +221,24 @@ class KernelChooser:
             kernel=best,
             ms={k: round(v * 1e3, 3) for k, v in seconds.items()},
         )
-        return Choice(next(k for k in found if k.name == best), seconds)
+        return Choice(next(k for k in found if k.name == best), seconds, frozenset(pruned))
+
+    def _pruned(self, key: tuple) -> set[str]:
+        """Kernels not worth timing at this rows bucket: more than PRUNE_BEHIND times slower than the
+        best at half the rows and growing with the rows (at least GROWS times their time at a quarter),
+        so they cannot catch up (int4mm_cpu here: 8 s a call at 1024 rows). One whose time is mostly
+        fixed (dequantizing the page) is kept: with more rows the others may fall behind it."""
+        half = self.table.get((*key[:4], key[4] // 2, *key[5:]))
+        if half is None or not half.seconds or key[4] < 2:
+            return set()
+        quarter = self.table.get((*key[:4], key[4] // 4, *key[5:]))
+        best = min(half.seconds.values())
+        out = set(half.pruned)
+        for name, t in half.seconds.items():
+            earlier = quarter.seconds.get(name) if quarter is not None else None
+            if t > PRUNE_BEHIND * best and earlier is not None and t >= GROWS * earlier:
+                out.add(name)
+        return out
 
     def report(self) -> list[dict]:
         """What won for each shape and rows bucket, with the times it won by (benchmarks print it)."""
@@ -236,21 +260,21 @@ def _sync(device: torch.device) -> None:
 
 
 def _time(fn: Fn, x: torch.Tensor, ql: QuantizedLinear, best: float, reps: int = 3) -> float:
-    """Best of `reps` after one warm call; a candidate far slower than the best so far stops early."""
-    _sync(x.device)
-    t0 = time.perf_counter()
-    fn(x, ql)
-    _sync(x.device)
-    first = time.perf_counter() - t0
-    if first > 4 * best:
-        return first
-    times = []
-    for _ in range(reps):
+    """Best of `reps` after a warm call that is not counted (a first call may load or compile the
+    kernel); a candidate far slower than the best so far stops after one counted call."""
+
+    def once() -> float:
+        _sync(x.device)
         t0 = time.perf_counter()
         fn(x, ql)
         _sync(x.device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        return time.perf_counter() - t0
+
+    once()
+    first = once()
+    if first > 4 * best:
+        return first
+    return min([first, *(once() for _ in range(reps - 1))])
 
 
 CHOOSER = KernelChooser()

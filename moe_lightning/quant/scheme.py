@@ -84,6 +84,19 @@ class QuantScheme:
         return self.format.value
 
 
+def scheme_of(fmt: QuantFormat, widths: tuple[int, int], groups: tuple[int, int], act_order: bool) -> QuantScheme:
+    """The scheme an expert's pages were made with, from their input widths and group counts (w13's,
+    w2's): what a manifest or a page carries. One group per row in both is GPTQ's -1 unless the two
+    widths are equal, where -1 and a group of that width are the same thing."""
+    if fmt is QuantFormat.NONE:
+        return QuantScheme()
+    if fmt is QuantFormat.INT8:
+        return QuantScheme(QuantFormat.INT8)
+    if groups == (1, 1) and widths[0] != widths[1]:
+        return QuantScheme(QuantFormat.INT4, -1, act_order)
+    return QuantScheme(QuantFormat.INT4, widths[0] // groups[0], act_order)
+
+
 def parse_quantize(value: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantScheme:
     """`--quantize` and `--quantize-group-size` as given on a command line."""
     try:

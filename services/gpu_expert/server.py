@@ -51,6 +51,8 @@ from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan
 from services.gpu_expert.runner import ExpertRunner
 
 STEP_EXIT_WAIT = 10.0  # seconds cleanup waits for a running step
+# the host's experts on a GPU box: only if the plan places experts there, where each GEMM is slow
+HOST_WARM_UP_ROWS = 64
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
 DEVICE_BUDGET = Gauge("moe_lightning_device_memory_budget_bytes", "--device-memory")
 RESIDENT = Gauge("moe_lightning_resident_experts", "Expert pages kept on the device (of layers x experts)")
@@ -216,9 +218,10 @@ def _start(args: argparse.Namespace, servicer: GpuExpertServicer, runtime: Servi
     scheme = layout.expert_scheme()
     dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
     if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
-        # the device's experts, and the host's (the experts computed where they live) when apart
-        host = weights.layers[first].experts[0]
-        kernels.warm_up([w for e in (experts[0], host) for w in (e.w13, e.w2)], dtype)
+        kernels.warm_up([experts[0].w13, experts[0].w2], dtype)
+        host = weights.layers[first].experts[0]  # computed where it lives, when experts are placed there
+        if host.device != experts[0].device:  # decode-sized buckets now; more rows on first use
+            kernels.warm_up([host.w13, host.w2], dtype, max_rows=HOST_WARM_UP_ROWS)
         log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
     dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
     measurements = cached_measurements(
