@@ -34,12 +34,12 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {}
     for rows in args.rows:
         x = torch.randn(rows, k, device=device, dtype=dtype)
-        row = {"dense": kernels._time(lambda x, _: dense_linear(x, dense), x, pages[QuantFormat.INT8], float("inf"))}
+        row = {"dense": kernels._time(lambda x, _: dense_linear(x, dense), x, pages[QuantFormat.INT8])}
         for kernel in kernels.KERNELS:
             if not kernel.usable(device):
                 continue
             try:
-                row[f"{kernel.format}:{kernel.name}"] = kernels._time(kernel.fn, x, pages[kernel.format], float("inf"))
+                row[f"{kernel.format}:{kernel.name}"] = kernels._time(kernel.fn, x, pages[kernel.format])
             except (RuntimeError, NotImplementedError) as exc:
                 print(f"{kernel.format}:{kernel.name} unavailable: {str(exc).splitlines()[0]}")
         results[str(rows)] = row

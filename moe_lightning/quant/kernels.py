@@ -33,6 +33,7 @@ MAX_BUCKET = 1024
 WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pays for a measurement
 PRUNE_BEHIND = 8.0  # far behind the best ...
 GROWS = 1.5  # ... and slower by this much per doubling of the rows: not timed at more rows (_pruned)
+RACE_ROUNDS = 5
 CHOSEN = Gauge(
     "moe_lightning_expert_kernel_seconds",
     "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
@@ -199,16 +200,7 @@ class KernelChooser:
             return Choice(found[0], {})
         pruned = self._pruned(key)
         found = [k for k in found if k.name not in pruned] or found
-        seconds: dict[str, float] = {}
-        for kernel in found:
-            try:
-                seconds[kernel.name] = _time(kernel.fn, x, ql, best=min(seconds.values(), default=math.inf))
-            except torch.OutOfMemoryError:
-                raise  # not a missing kernel: the step's own error handling says so
-            except (RuntimeError, NotImplementedError, AttributeError) as exc:  # this build or device lacks it
-                structlog.get_logger().warning(
-                    "kernel_unavailable", kernel=kernel.name, error=str(exc).splitlines()[0] if str(exc) else repr(exc)
-                )
+        seconds = _race([k for k in found if _runs(k, x, ql)], x, ql)
         if not seconds:
             raise RuntimeError(f"every kernel for {ql.format} on {x.device} failed")
         best = min(seconds, key=seconds.__getitem__)
@@ -254,27 +246,51 @@ class KernelChooser:
         ]
 
 
+def _runs(kernel: Kernel, x: torch.Tensor, ql: QuantizedLinear) -> bool:
+    """One uncounted call (a first call may load or compile the kernel): False if this build or
+    device lacks it."""
+    try:
+        kernel.fn(x, ql)
+        return True
+    except torch.OutOfMemoryError:
+        raise  # not a missing kernel: the step's own error handling says so
+    except (RuntimeError, NotImplementedError, AttributeError) as exc:
+        error = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        structlog.get_logger().warning("kernel_unavailable", kernel=kernel.name, error=error)
+        return False
+
+
+def _race(found: list[Kernel], x: torch.Tensor, ql: QuantizedLinear, rounds: int = RACE_ROUNDS) -> dict[str, float]:
+    """Each kernel's best time over `rounds`, the kernels taking turns within a round, so that a
+    burst of load from the other processes (a service starting, the arena copy being written) falls
+    on all of them alike; one more than 4x behind the best after a round runs no more."""
+    times: dict[str, float] = {}
+    alive = list(found)
+    for _ in range(rounds):
+        for kernel in alive:
+            times[kernel.name] = min(times.get(kernel.name, math.inf), _once(kernel.fn, x, ql))
+        best = min(times.values())
+        alive = [k for k in alive if times[k.name] <= 4 * best]
+    return times
+
+
+def _once(fn: Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+    _sync(x.device)
+    t0 = time.perf_counter()
+    fn(x, ql)
+    _sync(x.device)
+    return time.perf_counter() - t0
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Fn, x: torch.Tensor, ql: QuantizedLinear, best: float, reps: int = 3) -> float:
-    """Best of `reps` after a warm call that is not counted (a first call may load or compile the
-    kernel); a candidate far slower than the best so far stops after one counted call."""
-
-    def once() -> float:
-        _sync(x.device)
-        t0 = time.perf_counter()
-        fn(x, ql)
-        _sync(x.device)
-        return time.perf_counter() - t0
-
-    once()
-    first = once()
-    if first > 4 * best:
-        return first
-    return min([first, *(once() for _ in range(reps - 1))])
+def _time(fn: Fn, x: torch.Tensor, ql: QuantizedLinear, reps: int = 3) -> float:
+    """Best of `reps` after an uncounted warm call (bench/quant_kernels.py)."""
+    fn(x, ql)
+    return min(_once(fn, x, ql) for _ in range(reps))
 
 
 CHOOSER = KernelChooser()
