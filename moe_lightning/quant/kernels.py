@@ -3,8 +3,8 @@
 The kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the int4 "tinygemm"
 kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+), and
 dequantize-then-GEMM everywhere. None is fastest everywhere (on the 2-core AVX2 dev VM the int8
-kernel is 3x faster than fp32 GEMM at 8 rows with bf16 activations and 25x slower with fp32 ones;
-docs/quantization.md has the table), so the first call of each (shape, rows bucket, dtype) times
+kernel is ~4x faster than fp32 GEMM at 8 rows with bf16 activations and 8x slower with fp32 ones;
+docs/quantization.md has the table), so the first call of each (shape, rows bucket, dtype) races
 every candidate on the real operands and keeps the winner: warm-up is when that happens.
 
 `exact` kernels give the GEMM on the dequantized weights (see KERNELS); the others round
