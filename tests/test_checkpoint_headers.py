@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +20,8 @@ from safetensors import safe_open
 
 from moe_lightning.checkpoint import SAFETENSORS_DTYPES, CheckpointError, CheckpointReader
 from moe_lightning.shm.segment import list_segments
+
+from processes import run_weight_store
 
 ITEMSIZE = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}
 
@@ -190,13 +190,7 @@ def test_weight_store_on_a_corrupt_header_exits_1_names_the_file_and_leaks_no_se
     damage(header)
     write(f, header, data)
     run = f"wshdr{os.getpid()}{damage.__name__.strip('_')}"
-    cmd = [sys.executable, "-m", "services.weight_store", "--model", str(bad), "--run-id", run, "--no-cache"]
-    r = subprocess.run(
-        [*cmd, "--address", f"unix://{tmp_path / 'w.sock'}", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_weight_store(bad, run, tmp_path / "w.sock")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "startup_failed" in r.stderr and str(f) in r.stderr, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]

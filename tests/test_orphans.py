@@ -20,6 +20,8 @@ from moe_lightning.children import parent_death_hook, spawner
 from moe_lightning.private_paths import runtime_root
 from moe_lightning.shm.segment import list_segments
 
+from processes import UpProcess
+
 LINUX = sys.platform.startswith("linux")
 
 
@@ -113,56 +115,22 @@ def test_kill_9_of_a_launcher_process_kills_its_children(tmp_path: Path) -> None
     assert _wait_gone(pids, 5) == []
 
 
-class Up:
-    """`moe-lightning up` as a user runs it, on the tiny model."""
+def _services(up: UpProcess) -> dict[str, int]:
+    """Service name -> pid of the up process's children (from their `python -m <module>`)."""
+    from moe_lightning.launcher import SERVICES
 
-    def __init__(self, model: Path, run_id: str, log_dir: Path) -> None:
-        self.run_id = run_id
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moe_lightning.cli",
-                "up",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--json",
-                "--no-restart",
-                "--run-id",
-                run_id,
-                "--kv-cache-memory",
-                "32MiB",
-                "--log-dir",
-                str(log_dir),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-
-    def services(self) -> dict[str, int]:
-        """Service name -> pid of the up process's children (from their `python -m <module>`)."""
-        from moe_lightning.launcher import SERVICES
-
-        modules = {module: name for name, (module, _) in SERVICES.items()}
-        out = {}
-        for child in _children(self.proc.pid):
-            argv = _cmdline(child)
-            if "-m" in argv and argv[argv.index("-m") + 1] in modules:
-                out[modules[argv[argv.index("-m") + 1]]] = child
-        return out
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    modules = {module: name for name, (module, _) in SERVICES.items()}
+    out = {}
+    for child in _children(up.proc.pid):
+        argv = _cmdline(child)
+        if "-m" in argv and argv[argv.index("-m") + 1] in modules:
+            out[modules[argv[argv.index("-m") + 1]]] = child
+    return out
 
 
 @pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
 def test_kill_9_of_up_leaves_no_service_running(tiny_model: Path, tmp_path: Path) -> None:
-    up = Up(tiny_model, f"k9{os.getpid()}", tmp_path / "logs")
+    up = UpProcess(tiny_model, f"k9{os.getpid()}", tmp_path / "logs", "--no-restart")
     try:
         assert up.proc.stdout is not None
         line = up.proc.stdout.readline()
@@ -193,11 +161,11 @@ def test_kill_9_of_up_leaves_no_service_running(tiny_model: Path, tmp_path: Path
 def test_sigterm_during_start_up_stops_up_promptly(tiny_model: Path, tmp_path: Path) -> None:
     """The weight store is held (SIGSTOP) so the stack cannot become SERVING: `up` must still stop
     at SIGTERM, not once every service is ready (nor at its 600 s start-up timeout)."""
-    up = Up(tiny_model, f"st{os.getpid()}", tmp_path / "logs")
+    up = UpProcess(tiny_model, f"st{os.getpid()}", tmp_path / "logs", "--no-restart")
     held = None
     try:
         deadline = time.monotonic() + 60
-        while len(services := up.services()) < 4 and up.proc.poll() is None and time.monotonic() < deadline:
+        while len(services := _services(up)) < 4 and up.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert len(services) == 4, f"services seen: {services}"
         held = services["weight_store"]

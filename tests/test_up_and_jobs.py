@@ -16,6 +16,8 @@ import pytest
 
 from moe_lightning.shm.segment import list_segments
 
+from processes import UpProcess
+
 
 def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -23,63 +25,23 @@ def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     )
 
 
-class Up:
-    def __init__(self, model: Path, run_id: str, log_dir: Path) -> None:
-        self.run_id = run_id
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "moe_lightning.cli",
-                "up",
-                "--model",
-                str(model),
-                "--port",
-                "0",
-                "--json",
-                "--run-id",
-                run_id,
-                "--kv-cache-memory",
-                "32MiB",
-                "--log-dir",
-                str(log_dir),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"up failed: {self.proc.stderr.read() if self.proc.stderr else ''}")
-        self.endpoints = json.loads(line)
-        self.addr = self.endpoints["orchestrator"]["grpc"]
-
-    def stop(self, sig: int) -> int:
-        self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # and its services with it (parent-death signal): a failed test leaves nothing
-            raise
-
-
 @pytest.fixture(scope="module")
-def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    u = Up(tiny_model, f"up{os.getpid()}", tmp_path_factory.mktemp("uplogs"))
+def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
+    u = UpProcess(tiny_model, f"up{os.getpid()}", tmp_path_factory.mktemp("uplogs"))
+    u.read_endpoints()
     yield u
     if u.proc.poll() is None:
         u.stop(signal.SIGTERM)
 
 
-def test_up_prints_endpoints_of_all_services(up: Up) -> None:
+def test_up_prints_endpoints_of_all_services(up: UpProcess) -> None:
     assert set(up.endpoints) == {"weight_store", "cpu_attention", "gpu_expert", "orchestrator"}
     for name in ("weight_store", "cpu_attention", "gpu_expert"):
         assert up.endpoints[name]["grpc"].startswith("unix://")  # internal services: no TCP port
     assert list_segments(up.run_id)  # the arena, the KV cache and both channels exist
 
 
-def test_generate_client_matches_in_process(up: Up, tiny_model: Path) -> None:
+def test_generate_client_matches_in_process(up: UpProcess, tiny_model: Path) -> None:
     args = ["--prompt", "Hello there", "--max-new-tokens", "9", "--ignore-eos", "--json"]
     remote = cli("generate", "--addr", up.addr, *args)
     local = cli("generate", "--model", str(tiny_model), "--no-progress", *args)
@@ -89,7 +51,7 @@ def test_generate_client_matches_in_process(up: Up, tiny_model: Path) -> None:
     assert r["token_ids"] == loc["token_ids"] and r["text"] == loc["text"] and r["finish_reason"] == "length"
 
 
-def test_streamed_text_adds_up_and_never_shows_the_stop(up: Up) -> None:
+def test_streamed_text_adds_up_and_never_shows_the_stop(up: UpProcess) -> None:
     """GenerateStream's text pieces: incremental, held back near a possible stop string, adding up
     to the final text; each piece carries its tokens' log-probabilities when asked."""
     from moe_lightning.client import Completion, GenerationClient, Prompt, StreamChunk
@@ -127,7 +89,7 @@ def test_streamed_text_adds_up_and_never_shows_the_stop(up: Up) -> None:
     assert r.stdout == final.text + "\n" and "[stop, " in r.stderr
 
 
-def test_run_job_against_running_stack(up: Up, tmp_path: Path, tiny_model: Path) -> None:
+def test_run_job_against_running_stack(up: UpProcess, tmp_path: Path, tiny_model: Path) -> None:
     from moe_lightning.tokenizer import TextTokenizer
 
     tok = TextTokenizer.from_model_dir(tiny_model)
@@ -187,14 +149,15 @@ def test_run_job_against_running_stack(up: Up, tmp_path: Path, tiny_model: Path)
     ]
 
 
-def test_sigterm_stops_everything_and_leaves_no_segment(up: Up) -> None:
+def test_sigterm_stops_everything_and_leaves_no_segment(up: UpProcess) -> None:
     assert up.stop(signal.SIGTERM) == 0
     assert list_segments(up.run_id) == []
     assert up.proc.stdout is not None
 
 
 def test_ctrl_c_and_jsonl_run_with_its_own_stack(tiny_model: Path, tmp_path: Path) -> None:
-    u = Up(tiny_model, f"upc{os.getpid()}", tmp_path / "logs")
+    u = UpProcess(tiny_model, f"upc{os.getpid()}", tmp_path / "logs")
+    u.read_endpoints()
     assert u.stop(signal.SIGINT) == 0
     assert list_segments(u.run_id) == []
     src = tmp_path / "in.jsonl"

@@ -23,6 +23,8 @@ from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.shm import Segment
 from moe_lightning.shm.segment import list_segments
 
+from processes import run_weight_store
+
 
 def start(model: Path, cache: Path, run: str, sock: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     proc = subprocess.Popen(
@@ -192,13 +194,7 @@ def test_bad_checkpoint_fails_at_start_and_leaves_nothing(
     shutil.copytree(tiny_model, bad)
     damage(bad)
     run = f"wsbad{os.getpid()}{damage.__name__}"
-    cmd = [sys.executable, "-m", "services.weight_store", "--model", str(bad), "--run-id", run, "--no-cache"]
-    r = subprocess.run(
-        [*cmd, "--address", f"unix://{tmp_path / 'b.sock'}", "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = run_weight_store(bad, run, tmp_path / "b.sock", timeout=60)
     assert r.returncode == 1
     assert message in r.stderr, r.stderr[-2000:]
     assert list_segments(run) == []
