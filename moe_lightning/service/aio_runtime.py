@@ -20,13 +20,20 @@ from typing import Any
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from moe_lightning.service.auth import EXEMPT_PREFIXES
 from moe_lightning.service.errors import _lenient, _Undecodable, rejection
-from moe_lightning.service.runtime import MAX_MESSAGE_BYTES, _safe, bind, prepare_process, server_options
+from moe_lightning.service.runtime import (
+    MAX_MESSAGE_BYTES,
+    ServiceHooks,
+    _safe,
+    bind,
+    prepare_process,
+    server_options,
+)
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 UNAUTHENTICATED = "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
@@ -122,7 +129,7 @@ class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return None  # no client-streaming methods here: refuse as unimplemented rather than serve unchecked
 
 
-class AioServiceRuntime:
+class AioServiceRuntime(ServiceHooks):
     """What `build` sees of the runtime (as runtime.ServiceRuntime): log, port, stopping, set_serving
     from any thread, on_drain / on_shutdown hooks. Created on the event loop's thread."""
 
@@ -137,6 +144,7 @@ class AioServiceRuntime:
         interceptors: tuple[grpc.aio.ServerInterceptor, ...],
         max_receive_bytes: int,
     ) -> None:
+        super().__init__()
         self.name = name
         self.grace_seconds = grace_seconds
         self.log = structlog.get_logger()
@@ -147,24 +155,11 @@ class AioServiceRuntime:
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self.address = address
         self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
         self._stopping = threading.Event()
         self._stopped = asyncio.Event()
         self._stop_task: asyncio.Future[None] | None = None
-        self._cleanups: list[Callable[[], None]] = []
-        self._before_drain: list[Callable[[], None]] = []
-
-    def add_service(self, add_fn: Callable[[Any, Any], None], servicer: Any, full_name: str) -> None:
-        add_fn(servicer, self.server)
-        self._service_names.append(full_name)
-
-    def on_shutdown(self, fn: Callable[[], None]) -> None:
-        self._cleanups.append(fn)
-
-    def on_drain(self, fn: Callable[[], None]) -> None:
-        self._before_drain.append(fn)
 
     @property
     def stopping(self) -> bool:

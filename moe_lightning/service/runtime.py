@@ -50,7 +50,31 @@ def bind(
     return port, http.server_port
 
 
-class ServiceRuntime:
+class ServiceHooks:
+    """What the threaded and the asyncio runtime (aio_runtime.py) share: the services the server
+    carries (reflection lists them) and the drain and shutdown hooks."""
+
+    server: Any
+
+    def __init__(self) -> None:
+        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self._cleanups: list[Callable[[], None]] = []
+        self._before_drain: list[Callable[[], None]] = []
+
+    def add_service(self, add_fn: Callable[[Any, Any], None], servicer: Any, full_name: str) -> None:
+        add_fn(servicer, self.server)
+        self._service_names.append(full_name)
+
+    def on_shutdown(self, fn: Callable[[], None]) -> None:
+        """Runs after the server stopped (clean-up of segments, threads)."""
+        self._cleanups.append(fn)
+
+    def on_drain(self, fn: Callable[[], None]) -> None:
+        """Runs when shutdown starts, before in-flight calls are waited for."""
+        self._before_drain.append(fn)
+
+
+class ServiceRuntime(ServiceHooks):
     def __init__(
         self,
         name: str,
@@ -62,6 +86,7 @@ class ServiceRuntime:
         server_credentials: grpc.ServerCredentials | None = None,
         interceptors: tuple[grpc.ServerInterceptor, ...] = (),
     ) -> None:
+        super().__init__()
         self.name = name
         self.grace_seconds = grace_seconds
         self.log = structlog.get_logger()
@@ -72,26 +97,11 @@ class ServiceRuntime:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self._service_names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self.address = address
         self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
-        self._cleanups: list[Callable[[], None]] = []
-        self._before_drain: list[Callable[[], None]] = []
         self.set_serving(False)
-
-    def add_service(self, add_fn: Callable[[Any, grpc.Server], None], servicer: Any, full_name: str) -> None:
-        add_fn(servicer, self.server)
-        self._service_names.append(full_name)
-
-    def on_shutdown(self, fn: Callable[[], None]) -> None:
-        """Runs after the server stopped (clean-up of segments, threads)."""
-        self._cleanups.append(fn)
-
-    def on_drain(self, fn: Callable[[], None]) -> None:
-        """Runs when shutdown starts, before in-flight calls are waited for."""
-        self._before_drain.append(fn)
 
     def set_serving(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
