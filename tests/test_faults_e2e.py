@@ -54,10 +54,11 @@ def _in_flight(stack: Stack, n: int) -> tuple[list[threading.Thread], list[tuple
 
 
 def _watch_health(address: str, seconds: float) -> list[int | None]:
+    """The API's health every 50 ms for `seconds`, or until it reports NOT_SERVING."""
     seen: list[int | None] = []
     ch = open_channel(address)
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and health_pb2.HealthCheckResponse.NOT_SERVING not in seen:
         seen.append(health_status(ch, API, timeout=0.5))
         time.sleep(0.05)
     ch.close()
@@ -84,7 +85,9 @@ def test_a_killed_service_comes_back_and_answers_exactly(supervised: Stack, vict
     assert not results, "the requests finished before the fault: make them longer"
     killed_at = time.monotonic()
     os.kill(supervised.procs[victim].pid, signal.SIGKILL)
-    health = [] if victim == "orchestrator" else _watch_health(supervised.api_address, 3.0)
+    # as long as a request may take to fail (5 s, below): a dead worker is found by a step's peer
+    # heartbeat or by three missed health checks, whichever comes first, 1.5-4.5 s after the kill
+    health = [] if victim == "orchestrator" else _watch_health(supervised.api_address, 6.0)
     for t in threads:
         t.join(timeout=30)
     assert len(results) == 4 and all(not t.is_alive() for t in threads), "a request hung"
