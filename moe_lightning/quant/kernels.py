@@ -123,6 +123,29 @@ def _int4_grouped_int8mm_bf16(x: torch.Tensor, ql: QuantizedLinear) -> torch.Ten
     return y.to(x.dtype)
 
 
+def _int4_int8act_intmm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    """int4 weights times activations quantized to int8 per (row, group), int32 sums by
+    `torch._int_mm` (VNNI where the CPU has it), never widening the weight past int8. The nibbles are
+    used where they lie: even columns from the high ones, odd from the low, two GEMMs per group."""
+    assert ql.zeros is not None
+    n, groups = ql.scales.shape
+    m, half = x.shape[0], ql.in_features // groups // 2
+    hi = (ql.qweight >> 4).view(torch.int8).view(n, groups, half)  # q in [0, 15], even columns
+    lo = (ql.qweight & 15).view(torch.int8).view(n, groups, half)  # odd columns
+    xg = x.float().view(m, groups, 2 * half)
+    sx = xg.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / 127  # (M, K/G)
+    xq = torch.round(xg / sx[..., None]).to(torch.int8)
+    xe, xo = (xq[..., p::2].transpose(0, 1).contiguous() for p in (0, 1))  # (K/G, M, G/2)
+    acc = torch.empty(groups, m, n, dtype=torch.int32, device=x.device)
+    for j in range(groups):
+        torch._int_mm(xe[j], hi[:, j].t(), out=acc[j])
+        acc[j] += torch._int_mm(xo[j], lo[:, j].t())
+    y = acc.float().mul_(sx.t()[:, :, None]).mul_(ql.scales.t()[:, None, :]).sum(0)
+    # w = (q - 8) s + z: the (z - 8 s) share multiplies the sum of the (quantized) activations
+    xsum = xq.sum(-1, dtype=torch.int32).float() * sx
+    return (y + xsum @ (ql.zeros - 8 * ql.scales).t()).to(x.dtype)
+
+
 Fn = Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]
 
 
@@ -156,6 +179,7 @@ KERNELS = (
     Kernel("dequant_mm", QuantFormat.INT4, _dequant_mm),
     Kernel("int4mm_cpu", QuantFormat.INT4, _int4mm_cpu, devices=("cpu",), exact_for=FP32),
     Kernel("int4_grouped_int8mm_bf16", QuantFormat.INT4, _int4_grouped_int8mm_bf16, ("cpu",), exact_for=()),
+    Kernel("int4_int8act_intmm", QuantFormat.INT4, _int4_int8act_intmm, ("cpu",), exact_for=()),
     Kernel("int4mm_cuda", QuantFormat.INT4, _int4mm_cuda, devices=("cuda",), exact_for=()),
 )
 
