@@ -1,7 +1,9 @@
 """The paged weight arena: every weight of our layout is a page in one region, 4 KiB aligned.
 
 One expert is one contiguous range (its w13 and w2 and, when quantized, their scales and zeros, 64 B
-apart), so streaming an expert is one transfer. The expert format (docs/quantization.md) shows in
+apart), so streaming an expert is one transfer. For N tensor-parallel ranks each expert is N such
+ranges, `layers.L.experts.E.rankR.w13` ..., one per rank's slice (moe_lightning/tensor_parallel.py),
+so a rank streams its slice in one transfer too. The expert format (docs/quantization.md) shows in
 the pages themselves: `layers.L.experts.E.w13` in the model's dtype, or `...w13.qweight`,
 `...w13.scales`, ... The weight store fills the arena (from the checkpoint or its on-disk converted
 copy); every other process maps it and builds `ModelWeights` as views, so the weights exist once in
@@ -14,7 +16,7 @@ import hashlib
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import COMPONENT_ALIGN, scheme_of
 from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.tensor_parallel import SOLO, Shard, ffn_slice, shard_layer
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights, Weight
 
 PAGE_ALIGN = 4096
@@ -46,11 +49,12 @@ class ArenaLayout:
     total_bytes: int
 
     @classmethod
-    def for_spec(cls, spec: ModelSpec, dtype: str, scheme: QuantScheme | None = None) -> ArenaLayout:
+    def for_spec(cls, spec: ModelSpec, dtype: str, scheme: QuantScheme | None = None, ranks: int = 1) -> ArenaLayout:
+        """`ranks`: tensor-parallel ranks the experts are laid out for (each rank's slice one range)."""
         scheme = scheme or QuantScheme()
         pages: dict[str, Page] = {}
         offset = 0
-        for name, shape in page_shapes(spec):
+        for name, shape in page_shapes(spec, ranks):
             parts = _expert_parts(name, shape, scheme) if ".experts." in name else []
             parts = parts or [(name, dtype, shape)]
             for k, (part, part_dtype, part_shape) in enumerate(parts):
@@ -77,9 +81,18 @@ class ArenaLayout:
         groups = tuple(self.pages[f"{b}.scales"].shape[-1] if fmt is QuantFormat.INT4 else 1 for b in (base, w2))
         return scheme_of(fmt, widths, groups, act_order=f"{base}.perm" in self.pages)  # type: ignore[arg-type]
 
-    def expert_page_bytes(self, layer: int, expert: int = 0) -> int:
-        """The bytes one expert's range spans (what streaming it moves)."""
-        prefix = f"layers.{layer}.experts.{expert}."
+    def ranks(self) -> int:
+        """The tensor-parallel ranks the experts are laid out for (1: not split)."""
+        first = next((n for n in self.pages if ".experts." in n), "")
+        if ".rank" not in first:
+            return 1
+        base = first.split(".rank")[0] + ".rank"
+        return len({n[len(base) :].split(".")[0] for n in self.pages if n.startswith(base)})
+
+    def expert_page_bytes(self, layer: int, expert: int = 0, rank: int | None = None) -> int:
+        """The bytes one expert's range spans (what streaming it moves); of one rank's slice when
+        `rank` is given (None on a split layout: all ranks' slices)."""
+        prefix = f"{expert_prefix(layer, expert, rank)}."
         parts = [p for n, p in self.pages.items() if n.startswith(prefix)]
         return max(p.offset + p.nbytes for p in parts) - min(p.offset for p in parts)
 
@@ -92,7 +105,7 @@ def _expert_parts(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> lis
     return [(f"{name}.{suffix}", dt, shp) for suffix, dt, shp in scheme.components(*shape, parts)]
 
 
-def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+def page_shapes(spec: ModelSpec, ranks: int = 1) -> Iterator[tuple[str, tuple[int, ...]]]:
     d, v, inter = spec.hidden_size, spec.vocab_size, spec.intermediate_size
     yield "embed", (v, d)
     if not spec.tie_word_embeddings:
@@ -120,20 +133,29 @@ def page_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
             continue
         yield f"{p}.router", (spec.num_experts, d)
         for e in range(spec.num_experts):
-            yield f"{p}.experts.{e}.w13", (2 * inter, d)
-            yield f"{p}.experts.{e}.w2", (d, inter)
+            for r in range(ranks) if ranks > 1 else (None,):
+                w13, w2 = expert_page_names(i, e, r)
+                yield w13, (2 * inter // ranks, d)
+                yield w2, (d, inter // ranks)
 
 
-def expert_page_names(layer: int, expert: int) -> tuple[str, str]:
-    """The names an expert's two weights start from (a quantized one adds `.qweight`, `.scales`, ...)."""
-    return f"layers.{layer}.experts.{expert}.w13", f"layers.{layer}.experts.{expert}.w2"
+def expert_prefix(layer: int, expert: int, rank: int | None = None) -> str:
+    return f"layers.{layer}.experts.{expert}" + ("" if rank is None else f".rank{rank}")
 
 
-def checkpoint_key(model_dir: str | Path, dtype: str, scheme: QuantScheme | None = None) -> str:
-    """Identifies a checkpoint + target dtype and expert format cheaply: config, index, and each
-    file's header/size/mtime."""
+def expert_page_names(layer: int, expert: int, rank: int | None = None) -> tuple[str, str]:
+    """The names an expert's two weights (or a rank's slices of them) start from (a quantized one
+    adds `.qweight`, `.scales`, ...)."""
+    prefix = expert_prefix(layer, expert, rank)
+    return f"{prefix}.w13", f"{prefix}.w2"
+
+
+def checkpoint_key(model_dir: str | Path, dtype: str, scheme: QuantScheme | None = None, ranks: int = 1) -> str:
+    """Identifies a checkpoint + target dtype, expert format and ranks cheaply: config, index, and
+    each file's header/size/mtime."""
     root = Path(model_dir)
-    h = hashlib.sha256(f"layout{LAYOUT_VERSION}:{dtype}:{(scheme or QuantScheme()).key()}".encode())
+    split = f":ranks{ranks}" if ranks > 1 else ""
+    h = hashlib.sha256(f"layout{LAYOUT_VERSION}:{dtype}:{(scheme or QuantScheme()).key()}{split}".encode())
     for name in ("config.json", INDEX_FILE):
         if (root / name).is_file():
             h.update((root / name).read_bytes())
@@ -156,6 +178,7 @@ def fill_arena(
     reader = CheckpointReader(model_dir)
     dtype = DTYPES[next(iter(layout.pages.values())).dtype]
     scheme = layout.expert_scheme()
+    ranks = layout.ranks()
 
     def put(name: str, t: torch.Tensor) -> None:
         view(arena, layout.pages[name]).copy_(t)
@@ -166,9 +189,7 @@ def fill_arena(
                 raise ValueError(f"the checkpoint's experts are quantized ({w.format}); run with --quantize auto")
             put(name, w)
             return
-        if isinstance(w, torch.Tensor):
-            w = quantize(w, scheme)
-        elif w.format is not scheme.format or w.group_size != view_group(layout, name, w):
+        if w.format is not scheme.format or w.group_size != view_group(layout, name, w):
             held = f"{w.format} with group size {w.group_size}"
             raise ValueError(f"{name}: the checkpoint holds {held}, the arena was laid out for {scheme.key()}")
         for part, t in w.components():
@@ -195,9 +216,15 @@ def fill_arena(
                 put(f"{p}.{kind}.w13", mlp.w13)
                 put(f"{p}.{kind}.w2", mlp.w2)
         for e, expert in enumerate(layer.experts):
-            w13, w2 = expert_page_names(i, e)
-            put_expert(w13, expert.w13)
-            put_expert(w2, expert.w2)
+            full = expert
+            if scheme.quantized:  # the whole weight, then sliced: int8's per-row scales span every rank
+                w13, w2 = (quantize(w, scheme) if isinstance(w, torch.Tensor) else w for w in (expert.w13, expert.w2))
+                full = ExpertWeights(w13, w2)
+            for r in range(ranks) if ranks > 1 else (None,):
+                part = full if r is None else ffn_slice(full.w13, full.w2, spec.intermediate_size, Shard(r, ranks))
+                n13, n2 = expert_page_names(i, e, r)
+                put_expert(n13, part.w13)
+                put_expert(n2, part.w2)
 
 
 def view_group(layout: ArenaLayout, name: str, w: QuantizedLinear) -> int:
@@ -228,47 +255,64 @@ def weights_from_arena(
     spec: ModelSpec,
     device: torch.device | str = "cpu",
     experts_on_host: bool = False,
+    shard: Shard = SOLO,
 ) -> ModelWeights:
     """ModelWeights over the arena: zero-copy views on the CPU, copies on another device.
 
     `experts_on_host`: leave every expert as an arena view (a pager decides what goes to the device).
+    `shard`: a tensor-parallel rank's part: its experts' slices (views of its pages) and copies of its
+    slices of the dense weights; the head only on the rank that samples (rank 0).
     """
     dev = torch.device(device)
     scheme = layout.expert_scheme()
+    if layout.ranks() != shard.world:
+        raise ValueError(
+            f"the weight store laid the experts out for {layout.ranks()} rank(s), this is rank {shard.rank} of "
+            f"{shard.world}: start the weight store with --tensor-parallel {shard.world}"
+        )
+    rank = shard.rank if shard.world > 1 else None
 
     def get(name: str) -> torch.Tensor:
-        t = view(arena, layout.pages[name])
+        return view(arena, layout.pages[name])
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
         return t if dev.type == "cpu" else t.to(dev)
 
     def expert(i: int, e: int) -> ExpertWeights:
-        w = ExpertWeights(*(_expert_weight(arena, layout, n, scheme) for n in expert_page_names(i, e)))
+        w = ExpertWeights(*(_expert_weight(arena, layout, n, scheme) for n in expert_page_names(i, e, rank)))
         return w if experts_on_host or dev.type == "cpu" else w.to(dev)
 
-    embed = get("embed")
+    def dense_on_device(layer: LayerWeights) -> LayerWeights:
+        fields = ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm", "wqkv_bias", "shared_gate")
+        moved = {f: on_device(getattr(layer, f)) for f in fields if getattr(layer, f) is not None}
+        mlps = {f: getattr(layer, f).to(dev) for f in ("shared", "mlp") if getattr(layer, f) is not None}
+        return replace(layer, **moved, **mlps)
+
+    embed = on_device(get("embed"))
     layers = []
     for i in range(spec.num_layers):
         p = f"layers.{i}"
-        experts = [expert(i, e) for e in range(spec.experts_in(i))]
         sparse = spec.is_sparse(i)
         shared = sparse and spec.shared_expert_size > 0
-        layers.append(
-            LayerWeights(
-                attn_norm=get(f"{p}.attn_norm"),
-                wqkv=get(f"{p}.wqkv"),
-                wo=get(f"{p}.wo"),
-                ffn_norm=get(f"{p}.ffn_norm"),
-                router=get(f"{p}.router") if sparse else None,
-                experts=experts,
-                q_norm=get(f"{p}.q_norm") if spec.qk_norm else None,
-                k_norm=get(f"{p}.k_norm") if spec.qk_norm else None,
-                wqkv_bias=get(f"{p}.wqkv_bias") if spec.qkv_bias else None,
-                shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2")) if shared else None,
-                shared_gate=get(f"{p}.shared_gate") if shared else None,
-                mlp=None if sparse else ExpertWeights(get(f"{p}.mlp.w13"), get(f"{p}.mlp.w2")),
-            )
+        layer = LayerWeights(
+            attn_norm=get(f"{p}.attn_norm"),
+            wqkv=get(f"{p}.wqkv"),
+            wo=get(f"{p}.wo"),
+            ffn_norm=get(f"{p}.ffn_norm"),
+            router=get(f"{p}.router") if sparse else None,
+            experts=[expert(i, e) for e in range(spec.experts_in(i))],
+            q_norm=get(f"{p}.q_norm") if spec.qk_norm else None,
+            k_norm=get(f"{p}.k_norm") if spec.qk_norm else None,
+            wqkv_bias=get(f"{p}.wqkv_bias") if spec.qkv_bias else None,
+            shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2")) if shared else None,
+            shared_gate=get(f"{p}.shared_gate") if shared else None,
+            mlp=None if sparse else ExpertWeights(get(f"{p}.mlp.w13"), get(f"{p}.mlp.w2")),
         )
-    lm_head = get("lm_head") if "lm_head" in layout.pages else embed
-    return ModelWeights(embed=embed, layers=layers, final_norm=get("final_norm"), lm_head=lm_head)
+        layers.append(dense_on_device(shard_layer(spec, layer, shard)))
+    lm_head = embed[:0]  # only rank 0 samples: no copy of the head elsewhere
+    if shard.leads:
+        lm_head = on_device(get("lm_head")) if "lm_head" in layout.pages else embed
+    return ModelWeights(embed=embed, layers=layers, final_norm=on_device(get("final_norm")), lm_head=lm_head)
 
 
 def layout_to_json(layout: ArenaLayout) -> str:

@@ -188,3 +188,40 @@ def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
         "bfloat16), or only those equal to the GEMM on the dequantized weights (in a 16-bit model: dequantize, "
         "then GEMM)",
     )
+
+
+def positive_int(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
+def add_tensor_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """gpu_expert's tensor-parallel ranks (docs/parallel.md)."""
+    parser.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="tensor-parallel ranks, one process per device (cuda:0, cuda:1, ...; on --device cpu all share the "
+        "cores); each holds a slice of every expert within its own --device-memory. The weight store must "
+        "run with --tensor-parallel of the same number",
+    )
+    parser.add_argument(
+        "--tp-backend",
+        default="auto",
+        choices=["auto", "nccl", "gloo"],
+        help="the ranks' all-reduces: auto = NCCL on CUDA, gloo on CPU; gloo on CUDA runs several ranks on one "
+        "GPU (a check; NCCL refuses that)",
+    )
+    parser.add_argument(
+        "--tp-timeout",
+        type=float,
+        default=60.0,
+        help="seconds any collective may wait for the other ranks before the group counts as broken",
+    )
+    parser.add_argument(
+        "--tp-startup-timeout", type=float, default=900.0, help="seconds the ranks may take to build their slices"
+    )
+    parser.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by rank 0 for the others
+    parser.add_argument("--tp-rendezvous", default=None, help=argparse.SUPPRESS)

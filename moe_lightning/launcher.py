@@ -50,7 +50,8 @@ class StackConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     device: str = "cpu"
-    device_memory: str | None = None
+    gpus: int = 1  # gpu_expert's tensor-parallel ranks (one process per device; docs/parallel.md)
+    device_memory: str | None = None  # per device
     device_kv_memory: str | None = None  # a KV cache in gpu_expert, so attention may run on the device
     attention_placement: str = "auto"  # cpu, gpu or auto (the HRM picks)
     experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
@@ -109,6 +110,7 @@ class Stack:
         if name == "weight_store":
             own = ["--model", str(c.model), "--dtype", self.weight_dtype(), "--no-progress"]
             own += ["--quantize", c.quantize, "--quantize-group-size", str(c.quantize_group_size)]
+            own += ["--tensor-parallel", str(c.gpus)] if c.gpus > 1 else []
             own += ["--cache-dir", str(c.cache_dir)] if c.cache_dir else []
         elif name == "cpu_attention":
             own = [
@@ -121,6 +123,7 @@ class Stack:
             ]
         elif name == "gpu_expert":
             own = ["--weight-store", a["weight_store"], "--device", c.device, "--expert-kernels", c.expert_kernels]
+            own += ["--gpus", str(c.gpus)] if c.gpus > 1 else []
             own += ["--device-memory", c.device_memory] if c.device_memory else []
             own += ["--device-kv-memory", c.device_kv_memory] if c.device_kv_memory else []
         else:

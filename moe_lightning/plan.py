@@ -56,6 +56,7 @@ class StepTimings:
     device_attention: int = 0  # device: attention over gpu_expert's own KV cache (attention placed there)
     step: int = 0  # the whole step inside the runner
     handler: int = 0  # the step plus its protobuf conversion, inside the RPC handler
+    collectives: int = 0  # tensor-parallel ranks: rank 0 in gathers, scatters and all-reduces
 
     def stages(self) -> dict[str, int]:
         """Stage name -> nanoseconds (every field but the kind)."""
@@ -66,8 +67,20 @@ class StepTimings:
 
 
 @dataclass(slots=True)
+class RankStep:
+    """One tensor-parallel rank's share of a step, in nanoseconds and bytes (docs/parallel.md)."""
+
+    rank: int
+    bytes_streamed: int  # its slices of the streamed experts
+    expert_wait: int
+    collectives: int  # in gathers, scatters and all-reduces (waiting for the slowest rank included)
+    step: int
+
+
+@dataclass(slots=True)
 class StepOutput:
     seq_ids: list[int]
     token_ids: list[int]
     timings: StepTimings
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq id -> this step's (if asked)
+    ranks: list[RankStep] = field(default_factory=list)  # tensor-parallel ranks, rank by rank

@@ -56,6 +56,7 @@ class Capacity:
     max_handoff_tokens: int = DEFAULT_MAX_TOKENS  # the largest micro-batch both workers' channels carry
     kv_dtype: str = "float32"  # what cpu_attention's KV cache stores (its --kv-dtype)
     expert_scheme: QuantScheme = field(default_factory=QuantScheme)  # the arena's expert pages
+    ranks: int = 1  # gpu_expert's tensor-parallel ranks: the HRM plans for that many devices
 
     def placements(self, spec: ModelSpec) -> tuple[tuple[Side, ...], tuple[Side, ...]]:
         """(attention, experts) sides the running services support."""
@@ -120,6 +121,7 @@ class Backend:
             min(gpu.max_handoff_tokens or DEFAULT_MAX_TOKENS, cpu.max_handoff_tokens or DEFAULT_MAX_TOKENS),
             kv_dtype=DTYPE_FROM_PB.get(cpu.kv_dtype, "float32"),  # unset: a cpu_attention that only kept fp32
             expert_scheme=layout_from_pb(list(manifest.pages), manifest.region_bytes).expert_scheme(),
+            ranks=max(1, gpu.tensor_parallel_ranks),  # unset: a gpu_expert of one device
         )
 
     def step(self, plan: StepPlan) -> StepOutput:

@@ -144,7 +144,8 @@ def _start(
     attention, experts = _placements(args, capacity, backend.spec)
     planner = Planner(
         backend.spec,
-        profile_from(capacity.expert_measurements, capacity.attention_measurements),
+        # rank 0's roofs, times the ranks: each has its own device, budget and link (docs/parallel.md)
+        profile_from(capacity.expert_measurements, capacity.attention_measurements).with_gpus(capacity.ranks),
         Workload(args.expected_prompt_len, args.expected_gen_len),
         capacity.weight_dtype,
         capacity.kv_cache(Side.HOST).tokens,
@@ -174,6 +175,8 @@ def _start(
         binding=planner.estimate.binding,
         placement=str(policy.placement),
         resident_experts=capacity.resident_experts,
+        tensor_parallel_ranks=capacity.ranks,
+        hardware=planner.profile.name,
         placements_predicted_tokens_per_second=planner.alternatives,
         in_force_batch=config.max_batch_size,
         in_force_micro_batch=config.micro_batch_size,

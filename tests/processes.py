@@ -1,13 +1,28 @@
 """Our processes as tests start them: `moe-lightning up` as a user runs it (its endpoints line,
-signals), and a weight store run once to see how it fails."""
+signals), and a weight store run once to see how it fails; what fault tests watch a stack with
+(requests in flight, the API's health)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.launcher import Stack
+from moe_lightning.service.names import GENERATION as API
+from moe_lightning.service.upstream import health_status, open_channel
+
+from reference import E2E_PROMPTS as PROMPTS
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
 class UpProcess:
@@ -50,3 +65,44 @@ def run_weight_store(model: Path, run_id: str, sock: Path, timeout: float = 120)
     argv = [sys.executable, "-m", "services.weight_store", "--model", str(model), "--run-id", run_id, "--no-cache"]
     argv += ["--address", f"unix://{sock}", "--no-progress"]
     return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def in_flight(stack: Stack, n: int) -> tuple[list[threading.Thread], list[tuple[float, object]]]:
+    """n long greedy requests, each on its own connection; results are (end time, completion or error)."""
+    results: list[tuple[float, object]] = []
+
+    def one(p: list[int]) -> None:
+        try:
+            with GenerationClient(stack.api_address, timeout=60) as c:
+                out: object = c.generate(Prompt(token_ids=p, max_new_tokens=400, ignore_eos=True))
+        except grpc.RpcError as exc:
+            out = exc
+        results.append((time.monotonic(), out))
+
+    threads = [threading.Thread(target=one, args=(PROMPTS[i],), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def watch_health(address: str, seconds: float) -> list[int | None]:
+    """The API's health every 50 ms for `seconds`, or until it reports NOT_SERVING."""
+    seen: list[int | None] = []
+    ch = open_channel(address)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and health_pb2.HealthCheckResponse.NOT_SERVING not in seen:
+        seen.append(health_status(ch, API, timeout=0.5))
+        time.sleep(0.05)
+    ch.close()
+    return seen
+
+
+def wait_serving(address: str, timeout: float) -> None:
+    ch = open_channel(address)
+    deadline = time.monotonic() + timeout
+    try:
+        while health_status(ch, API, timeout=0.5) != SERVING:
+            assert time.monotonic() < deadline, f"not SERVING again within {timeout} s"
+            time.sleep(0.1)
+    finally:
+        ch.close()

@@ -138,3 +138,21 @@ def device_budget(model: Path, ring: int, resident_per_layer: int = 0, scheme: A
     expert = layout.expert_page_bytes(first)
     dense = layout.total_bytes - spec.total_experts * expert
     return dense + (spec.num_sparse_layers * resident_per_layer + ring) * expert
+
+
+def assert_top_logprobs_match(
+    done: list[Any], reference: list[tuple[list[int], list[torch.Tensor]]], steps: int
+) -> None:
+    """Completions through the stack (asked with logprobs=20) against transformers' (`hf_greedy`): the
+    same greedy tokens, and the top-20 log-probabilities at every step of prefill + decode against
+    log_softmax of transformers' logits, within 1e-4 x max(1, max|logit|)."""
+    assert [d.token_ids for d in done] == [tokens for tokens, _ in reference]
+    for i, d in enumerate(done):
+        assert len(d.logprobs) == steps
+        for step, (ours, ref) in enumerate(zip(d.logprobs, reference[i][1], strict=True)):
+            ref_lp = torch.log_softmax(ref, dim=-1)
+            tol = 1e-4 * max(1.0, ref.abs().max().item())
+            got = torch.tensor(ours["top_logprobs"])
+            assert ours["top_token_ids"][0] == int(ref.argmax()) and len(got) == 20
+            assert (got - ref_lp[ours["top_token_ids"]]).abs().max().item() <= tol, f"prompt {i} step {step}"
+            assert abs(ours["logprob"] - ref_lp[ours["token_id"]].item()) <= tol

@@ -24,7 +24,7 @@ from moe_lightning.launcher import Stack
 from moe_lightning.request import GenerationRequest
 from moe_lightning.spec import ModelSpec
 
-from reference import assert_engine_matches, device_budget, hf_greedy, load_hf, save_hf
+from reference import assert_engine_matches, assert_top_logprobs_match, device_budget, hf_greedy, load_hf, save_hf
 
 STEPS = 17  # the prefill's token + 16 decode steps
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
@@ -241,18 +241,7 @@ def test_the_stack_with_streamed_experts_matches_transformers(
         metrics = r.read().decode()
     s.stop()
     assert float(re.search(r"^moe_lightning_expert_bytes_streamed_total (\S+)", metrics, re.M)[1]) > 0
-    assert [d.token_ids for d in done] == [hf_reference[i][0] for i in range(len(PROMPTS))]
-    # the logits through the stack: the top-20 log-probabilities at every step of prefill + 16 decode
-    # steps, against log_softmax of transformers' logits, within 1e-4 x max(1, max|logit|)
-    for i, d in enumerate(done):
-        assert len(d.logprobs) == STEPS
-        for step, (ours, ref) in enumerate(zip(d.logprobs, hf_reference[i][1], strict=True)):
-            ref_lp = torch.log_softmax(ref, dim=-1)
-            tol = 1e-4 * max(1.0, ref.abs().max().item())
-            got = torch.tensor(ours["top_logprobs"])
-            assert ours["top_token_ids"][0] == int(ref.argmax()) and len(got) == 20
-            assert (got - ref_lp[ours["top_token_ids"]]).abs().max().item() <= tol, f"prompt {i} step {step}"
-            assert abs(ours["logprob"] - ref_lp[ours["token_id"]].item()) <= tol
+    assert_top_logprobs_match(done, [hf_reference[i] for i in range(len(PROMPTS))], STEPS)
     assert s.leaked_segments() == []
 
 

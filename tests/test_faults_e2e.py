@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack
-from moe_lightning.service.names import GENERATION as API
-from moe_lightning.service.upstream import health_status, open_channel
+from moe_lightning.service.upstream import open_channel
 from moe_lightning.shm.segment import list_segments, pid_alive
 
+from processes import in_flight, wait_serving, watch_health
 from reference import E2E_PROMPTS as PROMPTS
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -35,59 +35,18 @@ def supervised(make_module_stack: Callable[..., Stack], tmp_path_factory: pytest
     return s
 
 
-def _in_flight(stack: Stack, n: int) -> tuple[list[threading.Thread], list[tuple[float, object]]]:
-    """n long greedy requests, each on its own connection; results are (end time, completion or error)."""
-    results: list[tuple[float, object]] = []
-
-    def one(p: list[int]) -> None:
-        try:
-            with GenerationClient(stack.api_address, timeout=60) as c:
-                out: object = c.generate(Prompt(token_ids=p, max_new_tokens=400, ignore_eos=True))
-        except grpc.RpcError as exc:
-            out = exc
-        results.append((time.monotonic(), out))
-
-    threads = [threading.Thread(target=one, args=(PROMPTS[i],), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    return threads, results
-
-
-def _watch_health(address: str, seconds: float) -> list[int | None]:
-    """The API's health every 50 ms for `seconds`, or until it reports NOT_SERVING."""
-    seen: list[int | None] = []
-    ch = open_channel(address)
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and health_pb2.HealthCheckResponse.NOT_SERVING not in seen:
-        seen.append(health_status(ch, API, timeout=0.5))
-        time.sleep(0.05)
-    ch.close()
-    return seen
-
-
-def _wait_serving(address: str, timeout: float) -> None:
-    ch = open_channel(address)
-    deadline = time.monotonic() + timeout
-    try:
-        while health_status(ch, API, timeout=0.5) != SERVING:
-            assert time.monotonic() < deadline, f"not SERVING again within {timeout} s"
-            time.sleep(0.1)
-    finally:
-        ch.close()
-
-
 @pytest.mark.parametrize("victim", ["gpu_expert", "cpu_attention", "weight_store", "orchestrator"])
 def test_a_killed_service_comes_back_and_answers_exactly(supervised: Stack, victim: str, reference: dict) -> None:
-    _wait_serving(supervised.api_address, 60)
+    wait_serving(supervised.api_address, 60)
     restarts_before = len(supervised.restarts[victim])
-    threads, results = _in_flight(supervised, 4)
+    threads, results = in_flight(supervised, 4)
     time.sleep(1.0)  # the batch is decoding
     assert not results, "the requests finished before the fault: make them longer"
     killed_at = time.monotonic()
     os.kill(supervised.procs[victim].pid, signal.SIGKILL)
     # as long as a request may take to fail (5 s, below): a dead worker is found by a step's peer
     # heartbeat or by three missed health checks, whichever comes first, 1.5-4.5 s after the kill
-    health = [] if victim == "orchestrator" else _watch_health(supervised.api_address, 6.0)
+    health = [] if victim == "orchestrator" else watch_health(supervised.api_address, 6.0)
     for t in threads:
         t.join(timeout=30)
     assert len(results) == 4 and all(not t.is_alive() for t in threads), "a request hung"
@@ -99,7 +58,7 @@ def test_a_killed_service_comes_back_and_answers_exactly(supervised: Stack, vict
             assert ended - killed_at < 5.0, f"ended {ended - killed_at:.1f} s after the kill"
     if victim != "orchestrator":
         assert health_pb2.HealthCheckResponse.NOT_SERVING in health, health
-    _wait_serving(supervised.api_address, 90)
+    wait_serving(supervised.api_address, 90)
     assert len(supervised.restarts[victim]) == restarts_before + 1
     with GenerationClient(supervised.api_address, timeout=60) as c:
         done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])

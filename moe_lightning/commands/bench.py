@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.commands.bench_formats import compare_formats, device_memory_for, kernels_chosen, parse_formats
+from moe_lightning.commands.bench_ranks import rank_shares
+from moe_lightning.commands.bench_ranks import report as ranks_report
 from moe_lightning.commands.common import add_placement_flags
+from moe_lightning.flags import positive_int
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -26,6 +29,12 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="prompts in the batch (mtbench)")
     p.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt")
     p.add_argument("--device", default="cpu", help="gpu_expert's device (and transformers'): cpu or cuda")
+    p.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="gpu_expert's tensor-parallel ranks; prints each rank's bytes streamed and time in collectives",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -138,6 +147,7 @@ def _ours(
         device_memory=args.device_memory if device_memory == "" else device_memory,
         micro_batch=args.micro_batch_size,
         device=args.device,
+        gpus=args.gpus,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         device_kv_memory=args.device_kv_memory,
@@ -147,6 +157,7 @@ def _ours(
         quantize_group_size=args.quantize_group_size,
     )
     d = run.delta
+    all_steps = sum(d("orchestrator", f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode"))
     generated = sum(c.completion_tokens for c in run.done)
     decode = decode_totals(run)
     decode_s = d("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
@@ -170,12 +181,9 @@ def _ours(
         "residency_changes": d("gpu_expert", "moe_lightning_residency_changes_total"),
         "resident_experts": run.after["gpu_expert"].get("moe_lightning_resident_experts", 0.0),
         "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
-        "expert_bytes_per_step": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total")
-        / max(
-            1.0,
-            sum(d("orchestrator", f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode")),
-        ),
+        "expert_bytes_per_step": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total") / max(1.0, all_steps),
         "kernels": kernels_chosen(run.after["gpu_expert"]),
+        "rank_shares": rank_shares(run.after["gpu_expert"], lambda key: d("gpu_expert", key), all_steps),
         "decode_stage_seconds": decode.seconds(),
         "_decode": decode,
         "timeline": summarize(events),
@@ -275,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_lightning.quant.resolve import resolve_scheme
 
     quant = resolve_scheme(args.model)  # the checkpoint's own format: what this bench's stack ran
-    profile = cached_profile(spec, args.device, quant=quant)
+    profile = cached_profile(spec, args.device, quant=quant).with_gpus(args.gpus)
     ran = policy_that_ran(policy, ours["resident_experts"], n, args.micro_batch_size)
     kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
     bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype, kv_dtype=kv_dtype, quant=quant)
@@ -306,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
     results["stages_per_layer"] = measured.as_json(stages)
     print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours):")
     print("\n".join(measured.table(stages)))
+    if args.gpus > 1:
+        results["tensor_parallel"] = ranks_report(ours["rank_shares"], spec, bound, args.gpus)
     tl = ours["timeline"]
     print(
         "busy fraction "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_lightning.flags import add_batch_flags, add_kernel_flags, add_quantize_flags
+from moe_lightning.flags import add_batch_flags, add_kernel_flags, add_quantize_flags, positive_int
 
 
 def token_ids(text: str) -> list[int]:
@@ -52,7 +52,14 @@ def add_placement_flags(p: argparse.ArgumentParser) -> None:
 def add_stack_flags(p: argparse.ArgumentParser) -> None:
     """How `up` and `run --model` start the services."""
     p.add_argument("--device", default="cpu", help="cpu or cuda for gpu_expert")
-    p.add_argument("--device-memory", default=None, help="gpu_expert's weight budget, e.g. 16GiB")
+    p.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=1,
+        help="gpu_expert's tensor-parallel ranks, one per device, each with its own --device-memory "
+        "(docs/parallel.md; on --device cpu the ranks share the cores)",
+    )
+    p.add_argument("--device-memory", default=None, help="gpu_expert's weight budget per device, e.g. 16GiB")
     p.add_argument(
         "--kv-cache-memory",
         default="2GiB",

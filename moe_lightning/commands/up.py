@@ -77,6 +77,7 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
         host=host,
         port=port,
         device=args.device,
+        gpus=args.gpus,
         device_memory=args.device_memory,
         device_kv_memory=args.device_kv_memory,
         attention_placement=args.attention_placement,

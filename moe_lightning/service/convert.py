@@ -13,7 +13,7 @@ from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.arena import ArenaLayout, Page
 from moe_lightning.hrm.calibrate import Measurements
 from moe_lightning.placement import Placement, Side
-from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
+from moe_lightning.plan import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
@@ -154,6 +154,16 @@ def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
         ),
         logprob_seq_ids=list(out.logprobs),
         logprobs=[logprobs_to_pb(t) for t in out.logprobs.values()],
+        ranks=[
+            gpu_expert_pb2.RankStep(
+                rank=r.rank,
+                bytes_streamed=r.bytes_streamed,
+                expert_wait_ns=r.expert_wait,
+                collectives_ns=r.collectives,
+                step_ns=r.step,
+            )
+            for r in out.ranks
+        ],
     )
 
 
@@ -164,7 +174,8 @@ def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
         _enum_from_pb(STEP_KIND_FROM_PB, t.kind, "timings.kind"),
         **{k: getattr(t, f"{k}_ns") for k in StepTimings().stages()},
     )
-    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs)
+    ranks = [RankStep(r.rank, r.bytes_streamed, r.expert_wait_ns, r.collectives_ns, r.step_ns) for r in m.ranks]
+    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs, ranks)
 
 
 def _enum_from_pb(table: dict[int, _E], value: int, field: str) -> _E:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -12,6 +12,12 @@ from moe_lightning.stages.moe import expert_ffn, experts_forward, route
 from moe_lightning.stages.norm import norm
 from moe_lightning.weights import ExpertWeights, LayerWeights
 
+Reduce = Callable[[torch.Tensor], torch.Tensor]  # sums a partial result over tensor-parallel ranks
+
+
+def _alone(t: torch.Tensor) -> torch.Tensor:
+    return t
+
 
 def post_attention(
     spec: ModelSpec,
@@ -19,20 +25,23 @@ def post_attention(
     residual: torch.Tensor,
     attn_out: torch.Tensor,
     experts: Sequence[ExpertWeights] | None = None,
+    reduce: Reduce = _alone,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual: (T, D), attn_out: (T, H * Hd) -> (new residual (T, D), tokens per expert (E,)).
 
     `experts` overrides `layer.experts` (streamed or remote experts); the counts are returned so
     the caller can count routing for hot-expert residency; a dense layer returns (0,) counts.
+    On a tensor-parallel rank (moe_lightning/tensor_parallel.py) o_proj and the FFNs give partial
+    sums: `reduce` adds them up over the ranks, once after attention and once after the FFNs.
     """
-    h = residual + linear(attn_out, layer.wo)  # (T, D)
+    h = residual + reduce(linear(attn_out, layer.wo))  # (T, D)
     x = norm(spec, h, layer.ffn_norm)  # (T, D)
     if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
         assert layer.mlp is not None
-        return h + expert_ffn(layer.mlp, x), torch.empty(0, dtype=torch.long, device=x.device)
+        return h + reduce(expert_ffn(layer.mlp, x)), torch.empty(0, dtype=torch.long, device=x.device)
     weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
     moe, counts = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D), (E,)
     if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate
         assert layer.shared_gate is not None
         moe = moe + torch.sigmoid(linear(x, layer.shared_gate)) * expert_ffn(layer.shared, x)  # (T, D)
-    return h + moe, counts
+    return h + reduce(moe), counts

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -21,42 +20,31 @@ from prometheus_client import Counter
 from moe_lightning.handoff import HandoffHeader, QKVHandoff, SequenceBatch, pipeline_window
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.placement import Side
-from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
+from moe_lightning.plan import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, sample, token_logprobs
 from moe_lightning.service.errors import NotReadyError, OutOfMemoryError, ServiceError, is_out_of_memory
 from moe_lightning.service.metrics import SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages import embed_tokens, head_logits, post_attention, pre_attention
-from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from moe_lightning.stages import head_logits, post_attention, pre_attention
+from moe_lightning.stages.attention import paged_attention, plan_attention, write_kv
+from moe_lightning.stages.post_attention import Reduce
+from moe_lightning.tensor_parallel import SOLO, Shard, rank_spec
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 from services.gpu_expert.clock import StageClock
 from services.gpu_expert.handoff_link import HandoffLink
+from services.gpu_expert.hot_experts import HotExperts
+from services.gpu_expert.micro_batch import MicroBatchState, check_micro_batch
 from services.gpu_expert.pager import ExpertPager
-from services.gpu_expert.residency import plan_residency
-from services.gpu_expert.routing import EXPORT_EVERY, RoutingCounts
+from services.gpu_expert.ranks import RankGroup, RankGroupError
+from services.gpu_expert.routing import RoutingCounts
 from services.gpu_expert.schedule import SEND, cgopipe_order, sequential_order
 
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
-RESIDENCY_CHANGES = Counter("moe_lightning_residency_changes_total", "Hot-expert residency updates")
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
 SYNCS = Counter("moe_lightning_cuda_syncs_total", "Host synchronisations with the device (--count-syncs)", ["kind"])
 OOMS = Counter("moe_lightning_step_out_of_memory_total", "Steps that ran out of memory")
-
-
-@dataclass(slots=True)
-class _MicroBatchState:
-    works: list[SequenceWork]
-    positions: torch.Tensor  # (T,)
-    hidden: torch.Tensor  # (T, D)
-    last_rows: torch.Tensor  # (B,)
-    attention: AttentionPlan | None = None  # set when attention runs here, over the device KV cache
-
-
-def _to_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor onto the device without blocking the host (pinned, then async)."""
-    return values.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else values
 
 
 class ExpertRunner:
@@ -65,15 +53,20 @@ class ExpertRunner:
         spec: ModelSpec,
         weights: ModelWeights,
         device: torch.device,
-        link: HandoffLink,
+        link: HandoffLink | None,
         pager: ExpertPager | None = None,
         kv: PagedKVCache | None = None,
         residency_interval: int = 0,
         timeline: TimelineRecorder | None = None,
         overlap: bool = True,
         count_syncs: bool = False,
+        shard: Shard = SOLO,
+        group: RankGroup | None = None,
     ) -> None:
-        self.spec = spec
+        """`link`: the hand-off channels to cpu_attention (None on a rank other than 0: rank 0 talks
+        to it for the group). `spec` is the whole model; a rank runs its part (`rank_spec`)."""
+        self.shard, self.group = shard, group
+        self.spec = rank_spec(spec, shard)
         self.weights = weights
         self.device = device
         self.link = link
@@ -89,7 +82,9 @@ class ExpertRunner:
         self._unsent_release: list[int] = []  # finished sequences cpu_attention has not been told of
         self.clock = StageClock(device, timeline or TimelineRecorder(None, "gpu_expert"))
         self.routing = RoutingCounts(spec.num_layers, spec.num_experts, device)
-        self._decode_steps = 0
+        self.hot = HotExperts(self.spec, pager, residency_interval, self.routing)
+        self.rank_slots = (1, 1)  # a rank other than 0: rank 0's channels' slots (connect_rank)
+        self.reduce: Reduce = group.all_reduce if group is not None else (lambda t: t)
 
     def connect(self, input_channel: str, session: int = 0) -> None:
         """Wires the attention channel and starts a new session (see the attention worker's connect):
@@ -100,11 +95,24 @@ class ExpertRunner:
             self.kv.reset()
         if self.pager is not None:
             self.pager.reset()
+        if self.link is None:  # a rank other than 0: rank 0 holds the channels
+            raise RuntimeError("connect_rank: only rank 0 connects to the attention service")
         self.link.connect(input_channel, session)  # stamped on every hand-off; replies of another session are stale
         self.connected = True
         self.log.info("input_connected", channel=input_channel)
 
-    def _prepare(self, plan: StepPlan) -> list[_MicroBatchState]:
+    def connect_rank(self, slots: tuple[int, int]) -> None:
+        """A rank other than 0, when rank 0 connected: the same new session, and the channels' slot
+        counts, which set the CGOPipe order every rank must follow alike."""
+        self.samplers.clear()
+        if self.kv is not None:
+            self.kv.reset()
+        if self.pager is not None:
+            self.pager.reset()
+        self.rank_slots = slots
+        self.connected = True
+
+    def _prepare(self, plan: StepPlan) -> list[MicroBatchState]:
         for seq in plan.release:
             self.samplers.pop(seq, None)
             if self.kv is not None:
@@ -120,38 +128,22 @@ class ExpertRunner:
         if self.pager is not None and plan.placement.experts != self._pages_for:
             self.pager.reset()  # placement changed: pages prefetched for the old one are dropped
         self._pages_for = plan.placement.experts
-        states = []
-        for mb in plan.micro_batches:
-            if not mb:
-                raise ServiceError("a micro-batch is empty", grpc.StatusCode.INVALID_ARGUMENT)
-            for w in mb:
-                if w.sampling is not None:
-                    self.samplers[w.seq_id] = (w.sampling, w.sampling.make_generator(self.device))
-                elif w.seq_id not in self.samplers:
-                    raise ServiceError(
-                        f"sequence {w.seq_id} is unknown here: its first step must carry sampling parameters",
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                    )
-                if not w.token_ids:
-                    raise ServiceError(f"sequence {w.seq_id} has no new tokens", grpc.StatusCode.INVALID_ARGUMENT)
-            tokens = _to_device(torch.tensor([t for w in mb for t in w.token_ids], dtype=torch.long), self.device)
-            positions = torch.cat([torch.arange(w.start, w.start + len(w.token_ids)) for w in mb])
-            last = torch.tensor([len(w.token_ids) for w in mb]).cumsum(0) - 1
-            st = _MicroBatchState(
-                mb,
-                _to_device(positions, self.device),
-                embed_tokens(self.weights.embed, tokens),
-                _to_device(last, self.device),
-            )
-            if plan.placement.attention_on_device:
-                assert self.kv is not None
-                try:
-                    md = self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
-                except ValueError as exc:
-                    raise ServiceError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
-                st.attention = plan_attention(md, self.spec.sliding_window, device=self.device)
-            states.append(st)
-        return states
+        return [self._micro_batch(mb, plan.placement.attention_on_device) for mb in plan.micro_batches]
+
+    def _micro_batch(self, mb: list[SequenceWork], attention_here: bool) -> MicroBatchState:
+        check_micro_batch(mb, self.samplers)
+        for w in mb:
+            if w.sampling is not None:
+                self.samplers[w.seq_id] = (w.sampling, w.sampling.make_generator(self.device))
+        st = MicroBatchState.embed(mb, self.weights.embed, self.device)
+        if attention_here:
+            assert self.kv is not None
+            try:
+                md = self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
+            except ValueError as exc:
+                raise ServiceError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
+            st.attention = plan_attention(md, self.spec.sliding_window, device=self.device)
+        return st
 
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepOutput:
@@ -178,31 +170,28 @@ class ExpertRunner:
         timings = StepTimings(plan.kind)
         self.clock.begin_step()
         waited = self.pager.wait_seconds if self.pager is not None else 0.0
+        streamed = self.pager.bytes_streamed if self.pager is not None else 0
+        prepared = False
         try:
             states = self._prepare(plan)
+            prepared = True  # from here on a failure leaves the ranks out of step
             if plan.placement.attention_on_device:
                 self._run_with_local_attention(plan, states)
             else:
                 self._run_pipeline(plan, states, timings)
-            t0 = self.clock.mark()
-            hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
-            logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
             works = [w for st in states for w in st.works]
-            chosen = [self.samplers[w.seq_id] for w in works]
-            tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
-            logprobs = {
-                w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
-                for b, (w, c) in enumerate(zip(works, chosen, strict=True))
-                if c[0].logprobs
-            }
-            self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
+            tokens, logprobs = self._head(states, works) if self.shard.leads else ([], {})
             # after the sampled tokens reached the host: the step's events have all completed, so the
             # device-side expert waits are known without waiting for anything
             if self.pager is not None:
                 self.pager.end_step()
-            self.link.end_step()
+            if self.link is not None:
+                self.link.end_step()
         except BaseException as exc:
             self._recover()
+            if self.group is not None and prepared and not isinstance(exc, RankGroupError):
+                where = f"rank {self.shard.rank} failed mid-step"
+                raise RankGroupError(f"{where}, the ranks are out of step: {exc}") from exc
             if is_out_of_memory(exc):
                 OOMS.inc()
                 raise OutOfMemoryError(
@@ -215,31 +204,55 @@ class ExpertRunner:
         if self.pager is not None:
             timings.expert_wait = int((self.pager.wait_seconds - waited) * 1e9)
         timings.step = time.perf_counter_ns() - t_start
+        ranks = []
+        if self.group is not None:
+            timings.collectives = self.group.take_collective_ns()
+            mine = self.pager.bytes_streamed - streamed if self.pager is not None else 0
+            ranks = self.group.gather_stats(
+                RankStep(self.shard.rank, mine, timings.expert_wait, timings.collectives, timings.step)
+            )
         for stage in ("pre_attention", "post_attention", "head"):
             BUSY.labels(stage).inc(getattr(timings, stage) / 1e9)
         SHM_WAIT.inc(timings.attention_wait / 1e9)
         STEPS.labels(plan.kind).inc()
         TOKENS.inc(len(tokens))
         if plan.kind is StepKind.DECODE:
-            self._after_decode_step()
-        return StepOutput([w.seq_id for w in works], tokens, timings, logprobs)
+            self.hot.after_decode_step()
+        return StepOutput([w.seq_id for w in works] if self.shard.leads else [], tokens, timings, logprobs, ranks)
+
+    def _head(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict]:
+        """Rank 0's: the logits of each sequence's last row, its sampled token and log-probabilities."""
+        t0 = self.clock.mark()
+        hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
+        logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
+        chosen = [self.samplers[w.seq_id] for w in works]
+        tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
+        logprobs = {
+            w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
+            for b, (w, c) in enumerate(zip(works, chosen, strict=True))
+            if c[0].logprobs
+        }
+        self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
+        return tokens, logprobs
 
     def _recover(self) -> None:
         """After a failed step: consume the results still owed, drop prefetched pages and free the
         device's cached blocks (an out-of-memory step must not leave the next one short)."""
-        self.link.drain()
+        if self.link is not None:
+            self.link.drain()
         if self.pager is not None:
             self.pager.reset()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     # ---- schedules ------------------------------------------------------------------------------
-    def _run_pipeline(self, plan: StepPlan, states: list[_MicroBatchState], timings: StepTimings) -> None:
+    def _run_pipeline(self, plan: StepPlan, states: list[MicroBatchState], timings: StepTimings) -> None:
         self._send_release(plan)  # ahead of layer 0, which may start new sequences in the freed blocks
         n_ub = len(states)
         layers = self.spec.num_layers
         if self.overlap:
-            order = cgopipe_order(layers, n_ub, pipeline_window(n_ub, *self.link.slots))
+            slots = self.link.slots if self.link is not None else self.rank_slots
+            order = cgopipe_order(layers, n_ub, pipeline_window(n_ub, *slots))
         else:
             order = sequential_order(layers, n_ub)
         experts: Sequence[ExpertWeights] | None = None
@@ -259,11 +272,13 @@ class ExpertRunner:
                 self._end_layer(plan, op.layer)
 
     def _send_release(self, plan: StepPlan) -> None:
+        if self.link is None:
+            return
         if self._unsent_release and not plan.placement.attention_on_device:
             self.link.send_release(plan.step_id, self._unsent_release)
             self._unsent_release = []
 
-    def _run_with_local_attention(self, plan: StepPlan, states: list[_MicroBatchState]) -> None:
+    def _run_with_local_attention(self, plan: StepPlan, states: list[MicroBatchState]) -> None:
         """No hand-offs: the pages of the next layer still interleave with the micro-batches."""
         for layer_idx, layer in enumerate(self.weights.layers):
             experts = self._begin_layer(plan, layer_idx)
@@ -275,11 +290,17 @@ class ExpertRunner:
 
     # ---- stages ---------------------------------------------------------------------------------
     def _send(
-        self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: _MicroBatchState, timings: StepTimings
+        self, plan: StepPlan, layer_idx: int, layer: LayerWeights, m: int, st: MicroBatchState, timings: StepTimings
     ) -> None:
         t0 = self.clock.mark()
         q, k, v = pre_attention(self.spec, layer, st.hidden, st.positions)
         self.clock.span("pre_attention", "pre_attention", layer_idx, m, t0, self.clock.mark())
+        if self.group is not None:  # rank 0 sends every rank's heads in one hand-off
+            gathered = self.group.gather_qkv(q, k, v)
+            if gathered is None:
+                return
+            q, k, v = gathered
+        assert self.link is not None
         h0 = time.perf_counter_ns()
         batch = None
         if layer_idx == 0:
@@ -296,29 +317,33 @@ class ExpertRunner:
         layer_idx: int,
         layer: LayerWeights,
         m: int,
-        st: _MicroBatchState,
+        st: MicroBatchState,
         experts: Sequence[ExpertWeights] | None,
         timings: StepTimings,
     ) -> None:
         h0 = time.perf_counter_ns()
-        attn = self.link.receive(plan.step_id, layer_idx, m)
+        attn = self.link.receive(plan.step_id, layer_idx, m) if self.link is not None else None
         timings.attention_wait += time.perf_counter_ns() - h0
+        if self.group is not None:  # each rank takes its heads of the result
+            attn = self.group.scatter_heads(attn, st.hidden.shape[0], st.hidden.dtype)
+        assert attn is not None
         t0 = self.clock.mark()
         self._post_attention(layer_idx, layer, st, attn, experts)
         self.clock.span("post_attention", "post_attention", layer_idx, m, t0, self.clock.mark())
-        self.link.done_with_input()
+        if self.link is not None:
+            self.link.done_with_input()
 
     def _post_attention(
         self,
         layer_idx: int,
         layer: LayerWeights,
-        st: _MicroBatchState,
+        st: MicroBatchState,
         attn: torch.Tensor,
         experts: Sequence[ExpertWeights] | None,
     ) -> None:
         """The stage after attention, wherever attention ran; routing is counted for hot-expert
         residency (a dense layer routes nothing)."""
-        st.hidden, counts = post_attention(self.spec, layer, st.hidden, attn, experts)
+        st.hidden, counts = post_attention(self.spec, layer, st.hidden, attn, experts, self.reduce)
         self.routing.add(layer_idx, counts)
 
     def _attend_here(
@@ -327,7 +352,7 @@ class ExpertRunner:
         layer_idx: int,
         layer: LayerWeights,
         m: int,
-        st: _MicroBatchState,
+        st: MicroBatchState,
         experts: Sequence[ExpertWeights] | None,
     ) -> None:
         assert self.kv is not None and st.attention is not None
@@ -361,33 +386,5 @@ class ExpertRunner:
         if self.pager is not None and not plan.placement.experts_on_host:
             self.pager.end_layer(layer_idx)
 
-    # ---- hot-expert residency -------------------------------------------------------------------
-    def _after_decode_step(self) -> None:
-        self._decode_steps += 1
-        if self._decode_steps % EXPORT_EVERY == 0:
-            self.routing.export()
-        if self.residency_interval and self._decode_steps % self.residency_interval == 0:
-            self.rebalance()
-
     def rebalance(self) -> None:
-        """Between steps: keep the experts that routing uses most resident (hot-expert residency)."""
-        pager = self.pager
-        if pager is None or pager.plan.max_streamed == 0:
-            return
-        p = pager.plan
-        new = plan_residency(
-            self.spec.num_layers,
-            self.spec.num_experts,
-            p.expert_bytes,
-            p.dense_bytes,
-            p.budget,
-            hot=self.routing.ranking(),
-            stream=p.ring_slots > 0,
-            dense_layers=self.spec.dense_layers,
-        )
-        if new.resident != p.resident and new.ring_slots == p.ring_slots:
-            moved = sum(len(set(a) ^ set(b)) for a, b in zip(new.resident, p.resident, strict=True)) // 2
-            pager.update_residency(new)
-            RESIDENCY_CHANGES.inc()
-            self.log.info("residency_updated", experts_swapped=moved, after_decode_steps=self._decode_steps)
-        self.routing.decay()
+        self.hot.rebalance()

@@ -14,13 +14,20 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_quantize_flags, add_service_flags, internal_address
+from moe_lightning.flags import (
+    EnvDefaultsParser,
+    add_quantize_flags,
+    add_service_flags,
+    internal_address,
+    positive_int,
+)
 from moe_lightning.quant.resolve import resolve_scheme
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import WEIGHT_STORE
 from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.spec import DTYPE_CHOICES, ModelSpec, resolve_dtype
+from moe_lightning.tensor_parallel import check_splittable
 from moe_lightning.tokenizer import TextTokenizer
 from services.weight_store.store import ARENA, READY, LoadReport, WeightArena
 
@@ -68,6 +75,12 @@ def build_parser() -> EnvDefaultsParser:
     )
     add_quantize_flags(p)
     p.add_argument(
+        "--tensor-parallel",
+        type=positive_int,
+        default=1,
+        help="gpu_expert's ranks (its --gpus): each expert is laid out as that many slices, one range each",
+    )
+    p.add_argument(
         "--cache-dir",
         type=Path,
         default=None,
@@ -111,7 +124,8 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
     dtype = resolve_dtype(args.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
     cache_dir = None if args.no_cache else args.cache_dir or default_cache_dir()
     scheme = resolve_scheme(args.model, args.quantize, args.quantize_group_size)
-    arena = WeightArena(args.model, spec, dtype, cache_dir, args.run_id, scheme)
+    check_splittable(spec, args.tensor_parallel, scheme)
+    arena = WeightArena(args.model, spec, dtype, cache_dir, args.run_id, scheme, args.tensor_parallel)
     runtime.on_shutdown(arena.close)  # before the load: a load that fails still releases the arena
     report = arena.load(progress=not args.no_progress)
     servicer.ready(arena, report)
@@ -123,6 +137,7 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
         "region": arena.segment.name,
         "bytes": arena.layout.total_bytes,
         "experts": scheme.key(),
+        "tensor_parallel": args.tensor_parallel,
         "from_cache": report.from_cache,
         "adopted": report.adopted,
         "load_seconds": round(report.seconds, 3),

@@ -49,15 +49,16 @@ class WeightArena:
         cache_dir: Path | None,
         run_id: str,
         scheme: QuantScheme | None = None,
+        ranks: int = 1,
     ) -> None:
         self.model_dir = model_dir
         self.spec = spec
         self.dtype = dtype
         self.cache_dir = cache_dir
-        self.layout = ArenaLayout.for_spec(spec, dtype, scheme)
+        self.layout = ArenaLayout.for_spec(spec, dtype, scheme, ranks)  # each rank's slice of an expert: one range
         self.log = structlog.get_logger()
         self.run_id = run_id
-        self.key = checkpoint_key(model_dir, dtype, scheme)  # the format too: an int4 arena is not an fp32 one
+        self.key = checkpoint_key(model_dir, dtype, scheme, ranks)  # the format too: an int4 arena is not an fp32 one
         name = segment_name(run_id, "weight_store", ARENA)
         self.adopted = self._adopt_predecessor(name)
         if self.adopted:

@@ -31,7 +31,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("device", "weight_bytes", "device_memory_bytes", "output_channel", "measurements", "device_kv_blocks", "device_kv_block_size", "resident_experts", "expert_ring_slots", "max_handoff_tokens")
+    __slots__ = ("device", "weight_bytes", "device_memory_bytes", "output_channel", "measurements", "device_kv_blocks", "device_kv_block_size", "resident_experts", "expert_ring_slots", "max_handoff_tokens", "tensor_parallel_ranks")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class DescribeResponse(_message.Message):
     RESIDENT_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_RING_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_HANDOFF_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_RANKS_FIELD_NUMBER: _ClassVar[int]
     device: str
     weight_bytes: int
     device_memory_bytes: int
@@ -52,7 +53,8 @@ class DescribeResponse(_message.Message):
     resident_experts: int
     expert_ring_slots: int
     max_handoff_tokens: int
-    def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., device_kv_blocks: _Optional[int] = ..., device_kv_block_size: _Optional[int] = ..., resident_experts: _Optional[int] = ..., expert_ring_slots: _Optional[int] = ..., max_handoff_tokens: _Optional[int] = ...) -> None: ...
+    tensor_parallel_ranks: int
+    def __init__(self, device: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., device_memory_bytes: _Optional[int] = ..., output_channel: _Optional[str] = ..., measurements: _Optional[_Union[_common_pb2.HardwareMeasurements, _Mapping]] = ..., device_kv_blocks: _Optional[int] = ..., device_kv_block_size: _Optional[int] = ..., resident_experts: _Optional[int] = ..., expert_ring_slots: _Optional[int] = ..., max_handoff_tokens: _Optional[int] = ..., tensor_parallel_ranks: _Optional[int] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("input_channel", "session")
@@ -107,7 +109,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns")
+    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PRE_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
     POST_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +120,7 @@ class StepTimings(_message.Message):
     DEVICE_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
     HANDLER_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_NS_FIELD_NUMBER: _ClassVar[int]
     kind: StepKind
     pre_attention_ns: int
     post_attention_ns: int
@@ -128,18 +131,35 @@ class StepTimings(_message.Message):
     device_attention_ns: int
     step_ns: int
     handler_ns: int
-    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ...) -> None: ...
+    collectives_ns: int
+    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ...) -> None: ...
+
+class RankStep(_message.Message):
+    __slots__ = ("rank", "bytes_streamed", "expert_wait_ns", "collectives_ns", "step_ns")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVES_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_NS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    bytes_streamed: int
+    expert_wait_ns: int
+    collectives_ns: int
+    step_ns: int
+    def __init__(self, rank: _Optional[int] = ..., bytes_streamed: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ..., step_ns: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs")
+    __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs", "ranks")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     timings: StepTimings
     logprob_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStep]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...

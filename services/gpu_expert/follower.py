@@ -1,0 +1,77 @@
+"""A gpu_expert rank other than 0: started by rank 0 (leader.py), it joins the group, builds its
+slice (worker.py) and then runs what rank 0 sends: each step on its slice, a new session when rank
+0 connects, a stop at shutdown. It has no gRPC server of its own: rank 0 speaks for the group and
+reports each rank's share of a step (its bytes streamed, its time in collectives)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import struct
+
+import structlog
+import torch
+
+from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
+from moe_lightning.service.convert import layout_from_pb, step_plan_from_pb
+from moe_lightning.service.errors import ServiceError
+from moe_lightning.service.logs import configure_logging
+from moe_lightning.service.upstream import fetch_manifest
+from moe_lightning.tensor_parallel import Shard
+from services.gpu_expert.ranks import Command, RankGroup, RankGroupError
+from services.gpu_expert.worker import build_worker, rank_device
+
+CONNECT = struct.Struct("<qqq")  # the CONNECT payload: session, rank 0's output and input channel slots
+
+
+def rank_threads(args: argparse.Namespace, world: int) -> int:
+    """torch threads of one rank: --threads, or on a CPU device the cores shared out among the ranks."""
+    if args.threads > 0 or world == 1:
+        return args.threads
+    if torch.device(args.device).type != "cpu":
+        return 0
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def follower_main(args: argparse.Namespace) -> int:
+    shard = Shard(args.tp_rank, args.gpus)
+    log = configure_logging(f"gpu_expert.rank{shard.rank}", args.log_level, args.log_json or None)
+    structlog.contextvars.bind_contextvars(rank=shard.rank)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # rank 0 is gone or stops us: nothing to hand back
+    if threads := rank_threads(args, shard.world):
+        torch.set_num_threads(threads)
+    spec, manifest = fetch_manifest(args.weight_store)
+    layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
+    device = rank_device(args.device, shard)
+    try:
+        group = RankGroup(spec, shard, device, args.tp_backend, args.tp_timeout, args.tp_rendezvous)
+        worker = build_worker(args, spec, manifest, layout, shard, group)
+        group.wait_all_ready(args.tp_startup_timeout)
+    except RankGroupError as exc:
+        log.error("startup_failed", error=str(exc))
+        return 1
+    log.info("rank_ready", device=str(device), weight_bytes=worker.weight_bytes, budget=worker.budget)
+    runner = worker.runner
+    try:
+        while True:
+            command, payload = group.receive_command()
+            if command is Command.STOP:
+                break
+            if command is Command.CONNECT:
+                _session, out_slots, in_slots = CONNECT.unpack(payload)
+                runner.connect_rank((out_slots, in_slots))
+            elif command is Command.STEP:
+                try:
+                    runner.step(step_plan_from_pb(gpu_expert_pb2.StepRequest.FromString(payload)))
+                except RankGroupError:
+                    raise
+                except ServiceError as exc:  # refused before it ran: rank 0 refused it alike
+                    log.info("step_refused", error=str(exc))
+    except RankGroupError as exc:
+        log.error("tensor_parallel_group_failed", error=str(exc))
+        return 1
+    finally:
+        worker.close(idle=True)
+    group.close()
+    return 0

@@ -1,0 +1,172 @@
+"""What one gpu_expert rank builds at start: its device, its slice of the weights mapped from the
+arena, what stays on its device, its kernels and roofs measured, and the runner. Rank 0 (the
+service, server.py) and every other rank (follower.py) build alike."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+import torch
+
+from moe_lightning.api.weight_store.v1 import weight_store_pb2
+from moe_lightning.arena import ArenaLayout, weights_from_arena
+from moe_lightning.handoff import handoff_slot_bytes
+from moe_lightning.hrm.calibrate import Measurements, cached_measurements, expert_side_key, measure_expert_side
+from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.quant import kernels
+from moe_lightning.service.convert import DTYPE_FROM_PB
+from moe_lightning.shm import Segment, TensorChannel, segment_name
+from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.tensor_parallel import Shard, rank_spec
+from moe_lightning.timeline import TimelineRecorder
+from services.gpu_expert.handoff_link import HandoffLink
+from services.gpu_expert.memory import default_budget
+from services.gpu_expert.pager import ExpertPager
+from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
+from services.gpu_expert.ranks import RankGroup
+from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan_residency
+from services.gpu_expert.runner import ExpertRunner
+
+# the host's experts on a GPU box: only if the plan places experts there, where each GEMM is slow
+HOST_WARM_UP_ROWS = 64
+
+
+@dataclass
+class Worker:
+    runner: ExpertRunner
+    device: torch.device
+    budget: int
+    measurements: Measurements
+    residency: ResidencyPlan
+    weight_bytes: int  # this rank's: its slice of the model
+    output: TensorChannel | None  # rank 0's hand-off channel to cpu_attention
+    closers: list[Callable[[bool], None]] = field(default_factory=list)
+
+    def close(self, idle: bool) -> None:
+        """`idle`: no step runs, so memory a copy may use can be unpinned."""
+        for fn in reversed(self.closers):
+            fn(idle)
+
+
+def rank_device(device: str, shard: Shard) -> torch.device:
+    """Rank r of a group on `cuda` (or `cuda:i`) takes the r-th device from there; on a CPU all share it."""
+    base = torch.device(device)
+    if base.type != "cuda" or shard.world == 1:
+        return base
+    return torch.device("cuda", (base.index or 0) + shard.rank)
+
+
+def _device_kv_cache(
+    spec: ModelSpec, device: torch.device, dtype: torch.dtype, nbytes: int, block_size: int
+) -> PagedKVCache | None:
+    """A KV cache on the device for attention placed there, in the weights' compute dtype (of the
+    rank's KV heads)."""
+    if nbytes <= 0:
+        return None
+    blocks = PagedKVCache.blocks_in(nbytes, spec, block_size, dtype, "--device-kv-memory")
+    return PagedKVCache(spec, blocks, block_size, dtype=dtype, device=device)
+
+
+def build_worker(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    manifest: weight_store_pb2.GetManifestResponse,
+    layout: ArenaLayout,
+    shard: Shard,
+    group: RankGroup | None,
+) -> Worker:
+    log = structlog.get_logger()
+    device = rank_device(args.device, shard)
+    mine = rank_spec(spec, shard)
+    itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
+    budget, reserve = default_budget(device, mine, args.max_tokens_per_handoff, itemsize)
+    if args.device_memory is not None:
+        if device.type == "cuda" and args.device_memory > budget:
+            log.warning("device_memory_above_free", asked=args.device_memory, free_less_reserve=budget)
+        budget = args.device_memory
+    elif reserve:
+        log.info("device_memory_default", budget=budget, kept_back=reserve)
+    arena = Segment.attach(manifest.region)
+    closers: list[Callable[[bool], None]] = [lambda idle: arena.close()]
+    pinned = pin_host_memory(arena.bytes(), device)
+    if pinned:
+        closers.append(lambda idle: unpin_host_memory(arena.bytes(), device) if idle else None)
+    weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True, shard=shard)
+    first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
+    rank = shard.rank if shard.world > 1 else None
+    expert_bytes = layout.expert_page_bytes(first, 0, rank)  # what one streamed expert moves (its scales included)
+    if shard.world == 1:
+        dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
+    else:  # the rank's slices of the dense weights (and the head on rank 0)
+        dense_bytes = weights.nbytes() - spec.total_experts * expert_bytes
+    weight_budget = budget - args.device_kv_memory
+    shape = (spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
+    try:
+        residency = plan_residency(*shape, dense_layers=spec.dense_layers)
+    except DeviceBudgetError as exc:  # no room to stream: what does not fit can still run on the host
+        residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
+        log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
+    timeline = TimelineRecorder(args.timeline, "gpu_expert" if shard.world == 1 else f"gpu_expert.rank{shard.rank}")
+    closers.append(lambda idle: timeline.close())
+    pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
+    closers.append(lambda idle: pager.close())
+    kv = _device_kv_cache(mine, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
+    output, link = None, None
+    if shard.leads:
+        output = TensorChannel.create(
+            segment_name(args.run_id, "gpu_expert", "qkv"),
+            args.handoff_slots,
+            handoff_slot_bytes(spec, args.max_tokens_per_handoff, "qkv"),
+        )
+        link = HandoffLink(output, device)
+        closers.append(lambda idle: link.close(unpin=idle))
+    # as it computes: resident, else buffer slots, else on the host
+    experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
+    kernels.configure(args.expert_kernels)
+    scheme = layout.expert_scheme()
+    dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
+    if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
+        kernels.warm_up([experts[0].w13, experts[0].w2], dtype)
+        host = weights.layers[first].experts[0]  # computed where it lives, when experts are placed there
+        if host.device != experts[0].device:  # decode-sized buckets now; more rows on first use
+            kernels.warm_up([host.w13, host.w2], dtype, max_rows=HOST_WARM_UP_ROWS)
+        log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
+    dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
+    measurements = cached_measurements(
+        expert_side_key(device, dtype, mine, scheme),
+        lambda: measure_expert_side(experts, str(device), budget, dtype=dtype, dense=dense, scheme=scheme),
+        refresh=args.recalibrate,
+        cache_dir=args.profile_cache,
+    )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the calibration buffers' blocks go back to the device for activations
+    runner = ExpertRunner(
+        spec,
+        weights,
+        device,
+        link,
+        pager,
+        kv,
+        residency_interval=args.residency_interval,
+        timeline=timeline,
+        overlap=not args.no_overlap,
+        count_syncs=args.count_syncs,
+        shard=shard,
+        group=group,
+    )
+    log.info(
+        "residency",
+        resident_experts=sum(len(r) for r in residency.resident),
+        of=spec.total_experts,
+        ring_slots=residency.ring_slots,
+        double_buffered=residency.double_buffered,
+        device_kv_blocks=kv.allocator.num_blocks if kv is not None else 0,
+        device_bytes=residency.device_bytes,
+        budget=budget,
+        expert_slice_bytes=expert_bytes,
+    )
+    weight_bytes = layout.total_bytes if shard.world == 1 else dense_bytes + spec.total_experts * expert_bytes
+    return Worker(runner, device, budget, measurements, residency, weight_bytes, output, closers)

@@ -1,0 +1,85 @@
+"""gpu_expert as 2 and 3 tensor-parallel ranks (gloo, on this CPU) through the real processes
+(`up --gpus N`): greedy tokens and top-20 log-probabilities equal transformers' own model on
+Mixtral, Qwen2-MoE (shared expert, a dense layer, one KV head replicated on every rank) and DBRX,
+with the experts streamed through every rank's own buffer slots and with every expert resident;
+each rank streams its own slices, whole ones (docs/parallel.md)."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from moe_lightning.arena import ArenaLayout
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.launcher import Stack
+from moe_lightning.spec import ModelSpec
+
+from reference import assert_top_logprobs_match, hf_greedy, load_hf, save_hf
+from test_families import PROMPTS
+from tp_configs import TP_FAMILIES, rank_device_budget
+
+STEPS = 8
+
+
+@pytest.fixture(scope="module", params=list(TP_FAMILIES))
+def tp_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    arch, config = TP_FAMILIES[request.param]
+    model = save_hf(arch, tmp_path_factory.mktemp(request.param), seed=3, **config)
+    hf = load_hf(model)
+    return model, [hf_greedy(hf, p, STEPS) for p in PROMPTS]
+
+
+def metrics(stack: Stack) -> str:
+    with urllib.request.urlopen(stack.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
+        return r.read().decode()
+
+
+@pytest.mark.parametrize("experts", ["streamed", "resident"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_match_transformers(
+    tp_model: tuple[Path, list], world: int, experts: str, make_stack: Callable[..., Stack]
+) -> None:
+    model, reference = tp_model
+    spec = ModelSpec.from_pretrained(model)
+    streamed = experts == "streamed"
+    budget = rank_device_budget(model, world, spec.num_experts + 1) if streamed else None  # a layer + a slice
+    s = make_stack(
+        model=model,
+        gpus=world,
+        kv_cache_memory="16MiB",
+        micro_batch_size=2,
+        device_memory=str(budget) if budget else None,
+        experts_placement="gpu",
+    )
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate(
+            [Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True, logprobs=20) for p in PROMPTS]
+        )
+    text = metrics(s)
+    s.stop()
+    lines = (s.config.log_dir / "orchestrator.log").read_text().splitlines()
+    planned = [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e.get("event") == "planned"]
+    assert planned and planned[0]["tensor_parallel_ranks"] == world  # the HRM plans for the ranks running
+    assert planned[0]["hardware"].startswith(f"{world}x")
+    assert_top_logprobs_match(done, reference, STEPS)
+    per_rank = {
+        int(r): float(v)
+        for r, v in re.findall(r'^moe_lightning_rank_expert_bytes_streamed_total\{rank="(\d+)"\} (\S+)', text, re.M)
+    }
+    assert sorted(per_rank) == list(range(world))
+    layout = ArenaLayout.for_spec(spec, "float32", ranks=world)
+    first = spec.experts_per_layer.index(spec.num_experts)
+    for rank, nbytes in per_rank.items():
+        slice_bytes = layout.expert_page_bytes(first, 0, rank)
+        assert slice_bytes * world < ArenaLayout.for_spec(spec, "float32").expert_page_bytes(first) * 1.1
+        if streamed:  # whole slices, one transfer each, on every rank's own buffer slots
+            assert nbytes > 0 and nbytes % slice_bytes == 0, (rank, nbytes, slice_bytes)
+        else:
+            assert nbytes == 0
+    collectives = re.findall(r'^moe_lightning_rank_collective_seconds_total\{rank="(\d+)"\} (\S+)', text, re.M)
+    assert len(collectives) == world and all(float(v) > 0 for _, v in collectives)

@@ -1,0 +1,85 @@
+"""A tensor-parallel rank that dies or hangs, with the launcher supervising (as `up --gpus 2` does):
+the group ends as a whole (rank 0 exits, taking the others), requests in flight end UNAVAILABLE, the
+orchestrator goes NOT_SERVING, rank 0 is restarted and forms a new group through a new rendezvous,
+the stack re-wires and answers exactly as before; a hung rank is found by a collective's timeout,
+never waited for forever (docs/parallel.md)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.launcher import Stack
+
+from processes import in_flight, wait_serving, watch_health
+from reference import E2E_PROMPTS as PROMPTS
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The other ranks: rank 0's child processes (forked from any of its threads)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def wait_for_ranks(pid: int, n: int, timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(found := ranks_of(pid)) != n:
+        assert time.monotonic() < deadline, f"rank 0 ({pid}) has {found} children, not {n}"
+        time.sleep(0.1)
+    return found
+
+
+@pytest.fixture(scope="module")
+def supervised(make_module_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
+    s = make_module_stack(
+        gpus=2,
+        cache_dir=tmp_path_factory.mktemp("arena-cache"),
+        extra={"gpu_expert": ["--tp-timeout", "4"]},  # a hung rank is a broken group after 4 s
+    )
+    s.supervise()
+    return s
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_failed_rank_restarts_the_group_and_it_answers_exactly(
+    supervised: Stack, fault: str, reference: dict
+) -> None:
+    wait_serving(supervised.api_address, 90)
+    rank0 = supervised.procs["gpu_expert"].pid
+    (rank1,) = wait_for_ranks(rank0, 1)
+    restarts_before = len(supervised.restarts["gpu_expert"])
+    threads, results = in_flight(supervised, 4)
+    time.sleep(1.0)  # the batch is decoding
+    assert not results, "the requests finished before the fault: make them longer"
+    faulted_at = time.monotonic()
+    os.kill(rank1, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    health = watch_health(supervised.api_address, 15.0)
+    for t in threads:
+        t.join(timeout=60)
+    assert len(results) == 4 and all(not t.is_alive() for t in threads), "a request hung"
+    limit = 5.0 if fault == "killed" else 4.0 + 10.0  # the collective's timeout, then the step fails
+    for ended, r in results:
+        assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE, r
+        assert ended - faulted_at < limit, f"ended {ended - faulted_at:.1f} s after the fault"
+    assert health_pb2.HealthCheckResponse.NOT_SERVING in health, health
+    wait_serving(supervised.api_address, 120)
+    assert len(supervised.restarts["gpu_expert"]) == restarts_before + 1  # rank 0, which leads the group
+    new_rank0 = supervised.procs["gpu_expert"].pid
+    assert new_rank0 != rank0 and wait_for_ranks(new_rank0, 1) != [rank1]
+    with GenerationClient(supervised.api_address, timeout=60) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
+    with pytest.raises(ProcessLookupError):  # the old rank is gone, even the stopped one
+        for _ in range(100):
+            os.kill(rank1, 0)
+            time.sleep(0.1)
