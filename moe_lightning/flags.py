@@ -52,13 +52,14 @@ def parse_size(text: str) -> int:
 
 
 class EnvDefaultsParser(argparse.ArgumentParser):
-    """An ArgumentParser whose options take their default from MOE_LIGHTNING_<FLAG> when set."""
+    """An ArgumentParser whose options take their default from MOE_LIGHTNING_<FLAG> when set (an empty
+    value counts as unset, as compose's `${VAR:-}` passes one)."""
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
         action = super().add_argument(*args, **kwargs)
         if action.option_strings and action.dest != "help":
             env = ENV_PREFIX + action.dest.upper()
-            if env in os.environ:
+            if os.environ.get(env):
                 raw = os.environ[env]
                 if isinstance(action, argparse._StoreTrueAction):
                     action.default = raw.lower() in ("1", "true", "yes", "on")

@@ -106,3 +106,25 @@ def wait_serving(address: str, timeout: float) -> None:
             time.sleep(0.1)
     finally:
         ch.close()
+
+
+def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "moe_lightning.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The other ranks: rank 0's child processes (forked from any of its threads)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def wait_for_ranks(pid: int, n: int, timeout: float = 30) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(found := ranks_of(pid)) != n:
+        assert time.monotonic() < deadline, f"rank 0 ({pid}) has {found} children, not {n}"
+        time.sleep(0.1)
+    return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 
 from moe_lightning.service import names
@@ -74,3 +75,25 @@ def test_dockerfile_installs_the_health_probe() -> None:
     text = (ROOT / "deploy" / "Dockerfile").read_text()
     assert "grpc-health-check" in text and "pip install ." in text
     assert (ROOT / "deploy" / "grpc_health_check.py").is_file()
+
+
+def test_the_gpu_override_gives_gpu_expert_as_many_devices_as_ranks() -> None:
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    ws, gpu = services["weight_store"]["command"], services["gpu_expert"]["command"]
+    assert ws[ws.index("--tensor-parallel") + 1] == gpu[gpu.index("--gpus") + 1] == "${GPUS:-1}"  # the same N
+    override = yaml.safe_load((ROOT / "deploy" / "docker-compose.gpu.yml").read_text())
+    assert set(override["services"]) == {"gpu_expert"}
+    (devices,) = override["services"]["gpu_expert"]["deploy"]["resources"]["reservations"]["devices"]
+    assert devices["count"] == "${GPUS:-1}" and devices["capabilities"] == ["gpu"]
+    env = override["services"]["gpu_expert"]["environment"]  # replaces the base's mapping: its entries kept
+    assert env["MOE_LIGHTNING_RUN_ID"] == services["gpu_expert"]["environment"]["MOE_LIGHTNING_RUN_ID"]
+
+
+def test_an_empty_environment_default_counts_as_unset(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.gpu_expert.server import build_parser
+
+    monkeypatch.setenv("MOE_LIGHTNING_DEVICE_MEMORY", "")  # compose's ${DEVICE_MEMORY:-}
+    assert build_parser().parse_args(["--weight-store", "unix:///x"]).device_memory is None
+    monkeypatch.setenv("MOE_LIGHTNING_DEVICE_MEMORY", "2GiB")
+    assert build_parser().parse_args(["--weight-store", "unix:///x"]).device_memory == 2 << 30

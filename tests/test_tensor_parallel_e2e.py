@@ -7,7 +7,9 @@ each rank streams its own slices, whole ones (docs/parallel.md)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -17,8 +19,10 @@ import pytest
 from moe_lightning.arena import ArenaLayout
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack
+from moe_lightning.shm.segment import list_segments
 from moe_lightning.spec import ModelSpec
 
+from processes import UpProcess, cli, wait_for_ranks
 from reference import assert_top_logprobs_match, hf_greedy, load_hf, save_hf
 from test_families import PROMPTS
 from tp_configs import TP_FAMILIES, rank_device_budget
@@ -83,3 +87,23 @@ def test_ranks_match_transformers(
             assert nbytes == 0
     collectives = re.findall(r'^moe_lightning_rank_collective_seconds_total\{rank="(\d+)"\} (\S+)', text, re.M)
     assert len(collectives) == world and all(float(v) > 0 for _, v in collectives)
+
+
+def test_up_with_two_gpus_on_this_cpu(tiny_model: Path, tmp_path: Path) -> None:
+    """`moe-lightning up --gpus 2 --device cpu` as a user runs it: two ranks, text equal to the
+    in-process engine's, and a clean stop that leaves no rank and no segment behind."""
+    up = UpProcess(tiny_model, f"uptp{os.getpid()}", tmp_path / "logs", "--gpus", "2")
+    try:
+        up.read_endpoints()
+        rank0 = int(up.endpoints["gpu_expert"]["pid"])
+        (rank1,) = wait_for_ranks(rank0, 1)
+        args = ["--prompt", "Hello there", "--max-new-tokens", "9", "--ignore-eos", "--json"]
+        remote = cli("generate", "--addr", up.addr, *args)
+        local = cli("generate", "--model", str(tiny_model), "--no-progress", *args)
+        assert remote.returncode == 0 and local.returncode == 0, remote.stderr + local.stderr
+        assert json.loads(remote.stdout)["token_ids"] == json.loads(local.stdout)["token_ids"]
+    finally:
+        assert up.stop(signal.SIGTERM) == 0
+    assert list_segments(up.run_id) == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank1, 0)

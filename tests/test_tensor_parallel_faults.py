@@ -10,7 +10,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,24 +18,8 @@ from grpc_health.v1 import health_pb2
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack
 
-from processes import in_flight, wait_serving, watch_health
+from processes import in_flight, wait_for_ranks, wait_serving, watch_health
 from reference import E2E_PROMPTS as PROMPTS
-
-
-def ranks_of(pid: int) -> list[int]:
-    """The other ranks: rank 0's child processes (forked from any of its threads)."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return children
-
-
-def wait_for_ranks(pid: int, n: int, timeout: float = 30) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while len(found := ranks_of(pid)) != n:
-        assert time.monotonic() < deadline, f"rank 0 ({pid}) has {found} children, not {n}"
-        time.sleep(0.1)
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,13 +14,7 @@ import pytest
 
 from moe_lightning.shm.segment import list_segments
 
-from processes import UpProcess
-
-
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "moe_lightning.cli", *args], capture_output=True, text=True, timeout=timeout
-    )
+from processes import UpProcess, cli
 
 
 @pytest.fixture(scope="module")
