@@ -40,6 +40,7 @@ from bench.gpucheck import log  # noqa: E402
 from bench.gpucheck.budget import Budget, describe_budget, device_budget, layers_that_fit, shm_needed  # noqa: E402
 from bench.gpucheck.environment import environment  # noqa: E402
 from bench.gpucheck.formats import run_formats  # noqa: E402
+from bench.gpucheck.parallel import run_tensor_parallel  # noqa: E402
 from bench.gpucheck.processes import Phase, PhaseRunner  # noqa: E402
 from bench.gpucheck.workers import WORKERS  # noqa: E402
 from bench.gpucheck.workload import bench_prompts, prompts_digest  # noqa: E402
@@ -56,7 +57,11 @@ TARGETS = {"ours_over_overlap_off": 3.0, "ours_over_offload": 10.0}
 
 PREFLIGHT_KV = 256 << 20  # gpu_expert's KV cache when the preflight puts attention on the device
 # Run in a phase of their own when pytest is importable: the CUDA cases skip without a GPU
-CUDA_TESTS = ("tests/test_cuda_copy.py", "tests/test_pipeline.py")
+CUDA_TESTS = (
+    "tests/test_cuda_copy.py",
+    "tests/test_pipeline.py",
+    "tests/test_tensor_parallel_faults.py::test_two_ranks_on_one_gpu_stream_their_slices_and_come_back_after_a_kill",
+)
 
 
 def _preflight_facts(bench: dict[str, Any]) -> dict[str, Any]:
@@ -266,6 +271,8 @@ class GpuCheck(PhaseRunner):
             self.report["preflight"][name] = _preflight_facts(result) if result else {"ok": False}
             formats = f"preflight-formats-{dtype}"
             run_formats(self, formats, toy_dir, budget, dtype, 16, 6, self.timeout(150, 240), group_size=32)
+            ranks = f"preflight-tensor-parallel-{dtype}"
+            run_tensor_parallel(self, ranks, toy_dir, budget, dtype, 16, 6, self.timeout(120, 240))
             if dtype != a.dtype:
                 self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours ran in {dtype}"
                 log(f"WARNING: {self.report['dtype_fallback']}")

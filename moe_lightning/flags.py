@@ -216,6 +216,11 @@ def add_tensor_parallel_flags(parser: argparse.ArgumentParser) -> None:
         "GPU (a check; NCCL refuses that)",
     )
     parser.add_argument(
+        "--tp-same-device",
+        action="store_true",
+        help="every rank on --device itself (with --tp-backend gloo): a check of several ranks on one GPU",
+    )
+    parser.add_argument(
         "--tp-timeout",
         type=float,
         default=60.0,

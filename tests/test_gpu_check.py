@@ -31,6 +31,7 @@ def test_dry_run_runs_every_phase_and_writes_the_report(tmp_path: Path) -> None:
         "preflight-float32": True,
         "preflight-device-attention-float32": True,
         "preflight-formats-float32": True,
+        "preflight-tensor-parallel-float32": True,
         "build-toy": True,
         "ours": True,
         "offload": True,
@@ -42,6 +43,8 @@ def test_dry_run_runs_every_phase_and_writes_the_report(tmp_path: Path) -> None:
         assert runs["int4"]["expert_bytes_per_step"] < runs["int8"]["expert_bytes_per_step"]
         assert runs["int8"]["expert_bytes_per_step"] < runs["none"]["expert_bytes_per_step"]
         assert runs["int4_over_none"]["target"] == 2.0
+    ranks = report["preflight-tensor-parallel-float32"]  # 2 ranks on the one device, gloo
+    assert [r["rank"] for r in ranks["per_rank"]["ranks"]] == [0, 1] and ranks["decode_tokens_per_second"] > 0
     pipeline = report["preflight"]["preflight-float32"]
     assert pipeline["micro_batches"] == 8 and pipeline["residency_changes"] >= 1
     assert pipeline["cuda_syncs_per_decode_step"] is None  # counted on CUDA only

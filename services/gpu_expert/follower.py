@@ -15,12 +15,11 @@ import torch
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.service.convert import layout_from_pb, step_plan_from_pb
-from moe_lightning.service.errors import ServiceError
 from moe_lightning.service.logs import configure_logging
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.tensor_parallel import Shard
 from services.gpu_expert.ranks import Command, RankGroup, RankGroupError
-from services.gpu_expert.worker import build_worker, rank_device
+from services.gpu_expert.worker import build_worker, claim_device, rank_device
 
 CONNECT = struct.Struct("<qqq")  # the CONNECT payload: session, rank 0's output and input channel slots
 
@@ -43,9 +42,12 @@ def follower_main(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     spec, manifest = fetch_manifest(args.weight_store)
     layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
-    device = rank_device(args.device, shard)
+    device = rank_device(args.device, shard, args.tp_same_device)
+    claim_device(device)
     try:
-        group = RankGroup(spec, shard, device, args.tp_backend, args.tp_timeout, args.tp_rendezvous)
+        group = RankGroup(
+            spec, shard, device, args.tp_backend, args.tp_timeout, args.tp_rendezvous, args.tp_startup_timeout
+        )
         worker = build_worker(args, spec, manifest, layout, shard, group)
         group.wait_all_ready(args.tp_startup_timeout)
     except RankGroupError as exc:
@@ -66,12 +68,12 @@ def follower_main(args: argparse.Namespace) -> int:
                     runner.step(step_plan_from_pb(gpu_expert_pb2.StepRequest.FromString(payload)))
                 except RankGroupError:
                     raise
-                except ServiceError as exc:  # refused before it ran: rank 0 refused it alike
+                except Exception as exc:  # refused before it ran, by every rank alike (ExpertRunner._step)
                     log.info("step_refused", error=str(exc))
     except RankGroupError as exc:
         log.error("tensor_parallel_group_failed", error=str(exc))
-        return 1
-    finally:
         worker.close(idle=True)
+        os._exit(1)  # no teardown of a broken group (NCCL's may hang): rank 0 forms a new one
+    worker.close(idle=True)
     group.close()
     return 0

@@ -15,13 +15,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import structlog
 
 from moe_lightning.children import parent_death_hook, spawner
 from moe_lightning.private_paths import private_dir
-from services.gpu_expert.ranks import HEARTBEAT_SECONDS, Command, RankGroup
+from services.gpu_expert.ranks import Command, RankGroup
 
 STOP_WAIT = 10.0
 
@@ -42,25 +43,25 @@ class GroupLeader:
             cmd += ["--tp-rank", str(rank), "--tp-rendezvous", str(self.rendezvous)]
             self.procs.append(spawner.run(lambda cmd=cmd: subprocess.Popen(cmd, preexec_fn=parent_death_hook())))
 
-    def watch(self, lock: threading.Lock, on_failure: Callable[[str], None]) -> None:
-        """From now on: a rank that exits, or a heartbeat that fails, ends the group (`on_failure`
-        with the reason); between steps (`lock` free) the others get a heartbeat."""
+    def watch(self, lock: threading.Lock, broke: Callable[[str], None]) -> None:
+        """From now on: a rank that exits, or a heartbeat that fails, ends the group (`broke` with the
+        reason); when no command went out for a while and no step runs (`lock` free), the others get
+        a heartbeat, so that their wait for the next command never reaches --tp-timeout."""
         assert self.group is not None
         group = self.group
 
         def loop() -> None:
-            beat = 0.0
-            while not self._stop.wait(0.5):
+            while not self._stop.wait(0.25):
                 for rank, proc in enumerate(self.procs, start=1):
                     if proc.poll() is not None:
-                        return self.fail(f"rank {rank} of {self.world} exited with code {proc.returncode}", on_failure)
-                beat += 0.5
-                if beat >= HEARTBEAT_SECONDS and lock.acquire(blocking=False):
-                    beat = 0.0
+                        return broke(f"rank {rank} of {self.world} exited with code {proc.returncode}")
+                quiet = time.monotonic() - group.last_command
+                if quiet >= group.heartbeat_seconds and lock.acquire(blocking=False):
                     try:
-                        group.send_command(Command.HEARTBEAT)
+                        if not self.failed.is_set():
+                            group.send_command(Command.HEARTBEAT)
                     except Exception as exc:
-                        return self.fail(str(exc), on_failure)
+                        return broke(str(exc))
                     finally:
                         lock.release()
             return None
@@ -72,7 +73,7 @@ class GroupLeader:
             return
         self.failed.set()
         self.log.error("tensor_parallel_group_failed", reason=reason, action="exiting; the group restarts")
-        self._kill()
+        self._kill(signal.SIGKILL)  # a broken group has nothing to finish; a hung rank would not stop
         on_failure(reason)
 
     def stop(self, idle: bool) -> None:
@@ -89,14 +90,14 @@ class GroupLeader:
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
-        if self.group is not None:
+        if self.group is not None and not self.failed.is_set():  # a broken NCCL group may hang in its teardown
             self.group.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def _kill(self) -> None:
+    def _kill(self, sig: int = signal.SIGTERM) -> None:
         for proc in self.procs:
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(sig)
         for proc in self.procs:
             try:
                 proc.wait(STOP_WAIT)

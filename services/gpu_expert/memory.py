@@ -17,20 +17,23 @@ RUNTIME_RESERVE = 1 << 30  # cuBLAS/cuDNN workspaces, the allocator's fragmentat
 HEAD_ROWS = 4096  # sequences the head samples at once (the planner's batch cap)
 
 
-def activation_bytes(spec: ModelSpec, max_tokens: int, itemsize: int) -> int:
+def activation_bytes(spec: ModelSpec, max_tokens: int, itemsize: int, head: bool = True) -> int:
     """Peak working set of one micro-batch of `max_tokens` tokens plus the head over a full batch:
     hidden states, q/k/v and the attention result, the experts' gate/up and output (top-k copies
     of the tokens), and fp32 logits with the sampler's copies of them."""
     per_token = 6 * spec.hidden_size + 2 * (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
     per_token += spec.top_k * (3 * spec.intermediate_size + spec.hidden_size)
-    head = 3 * HEAD_ROWS * spec.vocab_size * 4
-    return max_tokens * per_token * itemsize + head
+    logits = 3 * HEAD_ROWS * spec.vocab_size * 4 if head else 0  # only the rank that samples has a head
+    return max_tokens * per_token * itemsize + logits
 
 
-def default_budget(device: torch.device, spec: ModelSpec, max_tokens: int, itemsize: int) -> tuple[int, int]:
-    """(budget for weights and the device KV cache, what was kept back) on `device`."""
+def default_budget(
+    device: torch.device, spec: ModelSpec, max_tokens: int, itemsize: int, head: bool = True
+) -> tuple[int, int]:
+    """(budget for weights and the device KV cache, what was kept back) on `device`. `spec`: the
+    rank's part of the model; `head`: whether this rank samples."""
     if device.type != "cuda":
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), 0
     free, _ = torch.cuda.mem_get_info(device)  # after this process's context exists
-    reserve = RUNTIME_RESERVE + activation_bytes(spec, max_tokens, itemsize)
+    reserve = RUNTIME_RESERVE + activation_bytes(spec, max_tokens, itemsize, head)
     return max(0, free - reserve), reserve

@@ -34,7 +34,7 @@ from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import Shard, kv_heads, kv_owner, query_heads
 
-HEARTBEAT_SECONDS = 5.0
+HEARTBEAT_SECONDS = 5.0  # at most; a third of --tp-timeout when that is shorter
 
 
 class RankGroupError(ServiceError):
@@ -53,16 +53,27 @@ class Command(IntEnum):
 
 class RankGroup:
     def __init__(
-        self, spec: ModelSpec, shard: Shard, device: torch.device, backend: str, timeout: float, rendezvous: Path
+        self,
+        spec: ModelSpec,
+        shard: Shard,
+        device: torch.device,
+        backend: str,
+        timeout: float,
+        rendezvous: Path,
+        startup_timeout: float = 900.0,
     ) -> None:
+        """Joins the group: waits up to `startup_timeout` for every rank to arrive (a rank imports
+        torch and maps the arena first), then every collective waits at most `timeout`."""
         self.spec, self.shard, self.device = spec, shard, device
         self.timeout = timedelta(seconds=timeout)
+        self.heartbeat_seconds = min(HEARTBEAT_SECONDS, timeout / 3)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group talks over loopback only
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         try:
-            url = f"file://{rendezvous}"
+            store = dist.FileStore(str(rendezvous), shard.world)
+            store.set_timeout(timedelta(seconds=startup_timeout))
             rank, world = shard.rank, shard.world
-            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world, timeout=self.timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=self.timeout)
             if backend == "auto":
                 backend = "nccl" if device.type == "cuda" else "gloo"
             self.host_group = dist.group.WORLD
@@ -70,6 +81,7 @@ class RankGroup:
         except Exception as exc:
             raise RankGroupError(f"rank {shard.rank} of {shard.world} could not join the group: {exc}") from exc
         self.backend = backend
+        self.last_command = time.monotonic()  # rank 0: when the others last heard from it
         self.collectives_ns = 0  # time in collectives, since the last take_collective_ns()
         self._q_heads = len(query_heads(spec, shard))
         self._kv_heads = len(kv_heads(spec, shard))
@@ -86,6 +98,7 @@ class RankGroup:
     # ---- commands (rank 0 -> the others) --------------------------------------------------------
     def send_command(self, command: Command, payload: bytes = b"") -> None:
         assert self.shard.leads
+        self.last_command = time.monotonic()
         head = torch.tensor([int(command), len(payload)], dtype=torch.int64)
         self._run("command", lambda: dist.broadcast(head, 0))
         if payload:
@@ -103,6 +116,12 @@ class RankGroup:
         return command, body.numpy().tobytes()
 
     # ---- a step's collectives -------------------------------------------------------------------
+    def agree(self, ok: bool) -> bool:
+        """Whether every rank's `ok` is true: ranks go on with a step, or refuse it, together."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        self._run("agreement", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN))
+        return bool(flag.item())
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial `t` (in place)."""
         self._run("all-reduce", lambda: dist.all_reduce(t, group=self.device_group))

@@ -7,7 +7,7 @@ import argparse
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -36,7 +36,7 @@ from services.gpu_expert.follower import CONNECT, follower_main, rank_threads
 from services.gpu_expert.leader import GroupLeader
 from services.gpu_expert.ranks import Command, RankGroup, RankGroupError
 from services.gpu_expert.runner import ExpertRunner
-from services.gpu_expert.worker import Worker, build_worker, rank_device
+from services.gpu_expert.worker import Worker, build_worker, claim_device, rank_device
 
 STEP_EXIT_WAIT = 10.0  # seconds cleanup waits for a running step
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
@@ -58,6 +58,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self.max_handoff_tokens = max_handoff_tokens
         self.step_lock = threading.Lock()  # one step at a time: the channels carry one step's hand-offs
         self.failed = False  # the rank group broke: exit non-zero so that the group restarts
+        self.on_group_failure: Callable[[str], None] | None = None  # ends the group (rank 0's leader)
         self.idle: bool | None = None  # at shutdown: whether the step lock was had (see _idle)
 
     def ready(self, worker: Worker, group: RankGroup | None) -> None:
@@ -116,11 +117,13 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         t0 = time.perf_counter_ns()
         plan = step_plan_from_pb(request)
         with self.step_lock:
-            if self.failed:
-                raise RankGroupError("the tensor-parallel group failed and is restarting")
             if self.group is not None:
                 self._to_ranks(Command.STEP, request.SerializeToString())
-            out = self.runner.step(plan)
+            try:
+                out = self.runner.step(plan)
+            except RankGroupError as exc:  # the ranks are out of step: the group ends here, lock held
+                self._group_broke(str(exc))
+                raise
         for r in out.ranks:
             RANK_STREAMED.labels(str(r.rank)).inc(r.bytes_streamed)
             RANK_COLLECTIVES.labels(str(r.rank)).inc(r.collectives / 1e9)
@@ -128,8 +131,20 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         return step_output_to_pb(out)
 
     def _to_ranks(self, command: Command, payload: bytes) -> None:
+        """With the step lock held: a command to the other ranks (a failed group refuses it)."""
         assert self.group is not None
-        self.group.send_command(command, payload)
+        if self.failed:
+            raise RankGroupError("the tensor-parallel group failed and is restarting")
+        try:
+            self.group.send_command(command, payload)
+        except RankGroupError as exc:
+            self._group_broke(str(exc))
+            raise
+
+    def _group_broke(self, reason: str) -> None:
+        self.failed = True
+        if self.on_group_failure is not None:
+            self.on_group_failure(reason)
 
 
 def build_parser() -> EnvDefaultsParser:
@@ -185,6 +200,8 @@ def _start(
     shard = Shard(0, args.gpus)
     check_splittable(spec, shard.world, layout.expert_scheme())
     group = None
+    if args.tp_same_device and args.tp_backend != "gloo" and args.device.startswith("cuda"):
+        raise ValueError("--tp-same-device needs --tp-backend gloo: NCCL refuses two ranks on one device")
     if shard.world > 1:
         if layout.ranks() != shard.world:
             raise ValueError(
@@ -193,13 +210,16 @@ def _start(
             )
         leader = GroupLeader(shard.world, argv)
         runtime.on_shutdown(lambda: leader.stop(idle=_idle(servicer)))
-        device = rank_device(args.device, shard)
-        leader.group = group = RankGroup(spec, shard, device, args.tp_backend, args.tp_timeout, leader.rendezvous)
+        device = rank_device(args.device, shard, args.tp_same_device)
+        claim_device(device)
+        timeouts = (args.tp_timeout, leader.rendezvous, args.tp_startup_timeout)
+        leader.group = group = RankGroup(spec, shard, device, args.tp_backend, *timeouts)
     worker = build_worker(args, spec, manifest, layout, shard, group)
     runtime.on_shutdown(lambda: worker.close(idle=_idle(servicer)))
     if group is not None:
         group.wait_all_ready(args.tp_startup_timeout)
-        leader.watch(servicer.step_lock, lambda reason: servicer.group_failed(reason, runtime))
+        servicer.on_group_failure = lambda reason: leader.fail(reason, lambda r: servicer.group_failed(r, runtime))
+        leader.watch(servicer.step_lock, servicer.on_group_failure)
     m = worker.measurements
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(m).items()})
     RESIDENT.set(sum(len(r) for r in worker.residency.resident))

@@ -51,12 +51,26 @@ class Worker:
             fn(idle)
 
 
-def rank_device(device: str, shard: Shard) -> torch.device:
-    """Rank r of a group on `cuda` (or `cuda:i`) takes the r-th device from there; on a CPU all share it."""
+def rank_device(device: str, shard: Shard, same_device: bool = False) -> torch.device:
+    """Rank r of a group on `cuda` (or `cuda:i`) takes the r-th device from there; on a CPU, or with
+    `same_device` (--tp-same-device: a check of several ranks on one GPU), all share `device`."""
     base = torch.device(device)
-    if base.type != "cuda" or shard.world == 1:
+    if base.type != "cuda" or shard.world == 1 or same_device:
         return base
-    return torch.device("cuda", (base.index or 0) + shard.rank)
+    index = (base.index or 0) + shard.rank
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"rank {shard.rank} of {shard.world} needs cuda:{index}, but {torch.cuda.device_count()} CUDA "
+            f"device(s) are visible from {device}: run fewer --gpus (or --tp-same-device with --tp-backend gloo)"
+        )
+    return torch.device("cuda", index)
+
+
+def claim_device(device: torch.device) -> None:
+    """Makes `device` this process's current one, before anything allocates or a group forms: a rank's
+    CUDA context (and NCCL's guess of its device) then lives on its own GPU, not on cuda:0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def _device_kv_cache(
@@ -79,10 +93,13 @@ def build_worker(
     group: RankGroup | None,
 ) -> Worker:
     log = structlog.get_logger()
-    device = rank_device(args.device, shard)
+    device = rank_device(args.device, shard, args.tp_same_device)
     mine = rank_spec(spec, shard)
     itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
-    budget, reserve = default_budget(device, mine, args.max_tokens_per_handoff, itemsize)
+    # rank 0 also holds the whole layer's q/k/v and attention result for the hand-off: the spec's
+    budget, reserve = default_budget(
+        device, spec if shard.leads else mine, args.max_tokens_per_handoff, itemsize, head=shard.leads
+    )
     if args.device_memory is not None:
         if device.type == "cuda" and args.device_memory > budget:
             log.warning("device_memory_above_free", asked=args.device_memory, free_less_reserve=budget)
