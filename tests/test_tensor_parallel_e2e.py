@@ -107,3 +107,13 @@ def test_up_with_two_gpus_on_this_cpu(tiny_model: Path, tmp_path: Path) -> None:
     assert list_segments(up.run_id) == []
     with pytest.raises(ProcessLookupError):
         os.kill(rank1, 0)
+
+
+def test_ranks_a_model_cannot_be_split_over_fail_at_start_naming_the_numbers(make_stack: Callable[..., Stack]) -> None:
+    from moe_lightning.launcher import StackError
+
+    s = make_stack(gpus=3, start=False)  # the session's model: 4 heads, 2 KV heads
+    with pytest.raises(StackError, match="weight_store exited") as info:
+        s.start(timeout=120)
+    assert "4 attention heads do not divide by 3 ranks" in str(info.value)
+    assert "2 KV heads neither divide by 3 ranks nor divide them" in str(info.value)
