@@ -1,6 +1,7 @@
 # Two entry points on a fresh machine with Python >= 3.11 and make:
 #   make demo   - install, build the demo model if missing, run the main job on it
 #   make test   - install with the dev extra, lint, run the whole test suite
+#   make serve  - the demo model as a server: gRPC on 127.0.0.1:50051, the OpenAI API on :8000
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -15,7 +16,7 @@ DEMO_QUANTIZE ?= auto
 # int4's group size: 32 divides the tiny preset's widths too (the bench preset also takes 128)
 DEMO_GROUP_SIZE ?= 32
 
-.PHONY: install dev test lint demo demo-model clean proto
+.PHONY: install dev test lint demo demo-model serve clean proto
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,10 @@ demo-model: $(DEMO_MODEL)/config.json
 demo: install demo-model
 	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) \
 		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache --show 3 \
+		--quantize $(DEMO_QUANTIZE) --quantize-group-size $(DEMO_GROUP_SIZE)
+
+serve: install demo-model
+	$(BIN)/moe-lightning up --model $(DEMO_MODEL) --cache-dir models/arena-cache \
 		--quantize $(DEMO_QUANTIZE) --quantize-group-size $(DEMO_GROUP_SIZE)
 
 clean:

@@ -25,10 +25,12 @@ FINISH_NAMES = {
 
 @dataclass(slots=True)
 class Prompt:
-    """One generation input; give `text` or `token_ids`."""
+    """One generation input; give `text`, `token_ids` or chat `messages` ({"role", "content"} each,
+    rendered by the model's chat template on the server)."""
 
     text: str | None = None
     token_ids: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
     max_new_tokens: int | None = None
     temperature: float | None = None
     top_k: int | None = None
@@ -45,6 +47,8 @@ class Prompt:
         )
         if self.token_ids is not None:
             m.token_ids.ids.extend(self.token_ids)
+        elif self.messages is not None:
+            m.messages.messages.extend(generation_pb2.ChatMessage(**msg) for msg in self.messages)
         elif self.text is not None:
             m.text = self.text
         for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):

@@ -21,6 +21,16 @@ from moe_lightning.spec import DTYPES, ModelSpec
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Mixtral
 
+# ChatML's layout, with the checkpoint's own BOS first (the template writes it, so prompts are
+# tokenized without special tokens, as in transformers) and EOS closing each turn: generation stops
+# at EOS, so a reply ends exactly where the template ends a turn. The markers are plain text to the
+# demo tokenizer, which keeps its vocabulary, and so every demo checkpoint's token ids, unchanged.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # a few MB: unit and end-to-end tests
     "tiny": dict(
@@ -323,6 +333,7 @@ def write_demo_model(
             "eos_token": "</s>",
             "unk_token": "<unk>",
             "model_max_length": spec.max_position_embeddings,
+            "chat_template": CHAT_TEMPLATE,
         }
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out

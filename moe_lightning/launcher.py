@@ -23,7 +23,8 @@ from typing import IO
 from moe_lightning.children import free_port, parent_death_hook, port_in_use, spawner
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
-from moe_lightning.service.upstream import health_status, open_channel, readiness_channel
+from moe_lightning.service.auth import is_loopback
+from moe_lightning.service.upstream import health_status, http_ready, open_channel, readiness_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
 from moe_lightning.spec import ModelSpec, resolve_dtype
 
@@ -32,6 +33,7 @@ SERVICES = {  # start order: (module run with -m, the gRPC service whose health 
     "cpu_attention": ("services.cpu_attention", names.CPU_ATTENTION),
     "gpu_expert": ("services.gpu_expert", names.GPU_EXPERT),
     "orchestrator": ("orchestrator", names.GENERATION),
+    "gateway": ("gateway", ""),  # HTTP: ready when GET /health answers 200; only with StackConfig.http_port
 }
 
 
@@ -55,6 +57,8 @@ class StackConfig:
     device_kv_memory: str | None = None  # a KV cache in gpu_expert, so attention may run on the device
     attention_placement: str = "auto"  # cpu, gpu or auto (the HRM picks)
     experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
+    http_port: int | None = None  # the OpenAI-compatible gateway's port on `host` (0: any free); None: no gateway
+    chat_template: Path | None = None  # the orchestrator's --chat-template
     tls_cert: Path | None = None  # serve the public API over TLS (the other services stay on unix sockets)
     tls_key: Path | None = None
     tls_ca: Path | None = None  # verifies tls_cert in the readiness check (None: the cert itself, self-signed)
@@ -93,6 +97,17 @@ class Stack:
     def api_address(self) -> str:
         return self.addresses["orchestrator"]
 
+    @property
+    def services(self) -> list[str]:
+        """This stack's services in start order: the four, and the HTTP gateway when it has a port."""
+        return [n for n in SERVICES if n != "gateway" or self.config.http_port is not None]
+
+    @property
+    def http_address(self) -> str:
+        """The gateway's base URL (http_port set)."""
+        scheme = "https" if self.config.tls_cert is not None else "http"
+        return f"{scheme}://{self.addresses['gateway']}"
+
     def weight_dtype(self) -> str:
         """The arena's dtype for this stack's device (the weight store alone cannot know gpu_expert's)."""
         c = self.config
@@ -104,6 +119,8 @@ class Stack:
     def _args(self, name: str) -> list[str]:
         c = self.config
         a = self.addresses
+        if name == "gateway":
+            return self._gateway_args() + c.extra.get(name, [])
         common = ["--address", a[name], "--metrics-port", str(self.metrics_ports[name]), "--run-id", c.run_id]
         if c.threads.get(name):
             common += ["--threads", str(c.threads[name])]
@@ -138,16 +155,28 @@ class Stack:
             own += ["--max-batch-size", str(c.max_batch_size)] if c.max_batch_size is not None else []
             own += ["--micro-batch-size", str(c.micro_batch_size)] if c.micro_batch_size is not None else []
             own += ["--attention-placement", c.attention_placement, "--experts-placement", c.experts_placement]
+            own += ["--chat-template", str(c.chat_template)] if c.chat_template else []
             if c.tls_cert is not None and c.tls_key is not None:
                 own += ["--tls-cert", str(c.tls_cert), "--tls-key", str(c.tls_key)]
         return common + own + c.extra.get(name, [])
+
+    def _gateway_args(self) -> list[str]:
+        """The HTTP gateway: on the API's host, over the API (its token by environment, its TLS)."""
+        c = self.config
+        own = ["--address", self.addresses["gateway"], "--api", self.addresses["orchestrator"]]
+        if c.tls_cert is not None and c.tls_key is not None:
+            own += ["--tls-cert", str(c.tls_cert), "--tls-key", str(c.tls_key)]
+            own += ["--api-tls-ca", str(c.tls_ca or c.tls_cert)]
+        if not c.auth_token and not is_loopback(c.host):
+            own += ["--insecure"]  # `up` refused this unless the user said --insecure
+        return own
 
     def start(self, timeout: float = 600.0, stop: threading.Event | None = None) -> None:
         """Starts all four and waits for SERVING; on any failure stops what did start, then raises.
         `stop` set while waiting gives up the start (StackInterrupted) after stopping what started."""
         try:
             self.prepare()
-            self.spawn(list(SERVICES))
+            self.spawn(self.services)
             self.wait_ready(timeout, stop)
         except BaseException:
             self.stop()
@@ -170,8 +199,13 @@ class Stack:
             except UnsafePathError as exc:
                 raise StackError(str(exc)) from None
             self._made_run_dir = c.run_dir is None
-        for name in SERVICES:
-            if name == "orchestrator":
+        if c.http_port and port_in_use(c.host, c.http_port):
+            raise StackError(f"{c.host}:{c.http_port} (--http-port) is already in use: pick another port")
+        for name in self.services:
+            self.metrics_ports[name] = 0 if name == "gateway" else free_port()
+            if name == "gateway":
+                self.addresses[name] = f"{c.host}:{c.http_port or free_port(c.host)}"
+            elif name == "orchestrator":
                 self.addresses[name] = f"{c.host}:{c.port or free_port(c.host)}"
             else:
                 sock = self.run_dir / f"{name}.sock"
@@ -179,7 +213,6 @@ class Stack:
                     raise StackError(f"{sock}: too long for a unix socket path (set TMPDIR to a shorter dir)")
                 sock.unlink(missing_ok=True)
                 self.addresses[name] = f"unix://{sock}"
-            self.metrics_ports[name] = free_port()
 
     def spawn(self, names: list[str]) -> None:
         """Starts these services' processes (in any order: each waits for what it needs)."""
@@ -200,7 +233,7 @@ class Stack:
             except UnsafePathError as exc:
                 raise StackError(str(exc)) from None
             self._logs.append(out)
-        if name == "orchestrator" and self.config.auth_token:
+        if name in ("orchestrator", "gateway") and self.config.auth_token:
             env = {**env, "MOE_LIGHTNING_AUTH_TOKEN": self.config.auth_token}  # not in argv: ps shows argv
         argv = [sys.executable, "-m", module, *self._args(name)]
 
@@ -218,14 +251,14 @@ class Stack:
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
-        channels = {name: open_channel(addr) for name, addr in self.addresses.items()}
+        channels = {name: open_channel(addr) for name, addr in self.addresses.items() if name != "gateway"}
         if self.config.tls_cert is not None:  # the public API speaks TLS: so must its health check
             channels["orchestrator"].close()
             channels["orchestrator"] = readiness_channel(
                 self.addresses["orchestrator"], self.config.tls_cert, self.config.tls_ca
             )
         try:
-            pending = set(SERVICES)
+            pending = set(self.services)
             while pending:
                 for name in list(pending):
                     if stop is not None and stop.is_set():
@@ -234,7 +267,10 @@ class Stack:
                     code = self.procs[name].poll()
                     if code is not None:
                         raise StackError(f"{name} exited with code {code} during start-up{self._log_hint(name)}")
-                    if health_status(channels[name], SERVICES[name][1], timeout=0.5) == 1:
+                    if name == "gateway":
+                        if http_ready(self.http_address, self.config.tls_ca or self.config.tls_cert):
+                            pending.discard(name)
+                    elif health_status(channels[name], SERVICES[name][1], timeout=0.5) == 1:
                         pending.discard(name)
                 if time.monotonic() > deadline:
                     raise StackError(f"not SERVING after {timeout:.0f} s: {', '.join(sorted(pending))}")
@@ -250,13 +286,17 @@ class Stack:
         return f"; last log lines of {path}:\n" + "\n".join(read_tail(path, 5))
 
     def endpoints(self) -> dict[str, dict[str, str]]:
+        def where(name: str) -> dict[str, str]:
+            if name == "gateway":
+                return {"http": self.http_address, "metrics": f"{self.http_address}/metrics"}
+            return {"grpc": self.addresses[name], "metrics": f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"}
+
         return {
             name: {
-                "grpc": self.addresses[name],
-                "metrics": f"http://127.0.0.1:{self.metrics_ports[name]}/metrics",
+                **where(name),
                 "pid": str(self.procs[name].pid) if name in self.procs else "",
             }
-            for name in SERVICES
+            for name in self.services
         }
 
     def supervise(self, max_restarts: int = 5, window: float = 60.0) -> None:
@@ -291,7 +331,7 @@ class Stack:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        for name in reversed(list(SERVICES)):
+        for name in reversed(self.services):
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
                 continue
@@ -307,7 +347,7 @@ class Stack:
         swept = sweep_stale(self.config.run_id)
         if self.run_dir is not None:
             for name in SERVICES:
-                if name != "orchestrator":
+                if name not in ("orchestrator", "gateway"):
                     (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
             if self._made_run_dir:
                 try:

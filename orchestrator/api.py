@@ -19,7 +19,9 @@ import grpc
 import structlog
 
 from moe_lightning import __version__
+from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
@@ -93,6 +95,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.device = device
         self.model_path = ""
         self.kv_cache_dtype = ""  # of the KV cache attention reads (set once the policy placed it)
+        self.chat_template: ChatTemplate | None = None  # renders a `messages` prompt (docs/openai.md)
         # checks and tokenisation: a bounded prompt (check_text_size) takes milliseconds
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="orchestrator-tokenize")
 
@@ -107,11 +110,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         which = m.WhichOneof("prompt")
         if which == "text":
             check_text_size(m.text, limits.max_prompt_tokens)
-        prompt = prompt_ids(
-            m.text if which == "text" else None,
-            m.token_ids.ids if which == "token_ids" else None,
-            self._sched().tokenizer,
-        )
+        if which == "messages":
+            prompt = self._chat_prompt(m.messages, limits)
+        else:
+            prompt = prompt_ids(
+                m.text if which == "text" else None,
+                m.token_ids.ids if which == "token_ids" else None,
+                self._sched().tokenizer,
+            )
         sampling = sampling_params(
             m.temperature if m.HasField("temperature") else 0.0,
             m.top_k if m.HasField("top_k") else 0,
@@ -130,8 +136,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         validate(request, limits)
         return request
 
-    @staticmethod
-    def to_output(t: Ticket) -> generation_pb2.GenerationOutput:
+    def _chat_prompt(self, m: generation_pb2.ChatMessages, limits: RequestLimits) -> list[int]:
+        """A conversation through the model's chat template, the one rendering both APIs share."""
+        tokenizer = self._sched().tokenizer
+        if self.chat_template is None or tokenizer is None:
+            raise InvalidRequestError(
+                "this model has no chat template (none in its tokenizer_config.json, no --chat-template on the "
+                "server): send a text prompt instead of messages"
+            )
+        if not m.messages:
+            raise InvalidRequestError("messages is empty: give at least one message")
+        for msg in m.messages:
+            check_text_size(msg.content, limits.max_prompt_tokens)
+        try:
+            messages = [ChatMessage(msg.role, msg.content) for msg in m.messages]
+            return self.chat_template.prompt_ids(tokenizer, messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def logprobs_pb(self, logprobs: list[TokenLogprobs]) -> list[common_pb2.TokenLogprobs]:
+        """With each token's text when there is a tokenizer (the OpenAI API shows tokens as text)."""
+        out = [logprobs_to_pb(lp) for lp in logprobs]
+        tokenizer = self.scheduler.tokenizer if self.scheduler is not None else None
+        if tokenizer is not None:
+            for m in out:
+                m.token = tokenizer.decode([m.token_id])
+                m.top_tokens.extend(tokenizer.decode([t]) for t in m.top_token_ids)
+        return out
+
+    def to_output(self, t: Ticket) -> generation_pb2.GenerationOutput:
         r = t.wait(0)
         return generation_pb2.GenerationOutput(
             request_id=t.request.request_id,
@@ -144,7 +177,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 time_to_first_token_ns=int((t.first_token - t.arrival) * 1e9),
                 total_ns=int((t.finished - t.arrival) * 1e9),
             ),
-            logprobs=[logprobs_to_pb(lp) for lp in r.logprobs],
+            logprobs=self.logprobs_pb(r.logprobs),
         )
 
     # ---- RPCs ----------------------------------------------------------------------------------
@@ -239,7 +272,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
         def chunk(tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> generation_pb2.GenerateStreamResponse:
             return generation_pb2.GenerateStreamResponse(
-                token_ids=tokens, text=text, logprobs=[logprobs_to_pb(lp) for lp in logprobs]
+                token_ids=tokens, text=text, logprobs=self.logprobs_pb(logprobs)
             )
 
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
+from moe_lightning.chat_template import ChatTemplate
 from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
@@ -36,6 +37,13 @@ def build_parser() -> EnvDefaultsParser:
         type=Path,
         default=None,
         help="directory with tokenizer.json (default: the model directory the weight store serves)",
+    )
+    p.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        help="a Jinja chat template file for `messages` prompts (default: the one in the model's "
+        "tokenizer_config.json, if any)",
     )
     add_batch_flags(p)
     p.add_argument(
@@ -140,6 +148,7 @@ def _start(
     tokenizer = TextTokenizer.from_model_dir(args.tokenizer or backend.model_path)
     if tokenizer is not None:
         tokenizer.check_fits(backend.spec.vocab_size, args.tokenizer or backend.model_path)
+    servicer.chat_template = ChatTemplate.from_model_dir(Path(args.tokenizer or backend.model_path), args.chat_template)
     _check_handoff_limits(args, capacity.max_handoff_tokens)
     attention, experts = _placements(args, capacity, backend.spec)
     planner = Planner(
@@ -200,6 +209,7 @@ def _start(
         "kv_tokens": kv.tokens,
         "device": capacity.device,
         "tokenizer": tokenizer is not None,
+        "chat_template": servicer.chat_template is not None,
     }
 
 

@@ -30,6 +30,7 @@ class UpProcess:
         self.run_id = run_id
         self.endpoints: dict[str, Any] = {}
         argv = [sys.executable, "-m", "moe_lightning.cli", "up", "--model", str(model), "--port", "0", "--json"]
+        argv += ["--http-port", "0"]  # never the default 8000: another stack on this machine may hold it
         argv += ["--run-id", run_id, "--kv-cache-memory", "32MiB", "--log-dir", str(log_dir), *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

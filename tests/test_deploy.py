@@ -22,16 +22,19 @@ HEALTH_NAMES = {  # the compose file's YAML must spell them out: check it agains
 def test_compose_file() -> None:
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == set(HEALTH_NAMES)
+    assert set(services) == {*HEALTH_NAMES, "gateway"}
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     for name, svc in services.items():
         assert svc["command"][0] in scripts, f"{name}: {svc['command'][0]} is not a console script"
         test = svc["healthcheck"]["test"]
-        assert test[:2] == ["CMD", "grpc-health-check"] and test[-1] == HEALTH_NAMES[name], name
+        if name == "gateway":  # HTTP: its /health answers 200 when the gRPC API is SERVING
+            assert test[:2] == ["CMD", "python"] and "http://127.0.0.1:8000/health" in test[-1]
+        else:
+            assert test[:2] == ["CMD", "grpc-health-check"] and test[-1] == HEALTH_NAMES[name], name
         if name != "weight_store":
             assert svc["ipc"] == "service:weight_store", name  # one IPC namespace: /dev/shm is shared
         published = svc.get("ports", [])
-        assert bool(published) == (name == "orchestrator"), f"{name} must not publish ports"
+        assert bool(published) == (name in ("orchestrator", "gateway")), f"{name} must not publish ports"
     assert services["weight_store"]["ipc"] == "shareable" and services["weight_store"]["shm_size"]
     deps = services["orchestrator"]["depends_on"]
     assert {d: v["condition"] for d, v in deps.items()} == {
@@ -41,12 +44,15 @@ def test_compose_file() -> None:
     for name in ("gpu_expert", "cpu_attention"):
         assert services[name]["depends_on"]["weight_store"]["condition"] == "service_healthy"
     # every flag the compose file passes exists on that service's parser
+    from gateway.server import build_parser as http
     from orchestrator.server import build_parser as orch
     from services.cpu_attention.server import build_parser as attn
     from services.gpu_expert.server import build_parser as gpu
     from services.weight_store.server import build_parser as ws
 
     parsers = {"orchestrator": orch(), "cpu_attention": attn(), "gpu_expert": gpu(), "weight_store": ws()}
+    parsers["gateway"] = http()
+    assert services["gateway"]["depends_on"] == {"orchestrator": {"condition": "service_healthy"}}
     for name, svc in services.items():
         known = {o for a in parsers[name]._actions for o in a.option_strings}
         flags = [f for f in svc["command"][1:] if f.startswith("--")]
@@ -59,10 +65,11 @@ def test_compose_requires_a_token_and_keeps_internal_services_off_tcp() -> None:
     could call them)."""
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
     services = compose["services"]
+    for public in ("orchestrator", "gateway"):  # the gRPC API and the HTTP one: the same token
+        token = services[public]["environment"]["MOE_LIGHTNING_AUTH_TOKEN"]
+        assert token.startswith("${MOE_LIGHTNING_AUTH_TOKEN:?") and token.endswith("}"), token
+        assert "--auth-token" not in services[public]["command"]  # ps would show it
     orch = services["orchestrator"]
-    token = orch["environment"]["MOE_LIGHTNING_AUTH_TOKEN"]
-    assert token.startswith("${MOE_LIGHTNING_AUTH_TOKEN:?") and token.endswith("}"), token
-    assert "--auth-token" not in orch["command"]  # ps would show it
     # the orchestrator's own mapping replaces the shared one: the run id must still be there
     assert orch["environment"]["MOE_LIGHTNING_RUN_ID"] == compose["x-service"]["environment"]["MOE_LIGHTNING_RUN_ID"]
     for name in ("weight_store", "cpu_attention", "gpu_expert"):

@@ -19,7 +19,7 @@ from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.flags import default_socket_dir
-from moe_lightning.launcher import SERVICES, Stack, free_port
+from moe_lightning.launcher import Stack, free_port
 from moe_lightning.service import upstream
 from moe_lightning.service.auth import (
     INTERNAL_METADATA_KEY,
@@ -171,7 +171,7 @@ def test_stack_with_internal_services_on_tcp(
     stack.prepare()
     for name in ("weight_store", "gpu_expert", "cpu_attention"):
         stack.addresses[name] = f"127.0.0.1:{free_port()}"
-    stack.spawn(list(SERVICES))
+    stack.spawn(stack.services)
     stack.wait_ready(120)
     with GenerationClient(stack.api_address, timeout=60) as c:
         assert c.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=14)).token_ids == reference[0]

@@ -27,7 +27,8 @@ def up(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[U
 
 
 def test_up_prints_endpoints_of_all_services(up: UpProcess) -> None:
-    assert set(up.endpoints) == {"weight_store", "cpu_attention", "gpu_expert", "orchestrator"}
+    assert set(up.endpoints) == {"weight_store", "cpu_attention", "gpu_expert", "orchestrator", "gateway"}
+    assert up.endpoints["gateway"]["http"].startswith("http://127.0.0.1:")  # the OpenAI API, loopback too
     for name in ("weight_store", "cpu_attention", "gpu_expert"):
         assert up.endpoints[name]["grpc"].startswith("unix://")  # internal services: no TCP port
     assert list_segments(up.run_id)  # the arena, the KV cache and both channels exist

@@ -1,4 +1,6 @@
-"""run: the offline batch job. Reads prompts from Parquet/JSONL, generates, writes Parquet."""
+"""run: the offline batch job. Reads prompts from Parquet/JSONL, generates, writes Parquet; or reads an
+OpenAI Batch file (JSONL of /v1/completions and /v1/chat/completions requests) and writes the
+OpenAI Batch output (commands/openai_batch.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,13 @@ def add_parser(sub: Any, name: str) -> None:
     where.add_argument("--model", type=Path, help="start a stack on this checkpoint for the job, stop it after")
     where.add_argument("--addr", help="HOST:PORT of a running stack")
     add_client_flags(p)
-    p.add_argument("--input", required=True, type=Path, help="prompts.parquet or prompts.jsonl")
-    p.add_argument("--output", required=True, type=Path, help="results .parquet")
+    p.add_argument(
+        "--input",
+        required=True,
+        type=Path,
+        help="prompts.parquet or prompts.jsonl (a 'prompt' or 'prompt_ids' column), or an OpenAI Batch .jsonl",
+    )
+    p.add_argument("--output", required=True, type=Path, help="results .parquet (an OpenAI Batch input: .jsonl)")
     add_sampling_flags(p)
     p.add_argument("--chunk-size", type=int, default=64, help="prompts per BatchGenerate call")
     p.add_argument(
@@ -78,11 +85,26 @@ def _row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> An
 
 
 def run(args: argparse.Namespace) -> int:
-    table = read_prompts(args.input)
-    rows = table.to_pylist()
-    prompts = [_row_prompt(r, args, i) for i, r in enumerate(rows)]
+    from moe_lightning.commands import openai_batch
+
+    if openai_batch.is_openai_batch(args.input):
+        if args.output.suffix != ".jsonl":
+            raise ValueError(
+                f"an OpenAI Batch input is answered in the OpenAI Batch output: --output *.jsonl, not {args.output}"
+            )
+        lines = openai_batch.read_batch(args.input)
+
+        def submit(addr: str) -> int:
+            return _submit_openai(args, addr, lines)
+    else:
+        table = read_prompts(args.input)
+        prompts = [_row_prompt(r, args, i) for i, r in enumerate(table.to_pylist())]
+
+        def submit(addr: str) -> int:
+            return _submit(args, addr, table, prompts)
+
     if args.addr:
-        return _submit(args, args.addr, table, prompts)
+        return submit(args.addr)
     from moe_lightning.commands.up import stack_config
     from moe_lightning.launcher import Stack
     from moe_lightning.private_paths import private_dir
@@ -96,9 +118,35 @@ def run(args: argparse.Namespace) -> int:
     try:
         stack.start()
         sys.stderr.write(f"stack SERVING after {time.perf_counter() - t0:.1f} s\n")
-        return _submit(args, stack.api_address, table, prompts)
+        return submit(stack.api_address)
     finally:
         stack.stop()
+
+
+def _client(args: argparse.Namespace, addr: str) -> Any:
+    from moe_lightning.client import GenerationClient
+
+    return GenerationClient(
+        addr, tls_ca=args.tls_ca, token=args.auth_token, allow_insecure_token=args.allow_insecure_token
+    )
+
+
+def _submit_openai(args: argparse.Namespace, addr: str, lines: list[Any]) -> int:
+    from tqdm import tqdm
+
+    from moe_lightning.commands import openai_batch
+
+    t0 = time.perf_counter()
+    with _client(args, addr) as client, tqdm(total=len(lines), unit="request", disable=args.no_progress) as bar:
+        model = Path(client.model_info().model.model_path).name
+        metadata = client._metadata or ()
+        openai_batch.run_batch(lines, client.stub, metadata, args.chunk_size, max(1, args.in_flight or 4), bar.update)
+    openai_batch.write_results(lines, model, args.output)
+    failed = sum(line.error is not None for line in lines)
+    sys.stderr.write(
+        f"{len(lines)} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; wrote {args.output}\n"
+    )
+    return 0
 
 
 def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any]) -> int:
@@ -106,15 +154,10 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
     import pyarrow.parquet as pq
     from tqdm import tqdm
 
-    from moe_lightning.client import BatchError, GenerationClient
+    from moe_lightning.client import BatchError
 
     t0 = time.perf_counter()
-    with (
-        GenerationClient(
-            addr, tls_ca=args.tls_ca, token=args.auth_token, allow_insecure_token=args.allow_insecure_token
-        ) as client,
-        tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar,
-    ):
+    with _client(args, addr) as client, tqdm(total=len(prompts), unit="prompt", disable=args.no_progress) as bar:
         try:
             done = client.batch_generate_all(
                 prompts,

@@ -15,10 +15,20 @@ from moe_lightning.commands.common import add_stack_flags
 
 
 def add_parser(sub: Any, name: str) -> None:
-    p = sub.add_parser(name, help="run the whole stack (four processes) until Ctrl-C / SIGTERM")
+    p = sub.add_parser(name, help="run the whole stack (four services, the OpenAI HTTP gateway) until Ctrl-C")
     p.add_argument("--model", required=True, type=Path, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address of the public API (0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=50051, help="port of the public API (0 = any free port)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=8000,
+        help="port of the OpenAI-compatible HTTP API on --host (0 = any free port; docs/openai.md)",
+    )
+    p.add_argument("--no-http", action="store_true", help="no HTTP gateway: the gRPC API only")
+    p.add_argument(
+        "--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own)"
+    )
     add_stack_flags(p)
     p.add_argument("--tls-cert", type=Path, default=None, help="serve the public API over TLS with this PEM cert")
     p.add_argument("--tls-key", type=Path, default=None, help="the PEM private key of --tls-cert")
@@ -76,6 +86,8 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
         run_id=args.run_id or f"up{os.getpid()}",
         host=host,
         port=port,
+        http_port=None if getattr(args, "no_http", True) else args.http_port,
+        chat_template=getattr(args, "chat_template", None),
         device=args.device,
         gpus=args.gpus,
         device_memory=args.device_memory,
@@ -129,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             sys.stdout.write(f"moe-lightning is serving {args.model} (run id {stack.config.run_id})\n")
             for name, e in endpoints.items():
-                sys.stdout.write(f"  {name:<14} grpc {e['grpc']:<48} metrics {e['metrics']}\n")
+                where = f"grpc {e['grpc']}" if "grpc" in e else f"http {e['http']}/v1"
+                sys.stdout.write(f"  {name:<14} {where:<53} metrics {e['metrics']}\n")
             sys.stdout.write("Ctrl-C or SIGTERM stops every service.\n")
         sys.stdout.flush()
         if not args.no_restart:

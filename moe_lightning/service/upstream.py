@@ -166,3 +166,20 @@ def fetch_manifest(
 def arena_dtype(spec: ModelSpec, manifest: weight_store_pb2.GetManifestResponse) -> str:
     """The dtype the weight store serves (its --dtype, not the checkpoint's): what the device computes in."""
     return DTYPE_FROM_PB[manifest.pages[0].dtype] if manifest.pages else spec.dtype
+
+
+def http_ready(base_url: str, tls_ca: Path | None = None, timeout: float = 0.5) -> bool:
+    """Whether an HTTP service answers 200 on /health (the gateway's readiness); over TLS the chain is
+    checked against `tls_ca`, not the name (the launcher probes its own child on its own address)."""
+    import urllib.error
+    import urllib.request
+
+    context = None
+    if base_url.startswith("https:"):
+        context = ssl.create_default_context(cafile=str(tls_ca) if tls_ca else None)
+        context.check_hostname = False
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=timeout, context=context) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False

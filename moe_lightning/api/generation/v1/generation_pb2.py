@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/generation/v1/generation.proto\x12\x1fmoe_lightning.api.generation.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe5\x02\n\x0fGenerationInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12>\n\ttoken_ids\x18\x02 \x01(\x0b\x32).moe_lightning.api.generation.v1.TokenIdsH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\rB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\xbd\x02\n\x10GenerationOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x44\n\rfinish_reason\x18\x04 \x01(\x0e\x32-.moe_lightning.api.generation.v1.FinishReason\x12\x35\n\x05usage\x18\x05 \x01(\x0b\x32&.moe_lightning.api.generation.v1.Usage\x12\x39\n\x07timings\x18\x06 \x01(\x0b\x32(.moe_lightning.api.generation.v1.Timings\x12<\n\x08logprobs\x18\x07 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"R\n\x0fGenerateRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"U\n\x10GenerateResponse\x12\x41\n\x06output\x18\x01 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"X\n\x15GenerateStreamRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"\xba\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x41\n\x06output\x18\x02 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\x12\x0c\n\x04text\x18\x03 \x01(\t\x12<\n\x08logprobs\x18\x04 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"X\n\x14\x42\x61tchGenerateRequest\x12@\n\x06inputs\x18\x01 \x03(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"[\n\x15\x42\x61tchGenerateResponse\x12\x42\n\x07outputs\x18\x01 \x03(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"\x15\n\x13GetModelInfoRequest\"M\n\x14GetModelInfoResponse\x12\x35\n\x05model\x18\x01 \x01(\x0b\x32&.moe_lightning.api.common.v1.ModelInfo\"\x1a\n\x18GetServerMetadataRequest\"\xd2\x01\n\x19GetServerMetadataResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x04 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x05 \x01(\r\x12\x19\n\x11max_batch_prompts\x18\x06 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\x8d\x05\n\nGeneration\x12o\n\x08Generate\x12\x30.moe_lightning.api.generation.v1.GenerateRequest\x1a\x31.moe_lightning.api.generation.v1.GenerateResponse\x12\x83\x01\n\x0eGenerateStream\x12\x36.moe_lightning.api.generation.v1.GenerateStreamRequest\x1a\x37.moe_lightning.api.generation.v1.GenerateStreamResponse0\x01\x12~\n\rBatchGenerate\x12\x35.moe_lightning.api.generation.v1.BatchGenerateRequest\x1a\x36.moe_lightning.api.generation.v1.BatchGenerateResponse\x12{\n\x0cGetModelInfo\x12\x34.moe_lightning.api.generation.v1.GetModelInfoRequest\x1a\x35.moe_lightning.api.generation.v1.GetModelInfoResponse\x12\x8a\x01\n\x11GetServerMetadata\x12\x39.moe_lightning.api.generation.v1.GetServerMetadataRequest\x1a:.moe_lightning.api.generation.v1.GetServerMetadataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/generation/v1/generation.proto\x12\x1fmoe_lightning.api.generation.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"N\n\x0c\x43hatMessages\x12>\n\x08messages\x18\x01 \x03(\x0b\x32,.moe_lightning.api.generation.v1.ChatMessage\"\xa8\x03\n\x0fGenerationInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12>\n\ttoken_ids\x18\x02 \x01(\x0b\x32).moe_lightning.api.generation.v1.TokenIdsH\x00\x12\x41\n\x08messages\x18\x0c \x01(\x0b\x32-.moe_lightning.api.generation.v1.ChatMessagesH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\rB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\xbd\x02\n\x10GenerationOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x44\n\rfinish_reason\x18\x04 \x01(\x0e\x32-.moe_lightning.api.generation.v1.FinishReason\x12\x35\n\x05usage\x18\x05 \x01(\x0b\x32&.moe_lightning.api.generation.v1.Usage\x12\x39\n\x07timings\x18\x06 \x01(\x0b\x32(.moe_lightning.api.generation.v1.Timings\x12<\n\x08logprobs\x18\x07 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"R\n\x0fGenerateRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"U\n\x10GenerateResponse\x12\x41\n\x06output\x18\x01 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"X\n\x15GenerateStreamRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"\xba\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x41\n\x06output\x18\x02 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\x12\x0c\n\x04text\x18\x03 \x01(\t\x12<\n\x08logprobs\x18\x04 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"X\n\x14\x42\x61tchGenerateRequest\x12@\n\x06inputs\x18\x01 \x03(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"[\n\x15\x42\x61tchGenerateResponse\x12\x42\n\x07outputs\x18\x01 \x03(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"\x15\n\x13GetModelInfoRequest\"M\n\x14GetModelInfoResponse\x12\x35\n\x05model\x18\x01 \x01(\x0b\x32&.moe_lightning.api.common.v1.ModelInfo\"\x1a\n\x18GetServerMetadataRequest\"\xd2\x01\n\x19GetServerMetadataResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x04 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x05 \x01(\r\x12\x19\n\x11max_batch_prompts\x18\x06 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\x8d\x05\n\nGeneration\x12o\n\x08Generate\x12\x30.moe_lightning.api.generation.v1.GenerateRequest\x1a\x31.moe_lightning.api.generation.v1.GenerateResponse\x12\x83\x01\n\x0eGenerateStream\x12\x36.moe_lightning.api.generation.v1.GenerateStreamRequest\x1a\x37.moe_lightning.api.generation.v1.GenerateStreamResponse0\x01\x12~\n\rBatchGenerate\x12\x35.moe_lightning.api.generation.v1.BatchGenerateRequest\x1a\x36.moe_lightning.api.generation.v1.BatchGenerateResponse\x12{\n\x0cGetModelInfo\x12\x34.moe_lightning.api.generation.v1.GetModelInfoRequest\x1a\x35.moe_lightning.api.generation.v1.GetModelInfoResponse\x12\x8a\x01\n\x11GetServerMetadata\x12\x39.moe_lightning.api.generation.v1.GetServerMetadataRequest\x1a:.moe_lightning.api.generation.v1.GetServerMetadataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe_lightning.api.generation.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1946
-  _globals['_FINISHREASON']._serialized_end=2064
+  _globals['_FINISHREASON']._serialized_start=2139
+  _globals['_FINISHREASON']._serialized_end=2257
   _globals['_TOKENIDS']._serialized_start=127
   _globals['_TOKENIDS']._serialized_end=150
-  _globals['_GENERATIONINPUT']._serialized_start=153
-  _globals['_GENERATIONINPUT']._serialized_end=510
-  _globals['_USAGE']._serialized_start=512
-  _globals['_USAGE']._serialized_end=569
-  _globals['_TIMINGS']._serialized_start=571
-  _globals['_TIMINGS']._serialized_end=648
-  _globals['_GENERATIONOUTPUT']._serialized_start=651
-  _globals['_GENERATIONOUTPUT']._serialized_end=968
-  _globals['_GENERATEREQUEST']._serialized_start=970
-  _globals['_GENERATEREQUEST']._serialized_end=1052
-  _globals['_GENERATERESPONSE']._serialized_start=1054
-  _globals['_GENERATERESPONSE']._serialized_end=1139
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1141
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1229
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1232
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1418
-  _globals['_BATCHGENERATEREQUEST']._serialized_start=1420
-  _globals['_BATCHGENERATEREQUEST']._serialized_end=1508
-  _globals['_BATCHGENERATERESPONSE']._serialized_start=1510
-  _globals['_BATCHGENERATERESPONSE']._serialized_end=1601
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1603
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1624
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1626
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1703
-  _globals['_GETSERVERMETADATAREQUEST']._serialized_start=1705
-  _globals['_GETSERVERMETADATAREQUEST']._serialized_end=1731
-  _globals['_GETSERVERMETADATARESPONSE']._serialized_start=1734
-  _globals['_GETSERVERMETADATARESPONSE']._serialized_end=1944
-  _globals['_GENERATION']._serialized_start=2067
-  _globals['_GENERATION']._serialized_end=2720
+  _globals['_CHATMESSAGE']._serialized_start=152
+  _globals['_CHATMESSAGE']._serialized_end=196
+  _globals['_CHATMESSAGES']._serialized_start=198
+  _globals['_CHATMESSAGES']._serialized_end=276
+  _globals['_GENERATIONINPUT']._serialized_start=279
+  _globals['_GENERATIONINPUT']._serialized_end=703
+  _globals['_USAGE']._serialized_start=705
+  _globals['_USAGE']._serialized_end=762
+  _globals['_TIMINGS']._serialized_start=764
+  _globals['_TIMINGS']._serialized_end=841
+  _globals['_GENERATIONOUTPUT']._serialized_start=844
+  _globals['_GENERATIONOUTPUT']._serialized_end=1161
+  _globals['_GENERATEREQUEST']._serialized_start=1163
+  _globals['_GENERATEREQUEST']._serialized_end=1245
+  _globals['_GENERATERESPONSE']._serialized_start=1247
+  _globals['_GENERATERESPONSE']._serialized_end=1332
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1334
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1422
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1425
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1611
+  _globals['_BATCHGENERATEREQUEST']._serialized_start=1613
+  _globals['_BATCHGENERATEREQUEST']._serialized_end=1701
+  _globals['_BATCHGENERATERESPONSE']._serialized_start=1703
+  _globals['_BATCHGENERATERESPONSE']._serialized_end=1794
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1796
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1817
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1819
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1896
+  _globals['_GETSERVERMETADATAREQUEST']._serialized_start=1898
+  _globals['_GETSERVERMETADATAREQUEST']._serialized_end=1924
+  _globals['_GETSERVERMETADATARESPONSE']._serialized_start=1927
+  _globals['_GETSERVERMETADATARESPONSE']._serialized_end=2137
+  _globals['_GENERATION']._serialized_start=2260
+  _globals['_GENERATION']._serialized_end=2913
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,142 @@
+"""`moe-lightning run` on OpenAI Batch files (as `vllm run-batch` takes them): one request per line,
+`{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions", "body"}`, and
+one result per line, `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}`,
+in input order. The bodies are read and answered exactly as the HTTP gateway reads and answers them
+(gateway/schema.py, gateway/responses.py); a bad line is that line's error, not the job's."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pydantic import ValidationError
+
+from gateway import responses
+from gateway.errors import ApiError, bad_request, from_grpc
+from gateway.schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from moe_lightning.api.generation.v1 import generation_pb2
+
+ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+
+
+def is_openai_batch(path: Path) -> bool:
+    """A .jsonl whose first line is a batch request (custom_id, url, body)."""
+    if path.suffix not in (".jsonl", ".ndjson"):
+        return False
+    with path.open() as f:
+        first = next((line for line in f if line.strip()), "")
+    try:
+        obj = json.loads(first)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and {"custom_id", "url", "body"} <= set(obj)
+
+
+@dataclass
+class BatchLine:
+    custom_id: str
+    route: str = ""
+    request: CompletionRequest | ChatCompletionRequest | None = None
+    inputs: list[generation_pb2.GenerationInput] = field(default_factory=list)
+    error: ApiError | None = None
+    outputs: list[generation_pb2.GenerationOutput] = field(default_factory=list)
+
+
+def read_batch(path: Path) -> list[BatchLine]:
+    lines = []
+    with path.open() as f:
+        for n, raw in enumerate(f, start=1):
+            if raw.strip():
+                lines.append(_parse(raw, n))
+    if not lines:
+        raise ValueError(f"{path}: no requests")
+    return lines
+
+
+def _parse(raw: str, n: int) -> BatchLine:
+    try:
+        obj = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return BatchLine(f"line-{n}", error=bad_request(f"line {n} is not JSON: {exc}"))
+    line = BatchLine(str(obj.get("custom_id", f"line-{n}")), str(obj.get("url", "")))
+    if obj.get("method", "POST") != "POST" or line.route not in ROUTES:
+        line.error = bad_request(f"url must be one of {sorted(ROUTES)} with method POST, got {line.route!r}", "url")
+        return line
+    try:
+        line.request = ROUTES[line.route].model_validate(obj.get("body") or {})
+        line.inputs = line.request.inputs()
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(x) for x in first["loc"]) or None
+        line.error = bad_request(f"{param or 'body'}: {first['msg']}", param)
+    except UnsupportedField as exc:
+        line.error = bad_request(str(exc), exc.param)
+    return line
+
+
+def run_batch(
+    lines: list[BatchLine],
+    stub: Any,
+    metadata: tuple[tuple[str, str], ...],
+    chunk_size: int,
+    in_flight: int,
+    on_done: Callable[[int], None],
+) -> None:
+    """Every line's inputs through BatchGenerate, `chunk_size` lines per call and `in_flight` calls at
+    once; a call the server refuses as a whole is retried line by line, so each line gets its own error."""
+    todo = [line for line in lines if line.error is None]
+
+    def one(chunk: list[BatchLine]) -> None:
+        inputs = [m for line in chunk for m in line.inputs]
+        try:
+            outs = list(
+                stub.BatchGenerate(generation_pb2.BatchGenerateRequest(inputs=inputs), metadata=metadata).outputs
+            )
+        except grpc.RpcError as exc:
+            if len(chunk) > 1 and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:  # whose? ask each line alone
+                for line in chunk:
+                    one([line])
+                return
+            for line in chunk:
+                line.error = from_grpc(exc)  # type: ignore[arg-type]
+            on_done(len(chunk))
+            return
+        for line in chunk:
+            line.outputs, outs = outs[: len(line.inputs)], outs[len(line.inputs) :]
+        on_done(len(chunk))
+
+    chunks = [todo[i : i + chunk_size] for i in range(0, len(todo), chunk_size)]
+    with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
+        list(pool.map(one, chunks))
+
+
+def result_line(line: BatchLine, model: str) -> dict[str, Any]:
+    request_id = uuid.uuid4().hex
+    if line.error is not None:
+        response = {"status_code": line.error.status, "request_id": request_id, "body": line.error.body()}
+    else:
+        assert line.request is not None
+        if isinstance(line.request, CompletionRequest):
+            rid = responses.new_id("cmpl")
+            body = responses.completion(rid, model, line.outputs, line.request.n, line.request.logprobs is not None)
+        else:
+            top = (line.request.top_logprobs or 0) if line.request.logprobs else None
+            body = responses.chat_completion(responses.new_id("chatcmpl"), model, line.outputs, top)
+        response = {"status_code": 200, "request_id": request_id, "body": body}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": response, "error": None}
+
+
+def write_results(lines: list[BatchLine], model: str, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for line in lines:
+            f.write(json.dumps(result_line(line, model), separators=(",", ":")) + "\n")
