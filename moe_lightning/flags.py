@@ -9,8 +9,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moe_lightning.handoff import DEFAULT_MAX_TOKENS, DEFAULT_SLOTS
-
 ENV_PREFIX = "MOE_LIGHTNING_"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -116,6 +114,9 @@ def add_service_flags(parser: argparse.ArgumentParser, default_address: str) -> 
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     """Flags the two worker services (gpu_expert, cpu_attention) share."""
+    # here, not at the top: handoff imports torch, which the HTTP gateway (a flags user) never needs
+    from moe_lightning.handoff import DEFAULT_MAX_TOKENS, DEFAULT_SLOTS
+
     parser.add_argument(
         "--max-tokens-per-handoff",
         type=int,

@@ -21,8 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from moe_lightning.service.errors import ErrorMappingInterceptor
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 
 
 def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
