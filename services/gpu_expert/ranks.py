@@ -70,14 +70,19 @@ class RankGroup:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the group talks over loopback only
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         try:
+            # the default group only forms the group (its timeout: the slowest rank's start); every
+            # collective of a step runs on groups with the tight --tp-timeout
+            startup = timedelta(seconds=startup_timeout)
             store = dist.FileStore(str(rendezvous), shard.world)
-            store.set_timeout(timedelta(seconds=startup_timeout))
+            store.set_timeout(startup)
             rank, world = shard.rank, shard.world
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=self.timeout)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=startup)
             if backend == "auto":
                 backend = "nccl" if device.type == "cuda" else "gloo"
-            self.host_group = dist.group.WORLD
-            self.device_group = dist.new_group(backend=backend, timeout=self.timeout) if backend != "gloo" else None
+            self.host_group = dist.new_group(backend="gloo", timeout=self.timeout)
+            self.device_group = (
+                dist.new_group(backend=backend, timeout=self.timeout) if backend != "gloo" else self.host_group
+            )
         except Exception as exc:
             raise RankGroupError(f"rank {shard.rank} of {shard.world} could not join the group: {exc}") from exc
         self.backend = backend
@@ -100,26 +105,26 @@ class RankGroup:
         assert self.shard.leads
         self.last_command = time.monotonic()
         head = torch.tensor([int(command), len(payload)], dtype=torch.int64)
-        self._run("command", lambda: dist.broadcast(head, 0))
+        self._run("command", lambda: dist.broadcast(head, 0, group=self.host_group))
         if payload:
             body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            self._run("command", lambda: dist.broadcast(body, 0))
+            self._run("command", lambda: dist.broadcast(body, 0, group=self.host_group))
 
     def receive_command(self) -> tuple[Command, bytes]:
         head = torch.empty(2, dtype=torch.int64)
-        self._run("command", lambda: dist.broadcast(head, 0))
+        self._run("command", lambda: dist.broadcast(head, 0, group=self.host_group))
         command, n = Command(int(head[0])), int(head[1])
         if not n:
             return command, b""
         body = torch.empty(n, dtype=torch.uint8)
-        self._run("command", lambda: dist.broadcast(body, 0))
+        self._run("command", lambda: dist.broadcast(body, 0, group=self.host_group))
         return command, body.numpy().tobytes()
 
     # ---- a step's collectives -------------------------------------------------------------------
     def agree(self, ok: bool) -> bool:
         """Whether every rank's `ok` is true: ranks go on with a step, or refuse it, together."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        self._run("agreement", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN))
+        self._run("agreement", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.host_group))
         return bool(flag.item())
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -134,7 +139,7 @@ class RankGroup:
         the others). A KV head held by several ranks (K < N) comes from the first of them."""
         mine = torch.cat([q, k, v], dim=1).to("cpu")  # (T, H/N + 2 K_r, Hd)
         parts = [torch.empty_like(mine) for _ in range(self.shard.world)] if self.shard.leads else None
-        self._run("gather", lambda: dist.gather(mine, parts, dst=0))
+        self._run("gather", lambda: dist.gather(mine, parts, dst=0, group=self.host_group))
         if parts is None:
             return None
         hq, hk = self._q_heads, self._kv_heads
@@ -156,14 +161,14 @@ class RankGroup:
         parts = None
         if attn is not None:
             parts = [c.contiguous() for c in attn.to("cpu").view(tokens, self.shard.world, width).unbind(1)]
-        self._run("scatter", lambda: dist.scatter(mine, parts, src=0))
+        self._run("scatter", lambda: dist.scatter(mine, parts, src=0, group=self.host_group))
         return mine.to(self.device)
 
     def gather_stats(self, stats: RankStep) -> list[RankStep]:
         """Every rank's share of the step on rank 0 (an empty list elsewhere)."""
         row = torch.tensor([getattr(stats, f.name) for f in fields(RankStep)], dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.shard.world)] if self.shard.leads else None
-        self._run("gather", lambda: dist.gather(row, rows, dst=0))
+        self._run("gather", lambda: dist.gather(row, rows, dst=0, group=self.host_group))
         return [RankStep(*(int(x) for x in r.tolist())) for r in rows] if rows else []
 
     def take_collective_ns(self) -> int:
