@@ -38,6 +38,20 @@ def add_parser(sub: Any, name: str) -> None:
         help="BatchGenerate calls in flight (0 = enough to fill the batch the server plans, plus one chunk, "
         "within its queue; asked again as it re-plans)",
     )
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="ADDRESS",
+        help="run over a Ray cluster (docs/cluster.md): one stack per node (--model: started on each; --addr: "
+        "the one running at that address on each node); --input may be a directory or glob of files, --output "
+        "is then a directory of Parquet parts; ADDRESS as `ray start` printed it (default: auto)",
+    )
+    p.add_argument(
+        "--part-rows", type=int, default=512, help="with --ray: rows per part (the unit of retry and resume)"
+    )
+    p.add_argument("--retries", type=int, default=3, help="with --ray: times a failed part is given to a node again")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--show", type=int, default=0, help="print the first N prompts and their completions")
     add_stack_flags(p)
@@ -58,7 +72,7 @@ def read_prompts(path: Path) -> Any:
     return table
 
 
-def _row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any:
+def row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any:
     from moe_lightning.client import Prompt
 
     def pick(name: str) -> Any:
@@ -87,6 +101,14 @@ def _row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> An
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.commands import openai_batch
 
+    if args.ray is not None:
+        try:
+            from moe_lightning.cluster.driver import run_on_ray
+        except ImportError as exc:
+            raise ValueError(f"--ray needs Ray: pip install 'moe-lightning[ray]' ({exc})") from None
+        args.input_spec, args.output_spec = str(args.input), str(args.output)
+        return run_on_ray(args)
+
     if openai_batch.is_openai_batch(args.input):
         if args.output.suffix != ".jsonl":
             raise ValueError(
@@ -98,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
             return _submit_openai(args, addr, lines)
     else:
         table = read_prompts(args.input)
-        prompts = [_row_prompt(r, args, i) for i, r in enumerate(table.to_pylist())]
+        prompts = [row_prompt(r, args, i) for i, r in enumerate(table.to_pylist())]
 
         def submit(addr: str) -> int:
             return _submit(args, addr, table, prompts)
@@ -121,6 +143,21 @@ def run(args: argparse.Namespace) -> int:
         return submit(stack.api_address)
     finally:
         stack.stop()
+
+
+def completion_columns(done: list[Any]) -> dict[str, Any]:
+    """The result columns every output row gets (single box and Ray parts alike)."""
+    import pyarrow as pa
+
+    return {
+        "token_ids": pa.array([r.token_ids for r in done], type=pa.list_(pa.int32())),
+        "text": [r.text for r in done],
+        "finish_reason": [r.finish_reason for r in done],
+        "prompt_tokens": pa.array([r.prompt_tokens for r in done], type=pa.int32()),
+        "completion_tokens": pa.array([r.completion_tokens for r in done], type=pa.int32()),
+        "latency_seconds": [r.total_seconds for r in done],
+        "time_to_first_token_seconds": [r.time_to_first_token_seconds for r in done],
+    }
 
 
 def _client(args: argparse.Namespace, addr: str) -> Any:
@@ -170,15 +207,7 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
             sys.stderr.write(f"error: {exc}; nothing written\n")
             return 1
     wall = time.perf_counter() - t0
-    columns = {
-        "token_ids": pa.array([r.token_ids for r in done], type=pa.list_(pa.int32())),
-        "text": [r.text for r in done],
-        "finish_reason": [r.finish_reason for r in done],
-        "prompt_tokens": pa.array([r.prompt_tokens for r in done], type=pa.int32()),
-        "completion_tokens": pa.array([r.completion_tokens for r in done], type=pa.int32()),
-        "latency_seconds": [r.total_seconds for r in done],
-        "time_to_first_token_seconds": [r.time_to_first_token_seconds for r in done],
-    }
+    columns = completion_columns(done)
     out = table
     for name, col in columns.items():
         if name in out.column_names:
