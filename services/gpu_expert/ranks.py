@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from datetime import timedelta
 from enum import IntEnum
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import torch
@@ -34,6 +36,7 @@ from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import Shard, kv_heads, kv_owner, query_heads
 
+T = TypeVar("T")
 HEARTBEAT_SECONDS = 5.0  # at most; a third of --tp-timeout when that is shorter
 
 
@@ -121,6 +124,21 @@ class RankGroup:
         return command, body.numpy().tobytes()
 
     # ---- a step's collectives -------------------------------------------------------------------
+    def together(self, prepare: Callable[[], T]) -> T:
+        """`prepare()` (a step's checks), with every rank going on, or refusing the step, together:
+        a refusal on one rank alone (a full device KV cache, an out-of-memory) would leave the others
+        waiting in the step's first collective."""
+        try:
+            result = prepare()
+        except Exception:
+            self.agree(False)
+            raise
+        if not self.agree(True):
+            raise ServiceError(
+                "another tensor-parallel rank refused this step (its log says why)", grpc.StatusCode.UNAVAILABLE
+            )
+        return result
+
     def agree(self, ok: bool) -> bool:
         """Whether every rank's `ok` is true: ranks go on with a step, or refuse it, together."""
         flag = torch.tensor([1 if ok else 0], dtype=torch.int64)

@@ -175,7 +175,7 @@ class ExpertRunner:
         if self.group is not None:
             self.group.take_collective_ns()  # a rank's wait for this step is not the step's
         try:
-            states = self._prepare_together(plan)
+            states = self._prepare(plan) if self.group is None else self.group.together(lambda: self._prepare(plan))
             prepared = True  # from here on a failure leaves the ranks out of step
             if plan.placement.attention_on_device:
                 self._run_with_local_attention(plan, states)
@@ -221,24 +221,6 @@ class ExpertRunner:
         if plan.kind is StepKind.DECODE:
             self.hot.after_decode_step()
         return StepOutput([w.seq_id for w in works] if self.shard.leads else [], tokens, timings, logprobs, ranks)
-
-    def _prepare_together(self, plan: StepPlan) -> list[MicroBatchState]:
-        """`_prepare`; with ranks, all of them go on or all refuse the step (one agreement), since a
-        refusal on one rank alone (a full device KV cache, an out-of-memory) would leave the others
-        waiting in the step's first collective."""
-        if self.group is None:
-            return self._prepare(plan)
-        try:
-            states = self._prepare(plan)
-        except Exception as exc:
-            self.group.agree(False)
-            raise exc
-        if not self.group.agree(True):
-            raise ServiceError(
-                f"another tensor-parallel rank refused step {plan.step_id} (its log says why)",
-                grpc.StatusCode.UNAVAILABLE,
-            )
-        return states
 
     def _head(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict]:
         """Rank 0's: the logits of each sequence's last row, its sampled token and log-probabilities."""
