@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "MOE_LIGHTNING_"
+# a few decode steps of Mixtral 8x7B in 16 micro-batches (~2,000 spans each), ~5 MB of tuples
+TIMELINE_KEEP = 1 << 15
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -134,6 +136,13 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument(
         "--timeline", default=None, help="append (step, layer, micro-batch) start/end times to this file"
+    )
+    parser.add_argument(
+        "--timeline-keep",
+        type=int,
+        default=TIMELINE_KEEP,
+        help="(step, layer, micro-batch) spans kept in memory for the orchestrator's live pipeline picture "
+        "(its /debug/timeline.png and /debug/trace.json); 0: none",
     )
     parser.add_argument(
         "--profile-cache",

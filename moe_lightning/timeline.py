@@ -1,9 +1,11 @@
 """Per (step, layer, micro-batch, resource) start/end times: recorded by each service, merged after.
 
-Services append events to a JSON-lines file (`--timeline FILE`); all use CLOCK_MONOTONIC
-(`perf_counter_ns`), so files from different processes line up. `merge` turns them into a Chrome
-trace (opens in Perfetto) and a Parquet table, and `summarize` reports each resource's busy
-fraction and how much of one resource's work ran while another was busy (hidden behind it).
+Services append events to a JSON-lines file (`--timeline FILE`) and keep the last ones in memory
+(`--timeline-keep`), which the orchestrator asks for to draw the pipeline live (its /debug pages);
+all use CLOCK_MONOTONIC (`perf_counter_ns`), so events from different processes line up. `merge`
+turns them into a Chrome trace (opens in Perfetto) and a Parquet table, and `summarize` reports each
+resource's busy fraction and how much of one resource's work ran while another was busy (hidden
+behind it).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,16 +33,20 @@ class Event:
 
 
 class TimelineRecorder:
-    """Thread-safe, line-buffered; a no-op when no file is given."""
+    """Thread-safe, line-buffered; a no-op when no file is given and nothing is kept.
 
-    def __init__(self, path: str | Path | None, service: str) -> None:
+    `keep`: the last `keep` events also stay in memory (plain tuples, no JSON: cheap enough to be on
+    by default), for `recent`; the oldest are dropped first."""
+
+    def __init__(self, path: str | Path | None, service: str, keep: int = 0) -> None:
         self.service = service
         self._file: IO[str] | None = Path(path).open("a", buffering=1) if path else None  # noqa: SIM115 (lives with the service)
+        self._recent: deque[tuple[str, str, int, int, int, int, int]] | None = deque(maxlen=keep) if keep > 0 else None
         self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
-        return self._file is not None
+        return self._file is not None or self._recent is not None
 
     def record(
         self,
@@ -51,11 +58,36 @@ class TimelineRecorder:
         start_ns: int,
         end_ns: int | None = None,
     ) -> None:
-        if self._file is None:
+        if self._file is None and self._recent is None:
             return
-        e = Event(resource, stage, step, layer, micro_batch, start_ns, end_ns or time.perf_counter_ns(), self.service)
+        end = end_ns or time.perf_counter_ns()
         with self._lock:
-            self._file.write(json.dumps(asdict(e)) + "\n")
+            if self._recent is not None:
+                self._recent.append((resource, stage, step, layer, micro_batch, start_ns, end))
+            if self._file is not None:
+                e = Event(resource, stage, step, layer, micro_batch, start_ns, end, self.service)
+                self._file.write(json.dumps(asdict(e)) + "\n")
+
+    def recent(self, steps: int = 0, start_ns: int = 0, end_ns: int = 0) -> list[Event]:
+        """The kept events of the last `steps` steps (with those of no step, such as expert copies,
+        that overlap them), or with `steps` 0 those overlapping [start_ns, end_ns] (0: open)."""
+        with self._lock:
+            kept = list(self._recent or ())
+        if steps > 0:
+            # the newest step ids as recorded (a restarted orchestrator counts from 0 again); a step's
+            # own spans are recorded once it has ended, so each of them is whole
+            last: dict[int, None] = {}
+            for e in reversed(kept):
+                if e[2] >= 0 and e[2] not in last:
+                    if len(last) == steps:
+                        break
+                    last[e[2]] = None
+            mine = [e for e in kept if e[2] in last]
+            if not mine:
+                return []
+            start_ns, end_ns = min(e[5] for e in mine), max(e[6] for e in mine)
+        chosen = [e for e in kept if e[6] > start_ns and (not end_ns or e[5] < end_ns)]
+        return sorted((Event(*e, self.service) for e in chosen), key=lambda e: e.start_ns)
 
     def close(self) -> None:
         if self._file is not None:

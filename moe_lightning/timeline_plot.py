@@ -4,6 +4,7 @@ one decode step, each box a stage of one (layer, micro-batch), so overlap can be
 from __future__ import annotations
 
 from pathlib import Path
+from typing import IO
 
 from moe_lightning.timeline import Event
 
@@ -28,7 +29,8 @@ def decode_window(events: list[Event], layers: int = 3) -> tuple[int, int, int]:
     return step, min(e.start_ns for e in mine), max(e.end_ns for e in mine)
 
 
-def plot_timeline(events: list[Event], out: Path, title: str, layers: int = 3) -> Path:
+def plot_timeline(events: list[Event], out: Path | IO[bytes], title: str, layers: int = 3) -> Path | IO[bytes]:
+    """A PNG of a few layers of a decode step, to a file or a binary stream (the orchestrator's live page)."""
     try:
         import matplotlib
 
@@ -53,7 +55,8 @@ def plot_timeline(events: list[Event], out: Path, title: str, layers: int = 3) -
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
     ax.legend(handles, COLORS.keys(), fontsize=7, loc="upper right", ncol=5)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=130)
+    if isinstance(out, Path):
+        out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130, format=None if isinstance(out, Path) else "png")  # a file: its suffix says
     plt.close(fig)
     return out

@@ -9,6 +9,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2
 
+from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.handoff import DEFAULT_MAX_TOKENS
@@ -22,10 +23,13 @@ from moe_lightning.service.convert import (
     measurements_from_pb,
     step_output_from_pb,
     step_plan_to_pb,
+    timeline_from_pb,
 )
+from moe_lightning.service.errors import UnavailableError
 from moe_lightning.service.names import CPU_ATTENTION, GPU_EXPERT, WEIGHT_STORE
 from moe_lightning.service.upstream import fetch_manifest, health_status, open_channel, wait_serving
 from moe_lightning.spec import ModelSpec
+from moe_lightning.timeline import Event
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,21 @@ class Backend:
     def step(self, plan: StepPlan) -> StepOutput:
         assert self._gpu is not None, "connect() first"
         return step_output_from_pb(self._gpu.Step(step_plan_to_pb(plan), timeout=self.step_timeout))
+
+    def timeline(self, steps: int, timeout: float = 10.0) -> list[Event]:
+        """The spans of the last `steps` steps gpu_expert ran, with cpu_attention's over the same time
+        (both keep their recent spans in memory: --timeline-keep); [] before any step."""
+        gpu, cpu = self._gpu, self._cpu
+        if gpu is None or cpu is None:
+            raise UnavailableError("the orchestrator is not connected to its workers")
+        last = gpu_expert_pb2.GetTimelineRequest(query=common_pb2.TimelineQuery(steps=steps))
+        device = timeline_from_pb(gpu.GetTimeline(last, timeout=timeout).spans)
+        if not device:
+            return []
+        window = common_pb2.TimelineQuery(start_ns=device[0].start_ns, end_ns=max(e.end_ns for e in device))
+        request = cpu_attention_pb2.GetTimelineRequest(query=window)
+        host = timeline_from_pb(cpu.GetTimeline(request, timeout=timeout).spans)
+        return sorted(device + host, key=lambda e: e.start_ns)
 
     def unhealthy(self, timeout: float = 1.0) -> list[str]:
         """The services that do not answer SERVING right now."""

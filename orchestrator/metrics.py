@@ -4,6 +4,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
+from orchestrator.batcher import SchedulerConfig
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -34,6 +35,18 @@ DECODE_BATCH = Histogram(
     "Sequences decoded together in one decode step",
     buckets=tuple(2**i for i in range(14)),
 )
+
+# What the scheduler runs with now: the HRM's plan, or the operator's --max-batch-size /
+# --micro-batch-size; and the queue's bound (--max-queue), past which requests get RESOURCE_EXHAUSTED.
+BATCH_IN_FORCE = Gauge("moe_lightning_max_batch_size", "Largest running batch in force (sequences)")
+MICRO_BATCH_IN_FORCE = Gauge("moe_lightning_micro_batch_size", "Micro-batch size in force (sequences)")
+MAX_QUEUE = Gauge("moe_lightning_max_queue_requests", "Requests that may wait before RESOURCE_EXHAUSTED (--max-queue)")
+
+
+def publish_config(config: SchedulerConfig) -> None:
+    BATCH_IN_FORCE.set(config.max_batch_size)
+    MICRO_BATCH_IN_FORCE.set(config.micro_batch_size or config.max_batch_size)  # 0: one micro-batch, the whole batch
+    MAX_QUEUE.set(config.max_queue)
 
 
 def observe_step(sequences: int, wall: float, timings: StepTimings) -> None:

@@ -32,6 +32,12 @@ MEASURED = Gauge("moe_lightning_stage_measured_seconds", "Measured time per laye
 PREDICTED_TPS = Gauge("moe_lightning_predicted_decode_tokens_per_second", "HRM throughput of the current policy")
 REPLANS = Counter("moe_lightning_replans_total", "Re-plans, by reason", ["reason"])
 POLICY = Info("moe_lightning_policy", "The policy in force")
+THRESHOLD = Gauge(
+    "moe_lightning_replan_threshold_ratio", "Relative prediction error past which the planner corrects and re-plans"
+)
+REPLAN_REASONS = ("workload", "prediction_error")
+for _reason in REPLAN_REASONS:  # exported at 0 from the start: "no re-plan yet" is a rate of 0, not "no data"
+    REPLANS.labels(_reason)
 EWMA = 0.2
 DRIFT_ROWS = ("device", "attention")  # rows of hrm.measured: device roofs, then the CPU's
 
@@ -78,6 +84,7 @@ class Planner:
         self.resident_experts = resident_experts  # what gpu_expert holds, when known
         self.max_micro_batch = max_micro_batch  # what one hand-off carries (decode: a token per sequence)
         self.config = config or PlannerConfig()
+        THRESHOLD.set(self.config.threshold)
         self.fixed_batch: int | None = None  # set by the operator's flags: the policy does not override
         self.fixed_micro_batch: int | None = None
         self.log = structlog.get_logger()

@@ -105,6 +105,7 @@ class Scheduler:
         self.config = config
         self.planner = planner
         self.batcher = Batcher(kv, config, placement)  # guarded by _cv, like everything below
+        metrics.publish_config(self.config)
         self.log = structlog.get_logger()
         self._tickets: dict[int, Ticket] = {}  # seq id -> its waiter, until it finished
         self._cv = threading.Condition()
@@ -317,6 +318,7 @@ class Scheduler:
             self.config.max_batch_size = policy.batch
         if self.planner.fixed_micro_batch is None:
             self.config.micro_batch_size = policy.micro_batch
+        metrics.publish_config(self.config)
         # attention placement never changes: its KV lives there
         self.batcher.placement = Placement(self.batcher.placement.attention, policy.experts)
 

@@ -21,6 +21,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes
 from orchestrator.backend import Backend, Capacity
+from orchestrator.debug import DebugPages
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 from orchestrator.supervisor import BackendSupervisor
@@ -138,7 +139,11 @@ def _placements(args: argparse.Namespace, capacity: Capacity, spec: ModelSpec) -
 
 
 def _start(
-    args: argparse.Namespace, backend: Backend, servicer: GenerationServicer, runtime: AioServiceRuntime
+    args: argparse.Namespace,
+    backend: Backend,
+    servicer: GenerationServicer,
+    runtime: AioServiceRuntime,
+    pages: DebugPages,
 ) -> dict[str, Any]:
     """Waits for the workers, plans the batch and the placement, starts the scheduler; the fields of
     the `serving` line. A peer that never comes up and a plan the services cannot run alike fail it."""
@@ -168,6 +173,7 @@ def _start(
         kv_dtype=capacity.kv_dtype,
     )
     planner.fixed_batch, planner.fixed_micro_batch = args.max_batch_size, args.micro_batch_size
+    pages.planner = planner
     policy = planner.policy
     kv = capacity.kv_cache(policy.attention)  # the cache attention reads: its KV lives there for good
     config = SchedulerConfig(
@@ -217,16 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
     servicer = GenerationServicer(workers=args.rpc_threads)
+    pages = DebugPages(backend)
     return serve_aio(
         args,
         "orchestrator",
         GENERATION,
         generation_pb2_grpc.add_GenerationServicer_to_server,
         servicer,
-        lambda runtime: _start(args, backend, servicer, runtime),
+        lambda runtime: _start(args, backend, servicer, runtime, pages),
         grace_seconds=args.drain_seconds,
         # what a legal request can need, not 64 MiB: a bigger message is refused unread (RESOURCE_EXHAUSTED)
         max_receive_bytes=max_receive_bytes(args.max_prefill_tokens),
+        pages=pages.routes(),  # /debug/...: the pipeline picture, live (orchestrator/debug.py)
     )
 
 

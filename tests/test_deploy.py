@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -19,9 +23,14 @@ HEALTH_NAMES = {  # the compose file's YAML must spell them out: check it agains
 }
 
 
+def _core(compose: dict) -> dict:
+    """The stack's own services: those outside a profile (monitoring's are tested on their own)."""
+    return {name: svc for name, svc in compose["services"].items() if not svc.get("profiles")}
+
+
 def test_compose_file() -> None:
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
-    services = compose["services"]
+    services = _core(compose)
     assert set(services) == {*HEALTH_NAMES, "gateway"}
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     for name, svc in services.items():
@@ -64,7 +73,7 @@ def test_compose_requires_a_token_and_keeps_internal_services_off_tcp() -> None:
     environment, not argv; the internal services listen on unix sockets only (on TCP any local user
     could call them)."""
     compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
-    services = compose["services"]
+    services = _core(compose)
     for public in ("orchestrator", "gateway"):  # the gRPC API and the HTTP one: the same token
         token = services[public]["environment"]["MOE_LIGHTNING_AUTH_TOKEN"]
         assert token.startswith("${MOE_LIGHTNING_AUTH_TOKEN:?") and token.endswith("}"), token
@@ -104,3 +113,90 @@ def test_an_empty_environment_default_counts_as_unset(monkeypatch: pytest.Monkey
     assert build_parser().parse_args(["--weight-store", "unix:///x"]).device_memory is None
     monkeypatch.setenv("MOE_LIGHTNING_DEVICE_MEMORY", "2GiB")
     assert build_parser().parse_args(["--weight-store", "unix:///x"]).device_memory == 2 << 30
+
+
+def test_the_monitoring_profile_runs_prometheus_and_grafana_on_loopback_with_deploys_files() -> None:
+    """`docker compose --profile monitoring up`: Prometheus scrapes every service's metrics port as the
+    compose file publishes it inside the network, Grafana provisions it and the dashboard, and both are
+    published on 127.0.0.1 only (no Docker engine here: the file is checked as compose would read it)."""
+    compose = yaml.safe_load((ROOT / "deploy" / "docker-compose.yml").read_text())
+    services = compose["services"]
+    monitoring = {name for name, svc in services.items() if svc.get("profiles")}
+    assert monitoring == {"prometheus", "grafana"}
+    for name in monitoring:
+        svc = services[name]
+        assert svc["profiles"] == ["monitoring"] and svc["image"].split(":")[1]  # a pinned version
+        for port in svc["ports"]:
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+        for volume in svc["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):  # relative to the compose file, as compose resolves it
+                assert (ROOT / "deploy" / source).exists(), f"{name} mounts {source}, which deploy/ lacks"
+            else:
+                assert source in compose["volumes"], f"{name}: volume {source} is not declared"
+    # Prometheus: its config is the mounted one, and each job scrapes a service's --metrics-port
+    prom = services["prometheus"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    assert "./prometheus:/etc/prometheus:ro" in prom["volumes"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    assert all((ROOT / "deploy" / "prometheus" / f).is_file() for f in config["rule_files"])
+    jobs = {j["job_name"]: j["static_configs"][0]["targets"] for j in config["scrape_configs"]}
+    assert set(jobs) == set(_core(compose))
+    for name, (target,) in jobs.items():
+        host, port = target.split(":")
+        cmd = services[host]["command"]
+        assert host == name
+        if name == "gateway":  # /metrics on its HTTP port
+            assert cmd[cmd.index("--address") + 1] == f"0.0.0.0:{port}"
+        else:  # listening beyond the container's loopback, or Prometheus' container could not reach it
+            assert cmd[cmd.index("--metrics-port") + 1] == port and cmd[cmd.index("--metrics-host") + 1] == "0.0.0.0"
+    # Grafana: the provisioned datasource is that Prometheus, under the uid the dashboard names
+    grafana = services["grafana"]
+    assert grafana["depends_on"] == ["prometheus"]
+    provisioning = ROOT / "deploy" / "grafana" / "provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["url"] == "http://prometheus:9090" and source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "moe-lightning.yml").read_text())["providers"]
+    assert f"./grafana/dashboards:{provider['options']['path']}:ro" in grafana["volumes"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/moe-lightning.json"
+    dash = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "moe-lightning.json").read_text())
+    uids = {t["datasource"]["uid"] for p in dash["panels"] if p["type"] != "row" for t in p["targets"]}
+    assert uids == {source["uid"]}
+
+
+def test_the_dashboard_lays_out_every_panel_once() -> None:
+    dash = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "moe-lightning.json").read_text())
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)) and dash["uid"]
+    taken: set[tuple[int, int]] = set()
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24, p["title"]
+        cells = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & taken, f"{p['title']} overlaps another panel"
+        taken |= cells
+        if p["type"] != "row":
+            assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), p["title"]
+            assert p["description"], p["title"]  # what the panel means, shown on hover
+
+
+def test_compose_validates_with_the_monitoring_profile_where_compose_runs() -> None:
+    """Docker's own reading of the file, where a compose CLI exists (none does on the test machines)."""
+    compose = shutil.which("docker-compose") or shutil.which("docker")
+    if compose is None:
+        pytest.skip("no docker compose CLI here; the structure is checked above")
+    argv = [compose] if compose.endswith("docker-compose") else [compose, "compose"]
+    env = {**os.environ, "MODEL_DIR": str(ROOT), "MOE_LIGHTNING_AUTH_TOKEN": "x"}
+    file = str(ROOT / "deploy" / "docker-compose.yml")
+    out = subprocess.run(
+        [*argv, "-f", file, "--profile", "monitoring", "config", "--services"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode != 0 and ("unknown" in out.stderr or "is not a docker command" in out.stderr):
+        pytest.skip(f"{' '.join(argv)} has no compose: {out.stderr.strip().splitlines()[0]}")
+    assert out.returncode == 0, out.stderr
+    assert {"prometheus", "grafana", *HEALTH_NAMES, "gateway"} == set(out.stdout.split())

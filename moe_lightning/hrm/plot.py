@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import IO
 
 from moe_lightning.hrm.costmodel import Estimate
 from moe_lightning.hrm.hardware import HardwareProfile
 
 
-def plot_roofline(hw: HardwareProfile, est: Estimate, title: str, out: Path) -> Path:
+def plot_roofline(hw: HardwareProfile, est: Estimate, title: str, out: Path | IO[bytes]) -> Path | IO[bytes]:
+    """A PNG, to a file or a binary stream (the orchestrator's live page)."""
     try:
         import matplotlib
 
@@ -57,6 +59,6 @@ def plot_roofline(hw: HardwareProfile, est: Estimate, title: str, out: Path) -> 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=120, format=None if isinstance(out, Path) else "png")  # a file: its suffix says
     plt.close(fig)
     return out

@@ -26,6 +26,9 @@ from grpc_reflection.v1alpha import reflection
 
 from moe_lightning.service.auth import EXEMPT_PREFIXES
 from moe_lightning.service.errors import _lenient, _Undecodable, rejection
+from moe_lightning.service.metrics import SERVING as SERVING_GAUGE
+from moe_lightning.service.metrics import count_rpc
+from moe_lightning.service.metrics_http import Route
 from moe_lightning.service.runtime import (
     MAX_MESSAGE_BYTES,
     ServiceHooks,
@@ -57,9 +60,11 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 await _reject_undecodable(request, context)
                 try:
-                    return await inner(request, context)
+                    response = await inner(request, context)
                 except Exception as exc:
                     await _abort(context, exc, method)
+                count_rpc(method, "OK")
+                return response
 
             return handler._replace(unary_unary=unary)
         if handler.unary_stream is not None:
@@ -72,6 +77,7 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                         yield msg
                 except Exception as exc:
                     await _abort(context, exc, method)
+                count_rpc(method, "OK")
 
             return handler._replace(unary_stream=stream)
         return handler
@@ -143,6 +149,8 @@ class AioServiceRuntime(ServiceHooks):
         server_credentials: grpc.ServerCredentials | None,
         interceptors: tuple[grpc.aio.ServerInterceptor, ...],
         max_receive_bytes: int,
+        pages: Mapping[str, Route] | None = None,
+        pages_token: str | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -156,7 +164,9 @@ class AioServiceRuntime(ServiceHooks):
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.address = address
-        self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
+        self.port, self.metrics_port = bind(
+            self.server, address, server_credentials, metrics_port, metrics_host, pages, pages_token
+        )
         self._stopping = threading.Event()
         self._stopped = asyncio.Event()
         self._stop_task: asyncio.Future[None] | None = None
@@ -167,6 +177,7 @@ class AioServiceRuntime(ServiceHooks):
 
     async def _set_health(self, ready: bool) -> None:
         await self.health.set(self.name, SERVING if ready else NOT_SERVING)
+        SERVING_GAUGE.set(1 if ready and not self.stopping else 0)
         await self.health.set("", NOT_SERVING if self.stopping else SERVING)
 
     def set_serving(self, ready: bool) -> None:
@@ -194,6 +205,7 @@ class AioServiceRuntime(ServiceHooks):
         self._stopping.set()
         self.log.info("service_stopping", grace_seconds=self.grace_seconds)
         await self.health.enter_graceful_shutdown()
+        SERVING_GAUGE.set(0)
         for fn in self._before_drain:  # in a thread: a drain waits for calls this loop is serving
             await self.loop.run_in_executor(None, _safe, fn, self.log)
         await self.server.stop(self.grace_seconds)
@@ -217,8 +229,10 @@ def serve_aio(
     failures: tuple[type[Exception], ...] = (Exception,),
     grace_seconds: float = 10.0,
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    pages: Mapping[str, Route] | None = None,
 ) -> int:
-    """runtime.serve's contract on an asyncio server; `build` runs in a worker thread."""
+    """runtime.serve's contract on an asyncio server; `build` runs in a worker thread. `pages`: served on
+    the metrics port beside /metrics (beyond loopback only with the API's token, metrics_http.py)."""
     log, credentials, _ = prepare_process(args, owner, service)  # the public API checks no internal secret
     interceptors = (AioBearerTokenInterceptor(args.auth_token),) if getattr(args, "auth_token", None) else ()
 
@@ -232,6 +246,8 @@ def serve_aio(
             credentials,
             interceptors,
             max_receive_bytes,
+            pages,
+            getattr(args, "auth_token", None),
         )
         runtime.add_service(add_fn, servicer, service)
         await runtime.start()

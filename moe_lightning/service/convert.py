@@ -17,6 +17,7 @@ from moe_lightning.plan import RankStep, SequenceWork, StepKind, StepOutput, Ste
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
+from moe_lightning.timeline import Event
 
 _E = TypeVar("_E")
 
@@ -207,3 +208,32 @@ def measurements_from_pb(m: common_pb2.HardwareMeasurements) -> Measurements:
         m.expert_matmul_flops,
         m.expert_stream_bandwidth,
     )
+
+
+def timeline_to_pb(events: list[Event]) -> common_pb2.TimelineSpans:
+    names: dict[str, int] = {}
+
+    def ix(name: str) -> int:
+        return names.setdefault(name, len(names))
+
+    pb = common_pb2.TimelineSpans(
+        resource=[ix(e.resource) for e in events],
+        stage=[ix(e.stage) for e in events],
+        step=[e.step for e in events],
+        layer=[e.layer for e in events],
+        micro_batch=[e.micro_batch for e in events],
+        start_ns=[e.start_ns for e in events],
+        end_ns=[e.end_ns for e in events],
+        service=[ix(e.service) for e in events],
+    )
+    pb.names.extend(names)  # in index order: dicts keep insertion order
+    return pb
+
+
+def timeline_from_pb(pb: common_pb2.TimelineSpans) -> list[Event]:
+    n = pb.names
+    columns = (pb.resource, pb.stage, pb.step, pb.layer, pb.micro_batch, pb.start_ns, pb.end_ns, pb.service)
+    return [
+        Event(n[r], n[st], step, layer, mb, t0, t1, n[svc])
+        for r, st, step, layer, mb, t0, t1, svc in zip(*columns, strict=True)
+    ]

@@ -12,6 +12,7 @@ import torch
 from moe_lightning.checkpoint import CheckpointError
 from moe_lightning.kv_cache import KVCacheFullError
 from moe_lightning.request import InvalidRequestError
+from moe_lightning.service.metrics import count_rpc
 from moe_lightning.shm import ChannelClosedError, ChannelTimeoutError, PeerDiedError
 from moe_lightning.spec import ModelSpecError
 
@@ -91,6 +92,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 def rejection(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
     """The status and message a failed call is answered with, logged once (a bug with its traceback)."""
     code = status_for(exc)
+    count_rpc(method, code.name)
     message = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
     log = structlog.get_logger()
     if code == grpc.StatusCode.INTERNAL:
@@ -146,11 +148,13 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
                 _reject_undecodable(request, context)
                 try:
-                    return inner(request, context)
+                    response = inner(request, context)
                 except Exception as exc:
                     if _already_aborted(exc):
                         raise
                     _abort(context, exc, method)
+                count_rpc(method, "OK")
+                return response
 
             return handler._replace(unary_unary=unary)
         if handler.unary_stream is not None:
@@ -164,6 +168,7 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
                     if _already_aborted(exc):
                         raise
                     _abort(context, exc, method)
+                count_rpc(method, "OK")
 
             return handler._replace(unary_stream=stream)
         return handler

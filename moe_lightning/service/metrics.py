@@ -20,3 +20,16 @@ HANDOFF_WORK = Counter(
     "Time spent inside send()/recv() of shared-memory messages, waiting excluded (copies, header, post)",
     ["direction"],
 )
+# What the process's own gRPC health says of its service: 1 SERVING, 0 NOT_SERVING (starting, a peer
+# down, shutting down). Prometheus' `up` only says the metrics port answers.
+SERVING = Gauge("moe_lightning_serving", "1 while the service's gRPC health is SERVING, else 0")
+# grpc-prometheus's grpc_server_handled_total, ours: every call but health and reflection, as answered
+RPC_HANDLED = Counter(
+    "moe_lightning_rpc_handled_total", "gRPC calls answered, by method and status code", ["method", "code"]
+)
+
+
+def count_rpc(method: str, code: str) -> None:
+    """One answered call of `method` (the full gRPC path; health and reflection probes are not counted)."""
+    if not method.startswith(("/grpc.health.v1.", "/grpc.reflection.")):
+        RPC_HANDLED.labels(method.rsplit("/", 1)[-1], code).inc()

@@ -22,6 +22,8 @@ from prometheus_client import start_http_server
 
 from moe_lightning.service.errors import ErrorMappingInterceptor
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
+from moe_lightning.service.metrics import SERVING
+from moe_lightning.service.metrics_http import Route, start_metrics_server
 
 
 def server_options(max_receive_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
@@ -39,12 +41,18 @@ def bind(
     credentials: grpc.ServerCredentials | None,
     metrics_port: int | None,
     metrics_host: str,
+    pages: Mapping[str, Route] | None = None,
+    pages_token: str | None = None,
 ) -> tuple[int, int | None]:
     """Binds a gRPC server (threaded or asyncio) to `address`, over TLS when given `credentials`, and
-    starts the Prometheus port; returns (the gRPC port, the metrics port or None)."""
+    starts the Prometheus port, with `pages` of the service's own beside /metrics (metrics_http.py:
+    beyond loopback they need `pages_token`); returns (the gRPC port, the metrics port or None)."""
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if metrics_port is None:
         return port, None
+    if pages:
+        _, bound = start_metrics_server(metrics_host, metrics_port, pages, pages_token)
+        return port, bound
     http, _ = start_http_server(metrics_port, addr=metrics_host)
     return port, http.server_port
 
@@ -105,6 +113,7 @@ class ServiceRuntime(ServiceHooks):
     def set_serving(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set(self.name, status)
+        SERVING.set(1 if ready and not self.stopping else 0)
         live = health_pb2.HealthCheckResponse.NOT_SERVING if self.stopping else health_pb2.HealthCheckResponse.SERVING
         self.health.set("", live)
 
@@ -125,6 +134,7 @@ class ServiceRuntime(ServiceHooks):
         self._stopping.set()
         self.log.info("service_stopping", grace_seconds=self.grace_seconds)
         self.health.enter_graceful_shutdown()
+        SERVING.set(0)
         for fn in self._before_drain:
             _safe(fn, self.log)
         self.server.stop(self.grace_seconds).wait()

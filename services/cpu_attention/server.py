@@ -16,7 +16,7 @@ from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_attention_side
 from moe_lightning.kv_cache import PagedKVCache
-from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb
+from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb, timeline_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import CPU_ATTENTION
 from moe_lightning.service.runtime import ServiceRuntime, serve
@@ -65,6 +65,13 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
         self.worker.connect(request.input_channel, request.session)
         return cpu_attention_pb2.ConnectResponse()
 
+    def GetTimeline(
+        self, request: cpu_attention_pb2.GetTimelineRequest, context: grpc.ServicerContext
+    ) -> cpu_attention_pb2.GetTimelineResponse:
+        q = request.query
+        events = self.worker.timeline.recent(q.steps, q.start_ns, q.end_ns)
+        return cpu_attention_pb2.GetTimelineResponse(spans=timeline_to_pb(events))
+
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-cpu-attention", description=__doc__)
@@ -100,7 +107,7 @@ def _start(args: argparse.Namespace, servicer: CpuAttentionServicer, runtime: Se
         args.run_id,
         handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn"),
         slots=args.handoff_slots,
-        timeline=TimelineRecorder(args.timeline, "cpu_attention"),
+        timeline=TimelineRecorder(args.timeline, "cpu_attention", keep=args.timeline_keep),
         kv_dtype=kv_dtype,
     )
     key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}"

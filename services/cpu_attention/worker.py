@@ -36,6 +36,8 @@ from moe_lightning.timeline import TimelineRecorder
 
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
 ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
+for _code in ("RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "INTERNAL"):  # the codes _handle answers with
+    ERRORS.labels(_code)  # exported at 0 from the start: an error panel shows a rate of 0, not "no data"
 
 
 class _Reconnect:

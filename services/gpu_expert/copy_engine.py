@@ -13,9 +13,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
+from prometheus_client import Counter
 
 from moe_lightning.timeline import TimelineRecorder
 
+# The copy link's busy time; with moe_lightning_expert_wait_seconds_total (its exposed part) it gives
+# the share of the copies that overlap hid behind compute.
+COPY_SECONDS = Counter("moe_lightning_expert_copy_seconds_total", "Time the link spent copying expert pages")
 Pair = tuple[torch.Tensor, torch.Tensor]  # (device slot, host source)
 
 
@@ -66,7 +70,9 @@ class ThreadCopyEngine:
         t0 = time.perf_counter_ns()
         for dst, src in pairs:
             dst.copy_(src)
-        self.timeline.record("copy", "expert_copy", -1, layer, -1, t0)
+        t1 = time.perf_counter_ns()
+        COPY_SECONDS.inc((t1 - t0) / 1e9)
+        self.timeline.record("copy", "expert_copy", -1, layer, -1, t0, t1)
 
     def copy(self, pairs: list[Pair], layer: int) -> Ticket:
         return _FutureTicket(self._pool.submit(self._run, pairs, layer))
@@ -123,8 +129,7 @@ class CudaCopyEngine:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
             done.record(self.stream)
-        if self.timeline.enabled:
-            self._spans.append((layer, start, done))
+        self._spans.append((layer, start, done))  # timed whether or not a timeline is kept: the busy counter
         return _EventTicket(self, done)
 
     def device_wait(self, done: torch.cuda.Event) -> None:
@@ -152,20 +157,20 @@ class CudaCopyEngine:
         return waited
 
     def _flush_timeline(self) -> None:
-        """Turns the copies that have finished into timeline spans; a prefetch still in flight (the
-        next step's first layer) stays for later, so the host never waits for the copy stream."""
-        if not self._spans or self._origin is None:
-            return
-        origin_ns, origin = self._origin
+        """Counts the copies that have finished and turns them into timeline spans; a prefetch still in
+        flight (the next step's first layer) stays for later, so the host never waits for the copy stream."""
         still = []
         for layer, start, done in self._spans:
             if not done.query():
                 still.append((layer, start, done))
                 continue
-            t0 = origin_ns + int(origin.elapsed_time(start) * 1e6)
-            self.timeline.record(
-                "copy", "expert_copy", -1, layer, -1, t0, origin_ns + int(origin.elapsed_time(done) * 1e6)
-            )
+            COPY_SECONDS.inc(max(0.0, start.elapsed_time(done)) / 1e3)
+            if self._origin is not None:
+                origin_ns, origin = self._origin
+                t0 = origin_ns + int(origin.elapsed_time(start) * 1e6)
+                self.timeline.record(
+                    "copy", "expert_copy", -1, layer, -1, t0, origin_ns + int(origin.elapsed_time(done) * 1e6)
+                )
         self._spans = still
 
     def close(self) -> None:

@@ -26,7 +26,13 @@ from moe_lightning.flags import (
     internal_address,
     parse_size,
 )
-from moe_lightning.service.convert import layout_from_pb, measurements_to_pb, step_output_to_pb, step_plan_from_pb
+from moe_lightning.service.convert import (
+    layout_from_pb,
+    measurements_to_pb,
+    step_output_to_pb,
+    step_plan_from_pb,
+    timeline_to_pb,
+)
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import GPU_EXPERT
 from moe_lightning.service.runtime import ServiceRuntime, serve
@@ -48,6 +54,11 @@ RANK_STREAMED = Counter(
 )
 RANK_COLLECTIVES = Counter(
     "moe_lightning_rank_collective_seconds_total", "Tensor-parallel ranks: time in gathers and all-reduces", ["rank"]
+)
+LINK_ROOF = Gauge(
+    "moe_lightning_link_bandwidth_bytes_per_second",
+    "The host-device link's calibrated roof (rank 0's; each rank has its own link)",
+    ["direction"],
 )
 
 
@@ -116,7 +127,9 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
     def Step(self, request: gpu_expert_pb2.StepRequest, context: grpc.ServicerContext) -> gpu_expert_pb2.StepResponse:
         t0 = time.perf_counter_ns()
         plan = step_plan_from_pb(request)
+        pager = self.runner.pager
         with self.step_lock:
+            streamed = pager.bytes_streamed if pager is not None else 0
             if self.group is not None:
                 self._to_ranks(Command.STEP, request.SerializeToString())
             try:
@@ -124,11 +137,20 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
             except RankGroupError as exc:  # the ranks are out of step: the group ends here, lock held
                 self._group_broke(str(exc))
                 raise
+            if self.group is None and pager is not None:  # one device is rank 0 of one: the same panels hold
+                RANK_STREAMED.labels("0").inc(pager.bytes_streamed - streamed)
         for r in out.ranks:
             RANK_STREAMED.labels(str(r.rank)).inc(r.bytes_streamed)
             RANK_COLLECTIVES.labels(str(r.rank)).inc(r.collectives / 1e9)
         out.timings.handler = time.perf_counter_ns() - t0  # the step plus its protobuf conversion
         return step_output_to_pb(out)
+
+    def GetTimeline(
+        self, request: gpu_expert_pb2.GetTimelineRequest, context: grpc.ServicerContext
+    ) -> gpu_expert_pb2.GetTimelineResponse:
+        q = request.query  # no step lock: the recorder has its own, and a long step must not hold this up
+        events = self.worker.timeline.recent(q.steps, q.start_ns, q.end_ns)
+        return gpu_expert_pb2.GetTimelineResponse(spans=timeline_to_pb(events))
 
     def _to_ranks(self, command: Command, payload: bytes) -> None:
         """With the step lock held: a command to the other ranks (a failed group refuses it)."""
@@ -222,6 +244,10 @@ def _start(
         leader.watch(servicer.step_lock, servicer.on_group_failure)
     m = worker.measurements
     log.info("calibrated", **{k: round(v) if isinstance(v, float) else v for k, v in asdict(m).items()})
+    LINK_ROOF.labels("h2d").set(m.h2d_bandwidth)
+    LINK_ROOF.labels("d2h").set(m.d2h_bandwidth)
+    RANK_STREAMED.labels("0")  # exported from the start (at 0), so the panels have a series before any copy
+    RANK_COLLECTIVES.labels("0")
     RESIDENT.set(sum(len(r) for r in worker.residency.resident))
     BUFFER_SLOTS.set(worker.residency.ring_slots)
     servicer.ready(worker, group)

@@ -44,6 +44,7 @@ class Worker:
     weight_bytes: int  # this rank's: its slice of the model
     output: TensorChannel | None  # rank 0's hand-off channel to cpu_attention
     closers: list[Callable[[bool], None]] = field(default_factory=list)
+    timeline: TimelineRecorder = field(default_factory=lambda: TimelineRecorder(None, "gpu_expert"))
 
     def close(self, idle: bool) -> None:
         """`idle`: no step runs, so memory a copy may use can be unpinned."""
@@ -126,7 +127,8 @@ def build_worker(
     except DeviceBudgetError as exc:  # no room to stream: what does not fit can still run on the host
         residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
         log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
-    timeline = TimelineRecorder(args.timeline, "gpu_expert" if shard.world == 1 else f"gpu_expert.rank{shard.rank}")
+    name = "gpu_expert" if shard.world == 1 else f"gpu_expert.rank{shard.rank}"
+    timeline = TimelineRecorder(args.timeline, name, keep=args.timeline_keep if shard.leads else 0)
     closers.append(lambda idle: timeline.close())
     pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
     closers.append(lambda idle: pager.close())
@@ -186,4 +188,4 @@ def build_worker(
         expert_slice_bytes=expert_bytes,
     )
     weight_bytes = layout.total_bytes if shard.world == 1 else dense_bytes + spec.total_experts * expert_bytes
-    return Worker(runner, device, budget, measurements, residency, weight_bytes, output, closers)
+    return Worker(runner, device, budget, measurements, residency, weight_bytes, output, closers, timeline)

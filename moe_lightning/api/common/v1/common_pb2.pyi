@@ -131,3 +131,35 @@ class HardwareMeasurements(_message.Message):
     expert_matmul_flops: float
     expert_stream_bandwidth: float
     def __init__(self, matmul_flops: _Optional[float] = ..., weight_stream_bandwidth: _Optional[float] = ..., attention_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., h2d_bandwidth: _Optional[float] = ..., d2h_bandwidth: _Optional[float] = ..., shared_host_device: _Optional[bool] = ..., source: _Optional[str] = ..., expert_format: _Optional[str] = ..., expert_matmul_flops: _Optional[float] = ..., expert_stream_bandwidth: _Optional[float] = ...) -> None: ...
+
+class TimelineSpans(_message.Message):
+    __slots__ = ("names", "resource", "stage", "step", "layer", "micro_batch", "start_ns", "end_ns", "service")
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    names: _containers.RepeatedScalarFieldContainer[str]
+    resource: _containers.RepeatedScalarFieldContainer[int]
+    stage: _containers.RepeatedScalarFieldContainer[int]
+    step: _containers.RepeatedScalarFieldContainer[int]
+    layer: _containers.RepeatedScalarFieldContainer[int]
+    micro_batch: _containers.RepeatedScalarFieldContainer[int]
+    start_ns: _containers.RepeatedScalarFieldContainer[int]
+    end_ns: _containers.RepeatedScalarFieldContainer[int]
+    service: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, names: _Optional[_Iterable[str]] = ..., resource: _Optional[_Iterable[int]] = ..., stage: _Optional[_Iterable[int]] = ..., step: _Optional[_Iterable[int]] = ..., layer: _Optional[_Iterable[int]] = ..., micro_batch: _Optional[_Iterable[int]] = ..., start_ns: _Optional[_Iterable[int]] = ..., end_ns: _Optional[_Iterable[int]] = ..., service: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TimelineQuery(_message.Message):
+    __slots__ = ("steps", "start_ns", "end_ns")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    start_ns: int
+    end_ns: int
+    def __init__(self, steps: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6moe_lightning/api/cpu_attention/v1/cpu_attention.proto\x12\"moe_lightning.api.cpu_attention.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x82\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\x12\x34\n\x08kv_dtype\x18\x0b \x01(\x0e\x32\".moe_lightning.api.common.v1.DType\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse2\xf9\x01\n\x0c\x43puAttention\x12u\n\x08\x44\x65scribe\x12\x33.moe_lightning.api.cpu_attention.v1.DescribeRequest\x1a\x34.moe_lightning.api.cpu_attention.v1.DescribeResponse\x12r\n\x07\x43onnect\x12\x32.moe_lightning.api.cpu_attention.v1.ConnectRequest\x1a\x33.moe_lightning.api.cpu_attention.v1.ConnectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n6moe_lightning/api/cpu_attention/v1/cpu_attention.proto\x12\"moe_lightning.api.cpu_attention.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\x82\x02\n\x10\x44\x65scribeResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\r\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\x12\x34\n\x08kv_dtype\x18\x0b \x01(\x0e\x32\".moe_lightning.api.common.v1.DType\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse\"O\n\x12GetTimelineRequest\x12\x39\n\x05query\x18\x01 \x01(\x0b\x32*.moe_lightning.api.common.v1.TimelineQuery\"P\n\x13GetTimelineResponse\x12\x39\n\x05spans\x18\x01 \x01(\x0b\x32*.moe_lightning.api.common.v1.TimelineSpans2\xf9\x02\n\x0c\x43puAttention\x12u\n\x08\x44\x65scribe\x12\x33.moe_lightning.api.cpu_attention.v1.DescribeRequest\x1a\x34.moe_lightning.api.cpu_attention.v1.DescribeResponse\x12r\n\x07\x43onnect\x12\x32.moe_lightning.api.cpu_attention.v1.ConnectRequest\x1a\x33.moe_lightning.api.cpu_attention.v1.ConnectResponse\x12~\n\x0bGetTimeline\x12\x36.moe_lightning.api.cpu_attention.v1.GetTimelineRequest\x1a\x37.moe_lightning.api.cpu_attention.v1.GetTimelineResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,6 +40,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTREQUEST']._serialized_end=472
   _globals['_CONNECTRESPONSE']._serialized_start=474
   _globals['_CONNECTRESPONSE']._serialized_end=491
-  _globals['_CPUATTENTION']._serialized_start=494
-  _globals['_CPUATTENTION']._serialized_end=743
+  _globals['_GETTIMELINEREQUEST']._serialized_start=493
+  _globals['_GETTIMELINEREQUEST']._serialized_end=572
+  _globals['_GETTIMELINERESPONSE']._serialized_start=574
+  _globals['_GETTIMELINERESPONSE']._serialized_end=654
+  _globals['_CPUATTENTION']._serialized_start=657
+  _globals['_CPUATTENTION']._serialized_end=1034
 # @@protoc_insertion_point(module_scope)

@@ -39,3 +39,15 @@ class ConnectRequest(_message.Message):
 class ConnectResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetTimelineRequest(_message.Message):
+    __slots__ = ("query",)
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    query: _common_pb2.TimelineQuery
+    def __init__(self, query: _Optional[_Union[_common_pb2.TimelineQuery, _Mapping]] = ...) -> None: ...
+
+class GetTimelineResponse(_message.Message):
+    __slots__ = ("spans",)
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    spans: _common_pb2.TimelineSpans
+    def __init__(self, spans: _Optional[_Union[_common_pb2.TimelineSpans, _Mapping]] = ...) -> None: ...

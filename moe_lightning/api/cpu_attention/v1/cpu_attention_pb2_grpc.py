@@ -47,6 +47,11 @@ class CpuAttentionStub:
                 request_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectResponse.FromString,
                 _registered_method=True)
+        self.GetTimeline = channel.unary_unary(
+                '/moe_lightning.api.cpu_attention.v1.CpuAttention/GetTimeline',
+                request_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.GetTimelineRequest.SerializeToString,
+                response_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.GetTimelineResponse.FromString,
+                _registered_method=True)
 
 
 class CpuAttentionServicer:
@@ -67,6 +72,13 @@ class CpuAttentionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTimeline(self, request, context):
+        """Its recent per-stage spans (--timeline-keep), for the orchestrator's live pipeline picture.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CpuAttentionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +91,11 @@ def add_CpuAttentionServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectRequest.FromString,
                     response_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectResponse.SerializeToString,
+            ),
+            'GetTimeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTimeline,
+                    request_deserializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.GetTimelineRequest.FromString,
+                    response_serializer=moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.GetTimelineResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +155,33 @@ class CpuAttention:
             '/moe_lightning.api.cpu_attention.v1.CpuAttention/Connect',
             moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectRequest.SerializeToString,
             moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTimeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_lightning.api.cpu_attention.v1.CpuAttention/GetTimeline',
+            moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.GetTimelineRequest.SerializeToString,
+            moe__lightning_dot_api_dot_cpu__attention_dot_v1_dot_cpu__attention__pb2.GetTimelineResponse.FromString,
             options,
             channel_credentials,
             insecure,

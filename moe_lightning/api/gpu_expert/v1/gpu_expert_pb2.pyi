@@ -163,3 +163,15 @@ class StepResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     ranks: _containers.RepeatedCompositeFieldContainer[RankStep]
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+
+class GetTimelineRequest(_message.Message):
+    __slots__ = ("query",)
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    query: _common_pb2.TimelineQuery
+    def __init__(self, query: _Optional[_Union[_common_pb2.TimelineQuery, _Mapping]] = ...) -> None: ...
+
+class GetTimelineResponse(_message.Message):
+    __slots__ = ("spans",)
+    SPANS_FIELD_NUMBER: _ClassVar[int]
+    spans: _common_pb2.TimelineSpans
+    def __init__(self, spans: _Optional[_Union[_common_pb2.TimelineSpans, _Mapping]] = ...) -> None: ...

@@ -46,6 +46,11 @@ class GpuExpertStub:
                 request_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.ConnectRequest.SerializeToString,
                 response_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.ConnectResponse.FromString,
                 _registered_method=True)
+        self.GetTimeline = channel.unary_unary(
+                '/moe_lightning.api.gpu_expert.v1.GpuExpert/GetTimeline',
+                request_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.GetTimelineRequest.SerializeToString,
+                response_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.GetTimelineResponse.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/moe_lightning.api.gpu_expert.v1.GpuExpert/Step',
                 request_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepRequest.SerializeToString,
@@ -70,6 +75,13 @@ class GpuExpertServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTimeline(self, request, context):
+        """Its recent per-stage spans (--timeline-keep), for the orchestrator's live pipeline picture.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Step(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -88,6 +100,11 @@ def add_GpuExpertServicer_to_server(servicer, server):
                     servicer.Connect,
                     request_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.ConnectRequest.FromString,
                     response_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.ConnectResponse.SerializeToString,
+            ),
+            'GetTimeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTimeline,
+                    request_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.GetTimelineRequest.FromString,
+                    response_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.GetTimelineResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -151,6 +168,33 @@ class GpuExpert:
             '/moe_lightning.api.gpu_expert.v1.GpuExpert/Connect',
             moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.ConnectRequest.SerializeToString,
             moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.ConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTimeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_lightning.api.gpu_expert.v1.GpuExpert/GetTimeline',
+            moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.GetTimelineRequest.SerializeToString,
+            moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.GetTimelineResponse.FromString,
             options,
             channel_credentials,
             insecure,
