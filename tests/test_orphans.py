@@ -165,9 +165,9 @@ def test_sigterm_during_start_up_stops_up_promptly(tiny_model: Path, tmp_path: P
     held = None
     try:
         deadline = time.monotonic() + 60
-        while len(services := _services(up)) < 4 and up.proc.poll() is None and time.monotonic() < deadline:
+        while len(services := _services(up)) < 5 and up.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert len(services) == 4, f"services seen: {services}"
+        assert len(services) == 5, f"services seen: {services}"  # the four and the HTTP gateway
         held = services["weight_store"]
         os.kill(held, signal.SIGSTOP)
         time.sleep(1.0)
