@@ -26,41 +26,49 @@ from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.launcher import Stack, StackConfig
 
 
-async def grpc_round(address: str, prompts: list[str], tokens: int) -> tuple[int, float]:
+async def grpc_round(address: str, prompts: list[str], tokens: int) -> tuple[int, float, int]:
+    """(tokens, seconds, messages): a message may carry several tokens when its reader fell behind."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
-        async def one(p: str) -> int:
+        async def one(p: str) -> tuple[int, int]:
             m = generation_pb2.GenerationInput(text=p, max_new_tokens=tokens, ignore_eos=True)
-            n = 0
+            n = messages = 0
             async for msg in stub.GenerateStream(generation_pb2.GenerateStreamRequest(input=m)):
                 n += len(msg.token_ids)
-            return n
+                messages += 1
+            return n, messages
 
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in prompts))
-        return sum(counts), time.perf_counter() - t0
+        return sum(c[0] for c in counts), time.perf_counter() - t0, sum(c[1] for c in counts)
 
 
-async def http_round(base: str, model: str, prompts: list[str], tokens: int, stream: bool = True) -> tuple[int, float]:
+async def http_round(
+    base: str, model: str, prompts: list[str], tokens: int, stream: bool = True
+) -> tuple[int, float, int]:
+    """(tokens, seconds, events)."""
     limits = httpx.Limits(max_connections=len(prompts))
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
 
-        async def one(p: str) -> int:
+        async def one(p: str) -> tuple[int, int]:
             body = {"model": model, "prompt": p, "max_tokens": tokens, "stream": stream, "ignore_eos": True}
             if not stream:
-                return (await client.post("/v1/completions", json=body)).json()["usage"]["completion_tokens"]
+                r = await client.post("/v1/completions", json=body)
+                return r.json()["usage"]["completion_tokens"], 1
             body["stream_options"] = {"include_usage": True}
-            n = 0
+            n = events = 0
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events += 1
                     if line.startswith("data: {") and '"usage"' in line:
                         n = json.loads(line[6:])["usage"]["completion_tokens"]
-            return n
+            return n, events
 
         t0 = time.perf_counter()
         counts = await asyncio.gather(*(one(p) for p in prompts))
-        return sum(counts), time.perf_counter() - t0
+        return sum(c[0] for c in counts), time.perf_counter() - t0, sum(c[1] for c in counts)
 
 
 def overhead(base: str) -> tuple[float, float, float]:
@@ -108,9 +116,9 @@ def main() -> int:
         asyncio.run(http_round(base, name, prompts[:4], 4))  # warm both paths
         asyncio.run(grpc_round(stack.api_address, prompts[:4], 4))
         for r in range(args.rounds):
-            g_tokens, g_s = asyncio.run(grpc_round(stack.api_address, prompts, args.tokens))
+            g_tokens, g_s, g_msgs = asyncio.run(grpc_round(stack.api_address, prompts, args.tokens))
             before = overhead(base)
-            h_tokens, h_s = asyncio.run(http_round(base, name, prompts, args.tokens))
+            h_tokens, h_s, h_events = asyncio.run(http_round(base, name, prompts, args.tokens))
             after = overhead(base)
             requests = max(1.0, after[1] - before[1])
             per_request_ms = 1e3 * (after[0] - before[0]) / requests
@@ -124,15 +132,18 @@ def main() -> int:
                     "gateway_ms_per_request": per_request_ms,
                     "gateway_cpu_ms_per_request": cpu_ms,
                     "tokens": [g_tokens, h_tokens],
+                    "grpc_messages_per_stream": g_msgs / len(prompts),
+                    "http_events_per_stream": h_events / len(prompts),
                 }
             )
             print(
                 f"round {r}: gRPC {g_tokens / g_s:8.1f} tok/s, HTTP {h_tokens / h_s:8.1f} tok/s "
-                f"({rows[-1]['http_over_grpc']:.3f}), gateway {per_request_ms:.3f} ms/request",
+                f"({rows[-1]['http_over_grpc']:.3f}), gateway {per_request_ms:.3f} ms/request, "
+                f"{g_msgs / len(prompts):.1f} gRPC messages / {h_events / len(prompts):.1f} SSE events per stream",
                 file=sys.stderr,
             )
         before = overhead(base)
-        plain_tokens, _ = asyncio.run(http_round(base, name, prompts, args.tokens, stream=False))
+        plain_tokens, _, _ = asyncio.run(http_round(base, name, prompts, args.tokens, stream=False))
         after = overhead(base)
         plain_cpu_ms = 1e3 * (after[2] - before[2]) / max(1.0, after[1] - before[1])
     ratio = statistics.median(r["http_over_grpc"] for r in rows)

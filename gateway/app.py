@@ -13,7 +13,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import responses
 from gateway.errors import ApiError, bad_request, from_grpc
@@ -66,6 +67,7 @@ class _Clock:
 
 def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
     app = FastAPI(title="moe-lightning", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard, settings=settings)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -76,26 +78,6 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         return bad_request(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param).response()
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        """Body size and the bearer token, before any route runs; counts every answer."""
-        route = request.url.path
-        try:
-            if request.url.path.startswith("/v1/"):
-                size = int(request.headers.get("content-length") or 0)
-                if size > settings.max_body_bytes:
-                    raise ApiError(
-                        413,
-                        f"the request body is {size} bytes, over {settings.max_body_bytes}",
-                        "invalid_request_error",
-                    )
-                _check_token(request, settings.auth_token)
-            response = await call_next(request)
-        except ApiError as exc:
-            response = exc.response()
-        REQUESTS.labels(route if route.startswith("/v1/") else "other", str(response.status_code)).inc()
-        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -142,6 +124,46 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         return JSONResponse(responses.chat_completion(rid, settings.model_name, outputs, top))
 
     return app
+
+
+class _Guard:
+    """Body size and the bearer token, before any route runs; counts every answer. Plain ASGI, not
+    Starlette's BaseHTTPMiddleware, which passes each streamed event through a memory stream of its
+    own (a third of the gateway's CPU per event when it was one, docs/openai.md "Overhead")."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        route = path if path.startswith("/v1/") else "other"
+        status = 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/"):
+                request = Request(scope)
+                size = int(request.headers.get("content-length") or 0)
+                if size > self.settings.max_body_bytes:
+                    raise ApiError(
+                        413,
+                        f"the request body is {size} bytes, over {self.settings.max_body_bytes}",
+                        "invalid_request_error",
+                    )
+                _check_token(request, self.settings.auth_token)
+        except ApiError as exc:
+            await exc.response()(scope, receive, counted)
+        else:
+            await self.app(scope, receive, counted)
+        finally:
+            REQUESTS.labels(route, str(status)).inc()
 
 
 def _check_token(request: Request, token: str | None) -> None:

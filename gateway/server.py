@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import structlog
@@ -74,6 +74,16 @@ async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
         await upstream.close()
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when it is installed (as uvicorn itself picks it, and vLLM serves on it): the event
+    loop's own cost is paid per streamed event (docs/openai.md "Overhead")."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log = configure_logging("gateway", args.log_level, args.log_json or None)
@@ -84,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("startup_failed", error=f"{host} is beyond this machine and there is no --auth-token")
         return 1
     try:
-        asyncio.run(_serve(args, host, port))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(args, host, port))
     except Exception as exc:  # the API never answered, a port in use, a bad certificate
         log.error("startup_failed", error=str(exc))
         return 1

@@ -273,7 +273,8 @@ class Stack:
                     elif health_status(channels[name], SERVICES[name][1], timeout=0.5) == 1:
                         pending.discard(name)
                 if time.monotonic() > deadline:
-                    raise StackError(f"not SERVING after {timeout:.0f} s: {', '.join(sorted(pending))}")
+                    hints = "".join(self._log_hint(name) for name in sorted(pending))
+                    raise StackError(f"not SERVING after {timeout:.0f} s: {', '.join(sorted(pending))}{hints}")
                 time.sleep(0.1)
         finally:
             for ch in channels.values():

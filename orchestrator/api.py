@@ -84,6 +84,20 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args:
         pass
 
 
+async def _queued(queue: asyncio.Queue[Item | None]) -> tuple[list[Item], bool]:
+    """Every item queued now (waiting for the first), and whether the end (None) came: a reader
+    slower than the decode gets several steps' tokens in one message, so a stream's cost per
+    message is paid less often exactly when the reader is behind (docs/openai.md "Overhead")."""
+    items: list[Item] = []
+    item = await queue.get()
+    while item is not None:
+        items.append(item)
+        if queue.empty():
+            return items, False
+        item = queue.get_nowait()
+    return items, True
+
+
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -270,29 +284,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # call_soon_threadsafe callbacks in order, so None is the last item
         futs[0].add_done_callback(lambda _: queue.put_nowait(None))
 
-        def chunk(tokens: list[int], logprobs: list[TokenLogprobs], text: str) -> generation_pb2.GenerateStreamResponse:
+        def chunk(items: list[Item]) -> generation_pb2.GenerateStreamResponse:
             return generation_pb2.GenerateStreamResponse(
-                token_ids=tokens, text=text, logprobs=self.logprobs_pb(logprobs)
+                token_ids=[t for tokens, _, _ in items for t in tokens],
+                text="".join(text for _, _, text in items),
+                logprobs=self.logprobs_pb([lp for _, logprobs, _ in items for lp in logprobs]),
             )
 
         try:
-            while (item := await queue.get()) is not None:
-                if not ticket.done.is_set():
-                    yield chunk(*item)
-                    continue
-                # done: the rest is already queued; the last tokens go with the final output (their
-                # delta completes the text)
-                rest = [item]
-                while (more := await queue.get()) is not None:
-                    rest.append(more)
-                msgs = [chunk(*i) for i in rest]
-                for msg in msgs[:-1]:
+            while True:
+                items, ended = await _queued(queue)
+                if not ended and ticket.done.is_set():  # the rest is already queued: it goes with the output
+                    while (more := await queue.get()) is not None:
+                        items.append(more)
+                    ended = True
+                msg = chunk(items)
+                if not ended:
                     yield msg
-                if ticket.error is None:
-                    msgs[-1].output.CopyFrom(self.to_output(ticket))
-                    yield msgs[-1]
+                    continue
+                if ticket.error is None:  # the last tokens' delta completes the text
+                    msg.output.CopyFrom(self.to_output(ticket))
+                    yield msg
                     return
-                yield msgs[-1]
+                if items:
+                    yield msg
                 break
         finally:
             if not ticket.done.is_set():  # the client went away (or its deadline passed)

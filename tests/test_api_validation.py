@@ -102,7 +102,10 @@ def test_a_stream_sends_the_schedulers_text_deltas(started: list[Scheduler]) -> 
         ]
 
     *pieces, last = asyncio.run(stream())
-    texts = [p.text for p in (*pieces, last)]  # the last token comes alone or with the output: either is right
-    assert [t for t in texts if t] == ["K", "a", "ben"] and "".join(texts) == "Kaben"  # "o ti" held, then cut
+    texts = [p.text for p in (*pieces, last) if p.text]  # the last token comes alone or with the output
+    # the scheduler's deltas are "K", "a", "ben" ("o ti" held, then cut); a reader that fell behind
+    # (this one: the scripted model is done before it reads) gets consecutive deltas in one message
+    ends = {sum(map(len, texts[: i + 1])) for i in range(len(texts))}
+    assert "".join(texts) == "Kaben" and ends <= {1, 2, 5}, texts
     assert last.output.text == "Kaben" and last.output.finish_reason == generation_pb2.FINISH_REASON_STOP
     assert [t for p in [*pieces, last] for t in p.token_ids] == list(last.output.token_ids) == script[:6]

@@ -92,7 +92,10 @@ def test_streamed_completion_pieces_are_the_grpc_stream_pieces(stack: Stack, mod
             for m in g.stream(Prompt(text="The cat", max_new_tokens=20))
             if getattr(m, "text", "") and not hasattr(m, "finish_reason")
         ]
-    assert pieces == grpc_pieces and "".join(pieces) == grpc_text(stack, text="The cat", max_new_tokens=20)[0]
+    assert "".join(pieces) == "".join(grpc_pieces) == grpc_text(stack, text="The cat", max_new_tokens=20)[0]
+    # a message per step on both hops; a reader that fell behind gets several steps' pieces in one
+    # (orchestrator/api.py), so the two streams are equal when neither fell behind
+    assert len(pieces) > 1 and (pieces == grpc_pieces or len(pieces) != len(grpc_pieces)), (pieces, grpc_pieces)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20 and not chunks[-1].choices
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
 

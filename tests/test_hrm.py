@@ -45,16 +45,17 @@ def test_optimizer_equals_brute_force_on_small_grids() -> None:
         assert replace(best.policy, resident_experts=0) == replace(ref.policy, resident_experts=0)
 
 
-@pytest.mark.parametrize("arch", list(ARCHS))
-@pytest.mark.parametrize("hw", ["t4", "h100"])
+# every family on the T4 (the memory-bound case), two on the H100 (each case runs three searches)
+@pytest.mark.parametrize(
+    ("arch", "hw"), [(a, "t4") for a in ARCHS] + [("mixtral-8x7b", "h100"), ("qwen3-30b-a3b", "h100")]
+)
 def test_more_device_memory_or_link_bandwidth_never_lowers_throughput(arch: str, hw: str) -> None:
     spec, base = ARCHS[arch], PRESETS[hw].scaled(cpu_memory=416e9 / PRESETS[hw].cpu_memory)
     work = Workload(77, 64)
     previous = optimize(spec, work, base).tokens_per_second
-    for factor in (2.0, 8.0):
-        more_mem = optimize(spec, work, base.scaled(gpu_memory=factor)).tokens_per_second
-        more_link = optimize(spec, work, base.scaled(h2d_bandwidth=factor, d2h_bandwidth=factor)).tokens_per_second
-        assert more_mem >= previous * (1 - 1e-9) and more_link >= previous * (1 - 1e-9)
+    more_mem = optimize(spec, work, base.scaled(gpu_memory=4.0)).tokens_per_second
+    more_link = optimize(spec, work, base.scaled(h2d_bandwidth=4.0, d2h_bandwidth=4.0)).tokens_per_second
+    assert more_mem >= previous * (1 - 1e-9) and more_link >= previous * (1 - 1e-9)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))

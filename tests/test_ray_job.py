@@ -1,8 +1,10 @@
 """`moe-lightning run --ray` on a real local Ray cluster of two nodes (a head and a second node,
 each its own raylet with its own resources: two "boxes"), each node's actor starting a tiny-model
-stack: 2,000 prompts in a directory of two files give the same rows as a single-box `run`; a stack
-killed mid-job still gives every row once (its parts go elsewhere); a re-run resumes, doing only
-the parts that are missing (docs/cluster.md). Ray's start-up is paid once for the module."""
+stack: 2,000 prompts in a directory of two files, read and split by Ray Data, give the same rows as
+a single-box `run`; a stack killed mid-job, then the second node removed (its raylet, actor, stack
+and objects), still give every row once (their parts go elsewhere); a re-run resumes, doing only
+the parts that are missing, and refuses to resume a job split otherwise (docs/cluster.md). Ray's
+start-up is paid once for the module."""
 
 from __future__ import annotations
 
@@ -15,12 +17,16 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from ray.cluster_utils import Cluster  # noqa: E402
+
+from moe_lightning.cluster.parts import check_plan  # noqa: E402
+from moe_lightning.shm.segment import sweep_stale  # noqa: E402
 
 from processes import cli  # noqa: E402
 
@@ -33,7 +39,7 @@ def cluster() -> Iterator[Cluster]:
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
     c.wait_for_nodes()
-    yield c
+    yield c  # the last test takes its second node away
     c.shutdown()
 
 
@@ -96,11 +102,10 @@ def test_two_nodes_give_the_single_box_rows(
     assert r.returncode == 0, r.stderr
     reference = pq.read_table(single, columns=["text"]).column("text").to_pylist()
     got = output_rows(tmp_path / "out")
-    keys = [f"0:{i}" for i in range(1200)] + [f"1:{i}" for i in range(ROWS - 1200)]  # a.jsonl, then b.parquet
-    assert [got[k] for k in keys] == reference  # row for row (greedy)
+    assert [got[k] for k in range(ROWS)] == reference  # row for row (greedy): a.jsonl's rows, then b.parquet's
 
 
-def test_a_stack_killed_mid_job_loses_no_row_and_a_rerun_resumes(
+def test_a_stack_killed_then_a_node_lost_mid_job_loses_no_row_and_a_rerun_resumes(
     cluster: Cluster, prompts: tuple[Path, Path], tiny_model: Path, tmp_path: Path
 ) -> None:
     parts, _ = prompts
@@ -116,10 +121,20 @@ def test_a_stack_killed_mid_job_loses_no_row_and_a_rerun_resumes(
     pids = [int(p) for p in victim.stdout.split()]
     assert pids, "node 1's gpu_expert is not running"
     os.kill(pids[0], signal.SIGKILL)
+    written = len(list(out.glob("part-*.parquet")))
+    while len(list(out.glob("part-*.parquet"))) < written + 3:  # going on; then the second box goes away
+        assert job.poll() is None and time.monotonic() < deadline, job.stderr.read() if job.stderr else ""
+        time.sleep(0.2)
+    (worker,) = cluster.worker_nodes
+    cluster.remove_node(worker)  # its raylet, its actor, the stack that actor started, its objects
     _, err = job.communicate(timeout=600)
     assert job.returncode == 0, err[-3000:]
-    assert "failed (attempt 1)" in err  # its parts were given out again
+    assert "failed (attempt 1)" in err  # their parts were given out again
     assert len(output_rows(out)) == ROWS  # ... and every row is there once
+    left = subprocess.run(["pgrep", "-f", f"services.*--run-id rk{os.getpid()}-n"], capture_output=True, text=True)
+    assert not left.stdout.split(), "a service of the lost node's stack outlived it"
+    for node in ("n0", "n1"):  # what the SIGKILLed service had mapped: its box is gone, ours stays
+        sweep_stale(f"rk{os.getpid()}-{node}")
     # resume: two parts gone from the output; a re-run does those two only
     removed = sorted(out.glob("part-*.parquet"))[5:7]
     for p in removed:
@@ -131,3 +146,12 @@ def test_a_stack_killed_mid_job_loses_no_row_and_a_rerun_resumes(
     assert summary["rows_this_run"] == 200 and summary["rows"] == ROWS
     assert f"{len(list(out.glob('part-*.parquet'))) - 2} already in" in err
     assert len(output_rows(out)) == ROWS
+
+
+def test_a_resume_split_otherwise_is_refused_before_it_writes(tmp_path: Path) -> None:
+    fs = pafs.LocalFileSystem()
+    check_plan(fs, str(tmp_path), 100, ROWS)  # the first run records its split
+    check_plan(fs, str(tmp_path), 100, ROWS)  # the same split: a resume
+    for rows, part_rows in ((ROWS, 150), (ROWS + 1, 100)):  # parts would overlap the ones there
+        with pytest.raises(ValueError, match="use the same input and --part-rows to resume"):
+            check_plan(fs, str(tmp_path), part_rows, rows)

@@ -73,7 +73,8 @@ def test_stream_yields_the_same_tokens_incrementally(client: GenerationClient, r
         final = parts[-1]
         assert isinstance(final, Completion)
         pieces = [p for p in parts if isinstance(p, StreamChunk)]
-        assert len(pieces) == len(final.token_ids) > 1  # one message per step, not one at the end
+        # a message per step (several steps' tokens in one only when the reader falls behind)
+        assert 1 < len(pieces) <= len(final.token_ids)
         assert [t for p in pieces for t in p.token_ids] == final.token_ids == reference[i]
         assert all(p.text == "" for p in pieces)  # this model has no tokenizer
 

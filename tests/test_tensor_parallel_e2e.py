@@ -43,8 +43,8 @@ def metrics(stack: Stack) -> str:
         return r.read().decode()
 
 
-@pytest.mark.parametrize("experts", ["streamed", "resident"])
-@pytest.mark.parametrize("world", [2, 3])
+# two ranks streamed and resident, three streamed (a slice of every width, each rank's own slots)
+@pytest.mark.parametrize(("world", "experts"), [(2, "streamed"), (2, "resident"), (3, "streamed")])
 def test_ranks_match_transformers(
     tp_model: tuple[Path, list], world: int, experts: str, make_stack: Callable[..., Stack]
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -20,10 +21,10 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.launcher import Stack
+from moe_lightning.launcher import Stack, StackError
 from moe_lightning.spec import ModelSpec
 
-from processes import in_flight, wait_for_ranks, wait_serving, watch_health
+from processes import in_flight, ranks_of, wait_for_ranks, wait_serving, watch_health
 from reference import E2E_PROMPTS as PROMPTS
 from tp_configs import rank_device_budget
 
@@ -72,6 +73,44 @@ def test_a_failed_rank_restarts_the_group_and_it_answers_exactly(
         for _ in range(100):
             os.kill(rank1, 0)
             time.sleep(0.1)
+
+
+def test_a_rank_that_dies_during_start_up_ends_the_start_at_once_with_the_reason(
+    make_stack: Callable[..., Stack],
+) -> None:
+    """Rank 0 waits for the others in collectives that only give up after --tp-startup-timeout (15
+    minutes): a rank that exits before the group is ready must end rank 0 at once, saying which."""
+    s = make_stack(start=False, gpus=2)
+    failure: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            s.start(timeout=120)
+        except BaseException as exc:
+            failure.append(exc)
+
+    starting = threading.Thread(target=start)
+    starting.start()
+    deadline = time.monotonic() + 60
+    rank1 = None
+    while rank1 is None and starting.is_alive():
+        assert time.monotonic() < deadline, "rank 1 never started"
+        proc = s.procs.get("gpu_expert")
+        try:
+            found = ranks_of(proc.pid) if proc is not None else []
+        except OSError:  # a thread of rank 0 ended while its children were read
+            found = []
+        rank1 = found[0] if found else None
+        time.sleep(0.02)
+    assert rank1 is not None, failure
+    os.kill(rank1, signal.SIGKILL)
+    killed_at = time.monotonic()
+    starting.join(timeout=120)
+    assert not starting.is_alive()
+    assert failure and isinstance(failure[0], StackError), failure
+    assert time.monotonic() - killed_at < 15, "rank 0 waited for the dead rank"
+    assert "gpu_expert exited with code 1" in str(failure[0])
+    assert "rank 1 of 2 exited with code -9 during start-up" in str(failure[0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,5 @@
-"""`moe-lightning run --ray [ADDRESS]`: the job's driver. It splits the input into parts, starts one
+"""`moe-lightning run --ray [ADDRESS]`: the job's driver. Ray Data reads and splits the input into
+parts (parts.py); the driver starts one
 NodeStack actor per alive Ray node (pinned there), keeps each busy with a couple of parts so its
 stack's batch stays full across part boundaries, and hands a failed part (its stack died, its node
 died) to the next free actor, up to `--retries` times. Parts already in the output are skipped
@@ -16,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from moe_lightning.cluster.node import NodeStack
-from moe_lightning.cluster.parts import Part, check_output, done_parts, input_files, output_dir, split
+from moe_lightning.cluster.parts import Part, check_output, check_plan, done_parts, input_files, output_dir, split
 
 PARTS_PER_ACTOR = 2  # in flight per node: the next part's requests queue while the last finishes
 COOL_DOWN = 15.0  # seconds a node whose part failed gets no new part: its stack is restarting
@@ -41,15 +42,20 @@ def run_on_ray(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     fs_in, files = input_files(args.input_spec)
-    parts = split(fs_in, files, args.part_rows)
     fs_out, out = output_dir(args.output_spec)
+    ray.init(address=args.ray, log_to_driver=False)
+    import ray.data
+
+    ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
+    blocks = dict(split(fs_in, files, args.part_rows))
+    parts = list(blocks)
+    check_plan(fs_out, out, args.part_rows, sum(p.rows for p in parts))
     done = done_parts(fs_out, out)
     todo: deque[Part] = deque(p for p in parts if p.name not in done)
     sys.stderr.write(
         f"{len(files)} input file(s), {sum(p.rows for p in parts)} rows in {len(parts)} parts; "
         f"{len(parts) - len(todo)} already in {args.output_spec} (resumed)\n"
     )
-    ray.init(address=args.ray, log_to_driver=False)
     nodes = [n for n in ray.nodes() if n["Alive"]]
     actor_cls = ray.remote(num_cpus=0, max_concurrency=PARTS_PER_ACTOR + 1)(NodeStack)
     actors = []
@@ -72,7 +78,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
                 for actor in list(live):
                     while todo and load[id(actor)] < PARTS_PER_ACTOR and resting.get(id(actor), 0.0) <= now:
                         part = todo.popleft()
-                        pending[actor.run.remote(part)] = (part, actor)
+                        pending[actor.run.remote(part, blocks[part].to_arrow_refs())] = (part, actor)
                         load[id(actor)] += 1
                 if not pending:  # every node is resting after a failure
                     time.sleep(0.5)

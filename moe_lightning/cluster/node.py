@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from moe_lightning.cluster.parts import Part, filesystem, output_dir, part_rows, write_part
+from moe_lightning.cluster.parts import Part, output_dir, with_keys, write_part
 
 SERVING_TIMEOUT = 300.0  # a restarting stack (a service died) comes back within this
 
@@ -39,7 +39,11 @@ class NodeStack:
         """(Ray node id, this node's API address, pid): for logs and for a test that kills a stack."""
         return self.node, self.addr, os.getpid()
 
-    def run(self, part: Part) -> dict[str, Any]:
+    def run(self, part: Part, blocks: list[Any]) -> dict[str, Any]:
+        """`blocks`: the part's rows as Ray Data read them (references to Arrow tables in the object
+        store); they come to this node, not through the driver."""
+        import ray
+
         from moe_lightning.client import GenerationClient
         from moe_lightning.commands.run_job import completion_columns, row_prompt
         from moe_lightning.service.names import GENERATION
@@ -47,8 +51,7 @@ class NodeStack:
 
         t0 = time.perf_counter()
         wait_serving(self.addr, GENERATION, SERVING_TIMEOUT).close()
-        fs, _ = filesystem(self.job.input_spec)
-        table = part_rows(fs, part)
+        table = with_keys(ray.get(blocks), part)
         prompts = [row_prompt(r, self.job, part.start + i) for i, r in enumerate(table.to_pylist())]
         j = self.job
         try:

@@ -1,14 +1,19 @@
-"""The job's unit of work and of output: a part, a slice of rows of one input file. A part's output
-is one Parquet file named after it, written atomically (a temporary name, then a rename), so a part
-is in the output once or not at all: a retry after a failure writes it once, and a re-run skips
-what is there (resume). Every row carries its key (`row_key`, "<file index>:<row>") to the end,
-where the output is checked against the input: every key once.
+"""The job's unit of work and of output: a part, a run of consecutive input rows. Ray Data reads the
+input (its readers, on the cluster's nodes) and splits it into parts (`split_at_indices`); a part's
+blocks go to a node's actor through Ray's object store, never through the driver. A part's output
+is one Parquet file named after its first row, written atomically (a temporary name, then a
+rename), so a part is in the output once or not at all: a retry after a failure writes it once,
+and a re-run skips what is there (resume). Every row carries its key (`row_key`: its index in the
+input, files in sorted order and rows in file order) to the end, where the output is checked
+against the input: every key once.
 
-Reading goes through pyarrow's filesystems, so an input may be on any filesystem pyarrow knows
-(local, S3, GCS, HDFS); every node must see the input and output paths (a shared filesystem)."""
+Paths go through pyarrow's filesystems, so an input may be on any filesystem pyarrow knows (local,
+S3, GCS, HDFS); every node must see the output path (a shared filesystem, docs/cluster.md)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import uuid
 from dataclasses import dataclass
@@ -17,23 +22,21 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.json as pj
 import pyarrow.parquet as pq
 
 SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
 KEY = "row_key"
+PLAN = "_parts.json"  # how the output was split: a resume must split the same way
 
 
 @dataclass(frozen=True, slots=True)
 class Part:
-    file_index: int
-    path: str  # as the filesystem names it
-    start: int  # first row in the file
+    start: int  # its first row's index in the input
     stop: int
 
     @property
     def name(self) -> str:
-        return f"part-{self.file_index:05d}-{self.start:09d}.parquet"
+        return f"part-{self.start:012d}.parquet"
 
     @property
     def rows(self) -> int:
@@ -48,7 +51,7 @@ def filesystem(spec: str) -> tuple[pafs.FileSystem, str]:
 
 
 def input_files(spec: str) -> tuple[pafs.FileSystem, list[str]]:
-    """A file, a directory (its .parquet/.jsonl files) or a glob; sorted, so file indices are stable."""
+    """A file, a directory (its .parquet/.jsonl files) or a glob; sorted, so row keys are stable."""
     fs, path = filesystem(spec)
     if any(c in path for c in "*?["):
         import fnmatch
@@ -67,38 +70,57 @@ def input_files(spec: str) -> tuple[pafs.FileSystem, list[str]]:
     return fs, files
 
 
-def read_file(fs: pafs.FileSystem, path: str) -> pa.Table:
-    with fs.open_input_file(path) as f:
-        table = pq.read_table(f) if path.endswith(".parquet") else pj.read_json(f)
-    if "prompt" not in table.column_names and "prompt_ids" not in table.column_names:
-        raise ValueError(f"{path}: each row needs a 'prompt' (text) or 'prompt_ids' (list of ints) column")
-    return table
+def split(fs: pafs.FileSystem, files: list[str], part_rows: int) -> list[tuple[Part, Any]]:
+    """Ray Data reads `files` (Parquet, or newline-delimited JSON) and splits the rows into parts of
+    `part_rows`: (part, its dataset). Files of one format in a row are one dataset, read in order
+    (a union of datasets is not ordered, so a part never spans two of them)."""
+    import ray.data
 
-
-def row_count(fs: pafs.FileSystem, path: str) -> int:
-    if path.endswith(".parquet"):
-        with fs.open_input_file(path) as f:
-            return pq.ParquetFile(f).metadata.num_rows
-    return read_file(fs, path).num_rows
-
-
-def split(fs: pafs.FileSystem, files: list[str], part_rows: int) -> list[Part]:
-    parts = []
-    for i, path in enumerate(files):
-        n = row_count(fs, path)
-        parts += [Part(i, path, s, min(s + part_rows, n)) for s in range(0, n, part_rows)]
+    ray.data.DataContext.get_current().execution_options.preserve_order = True  # row keys are positions
+    parts: list[tuple[Part, Any]] = []
+    offset = 0
+    for parquet, run in itertools.groupby(files, key=lambda f: f.endswith(".parquet")):
+        paths = list(run)
+        ds = (ray.data.read_parquet if parquet else ray.data.read_json)(paths, filesystem=fs).materialize()
+        names = ds.schema().names
+        if "prompt" not in names and "prompt_ids" not in names:
+            raise ValueError(f"{paths[0]}: each row needs a 'prompt' (text) or 'prompt_ids' (list of ints) column")
+        n = ds.count()
+        pieces = ds.split_at_indices(list(range(part_rows, n, part_rows))) if n > part_rows else [ds]
+        parts += [
+            (Part(offset + s, offset + min(s + part_rows, n)), pieces[i]) for i, s in enumerate(range(0, n, part_rows))
+        ]
+        offset += n
     return parts
 
 
-def part_rows(fs: pafs.FileSystem, part: Part) -> pa.Table:
-    """The part's rows with their keys (a node reads its own parts: the driver ships no data)."""
-    table = read_file(fs, part.path).slice(part.start, part.rows)
-    keys = pa.array([f"{part.file_index}:{part.start + j}" for j in range(part.rows)])
-    return (
-        table.append_column(KEY, keys)
-        if KEY not in table.column_names
-        else table.set_column(table.column_names.index(KEY), KEY, keys)
-    )
+def with_keys(tables: list[pa.Table], part: Part) -> pa.Table:
+    """A part's blocks as one table, each row with its key."""
+    table = pa.concat_tables(tables, promote_options="permissive") if len(tables) != 1 else tables[0]
+    if table.num_rows != part.rows:
+        raise RuntimeError(f"{part.name}: {table.num_rows} rows arrived, {part.rows} expected")
+    keys = pa.array(range(part.start, part.stop), pa.int64())
+    if KEY in table.column_names:
+        return table.set_column(table.column_names.index(KEY), KEY, keys)
+    return table.append_column(KEY, keys)
+
+
+def check_plan(fs: pafs.FileSystem, out: str, part_rows: int, rows: int) -> None:
+    """The first run records how it split the input; a resume that would split it otherwise (another
+    --part-rows, another input) would write rows twice: it is refused, saying why."""
+    path = f"{out}/{PLAN}"
+    want = {"part_rows": part_rows, "rows": rows}
+    if fs.get_file_info(path).type == pafs.FileType.File:
+        with fs.open_input_stream(path) as f:
+            have = json.loads(f.read())
+        if have != want:
+            raise ValueError(
+                f"{out} holds parts of a job split as {have}, this one is {want}: use the same input and "
+                "--part-rows to resume it, or another --output"
+            )
+        return
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps(want).encode())
 
 
 def output_dir(spec: str) -> tuple[pafs.FileSystem, str]:

@@ -30,7 +30,7 @@ def rank_threads(args: argparse.Namespace, world: int) -> int:
         return args.threads
     if torch.device(args.device).type != "cpu":
         return 0
-    return max(1, (os.cpu_count() or 1) // world)
+    return max(1, len(os.sched_getaffinity(0)) // world)  # the cores this process may run on
 
 
 def follower_main(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ starts a fresh group, and the orchestrator re-wires the stack as for any dead gp
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -37,11 +38,26 @@ class GroupLeader:
         self.group: RankGroup | None = None
         self.failed = threading.Event()
         self._stop = threading.Event()
+        self._started = threading.Event()  # every rank ready: watch() takes over from _watch_start_up()
         self.log = structlog.get_logger()
         for rank in range(1, world):
             cmd = [sys.executable, "-m", "services.gpu_expert", *argv]
             cmd += ["--tp-rank", str(rank), "--tp-rendezvous", str(self.rendezvous)]
             self.procs.append(spawner.run(lambda cmd=cmd: subprocess.Popen(cmd, preexec_fn=parent_death_hook())))
+        threading.Thread(target=self._watch_start_up, name="tp-group-start-up", daemon=True).start()
+
+    def _watch_start_up(self) -> None:
+        """A rank that exits before the group is ready ends rank 0 at once, with the reason: rank 0
+        waits for it in a collective (forming the group, the start-up barrier) that only gives up after
+        --tp-startup-timeout, and it cannot be interrupted from Python."""
+        while not (self._started.wait(0.25) or self._stop.is_set()):
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.poll() is not None and not self._stop.is_set():
+                    reason = f"rank {rank} of {self.world} exited with code {proc.returncode} during start-up"
+                    self.log.error("startup_failed", error=reason, action="exiting; its log lines are above")
+                    self._kill(signal.SIGKILL)
+                    shutil.rmtree(self.dir, ignore_errors=True)
+                    os._exit(1)  # the launcher (or compose) restarts rank 0; a dead owner's segments are swept
 
     def watch(self, lock: threading.Lock, broke: Callable[[str], None]) -> None:
         """From now on: a rank that exits, or a heartbeat that fails, ends the group (`broke` with the
@@ -49,6 +65,7 @@ class GroupLeader:
         a heartbeat, so that their wait for the next command never reaches --tp-timeout."""
         assert self.group is not None
         group = self.group
+        self._started.set()
 
         def loop() -> None:
             while not self._stop.wait(0.25):
