@@ -21,6 +21,8 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
+LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a Ray cluster of this machine only, on loopback
+os.environ[LOOPBACK_ONLY] = "0"  # before Ray is imported: it reads it then
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -36,9 +38,14 @@ TOKENS = 4
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
+    """Both nodes and every driver on 127.0.0.1: Ray resolves a loopback address to the machine's
+    own unless it runs as a one-machine cluster (a driver started on 127.0.0.1 otherwise looks for
+    the head at the machine's address and waits forever): LOOPBACK_ONLY, set before Ray is imported
+    (Ray reads it then) and inherited by the nodes, the drivers and their workers."""
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     c.add_node(num_cpus=1)
     c.wait_for_nodes()
+    assert c.address.startswith("127.0.0.1:")
     yield c  # the last test takes its second node away
     c.shutdown()
 
@@ -155,3 +162,18 @@ def test_a_resume_split_otherwise_is_refused_before_it_writes(tmp_path: Path) ->
     for rows, part_rows in ((ROWS, 150), (ROWS + 1, 100)):  # parts would overlap the ones there
         with pytest.raises(ValueError, match="use the same input and --part-rows to resume"):
             check_plan(fs, str(tmp_path), part_rows, rows)
+
+
+def test_a_cuda_job_runs_stacks_only_on_nodes_with_its_gpus() -> None:
+    import argparse
+
+    from moe_lightning.cluster.driver import job_nodes
+
+    head = {"NodeID": "h", "Alive": True, "Resources": {"CPU": 2.0}}  # a KubeRay head pod: no GPU
+    box = {"NodeID": "b", "Alive": True, "Resources": {"CPU": 16.0, "GPU": 2.0}}
+    dead = {"NodeID": "d", "Alive": False, "Resources": {"GPU": 2.0}}
+    cuda = argparse.Namespace(addr=None, device="cuda", gpus=2)
+    assert job_nodes([head, box, dead], cuda) == [box]
+    assert job_nodes([head, box, dead], argparse.Namespace(addr=None, device="cpu", gpus=1)) == [head, box]
+    with pytest.raises(RuntimeError, match="no alive Ray node has the 4 GPU"):
+        job_nodes([head, box], argparse.Namespace(addr=None, device="cuda", gpus=4))

@@ -34,6 +34,19 @@ def stack_fields(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
     return fields
 
 
+def job_nodes(nodes: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The alive nodes a stack can run on: for a CUDA job, those with the GPUs it takes (a KubeRay
+    head pod, or a CPU box in the cluster, gets no stack)."""
+    alive = [n for n in nodes if n["Alive"]]
+    if args.addr or not str(getattr(args, "device", "cpu")).startswith("cuda"):
+        return alive
+    need = max(1, getattr(args, "gpus", 1) or 1)
+    with_gpus = [n for n in alive if n.get("Resources", {}).get("GPU", 0) >= need]
+    if not with_gpus:
+        raise RuntimeError(f"no alive Ray node has the {need} GPU(s) a --device cuda stack takes")
+    return with_gpus
+
+
 def run_on_ray(args: argparse.Namespace) -> int:
     import ray
     from ray.exceptions import RayActorError, RayError
@@ -56,7 +69,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
         f"{len(files)} input file(s), {sum(p.rows for p in parts)} rows in {len(parts)} parts; "
         f"{len(parts) - len(todo)} already in {args.output_spec} (resumed)\n"
     )
-    nodes = [n for n in ray.nodes() if n["Alive"]]
+    nodes = job_nodes(ray.nodes(), args)
     actor_cls = ray.remote(num_cpus=0, max_concurrency=PARTS_PER_ACTOR + 1)(NodeStack)
     actors = []
     for i, node in enumerate(nodes):
