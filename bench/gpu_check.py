@@ -237,10 +237,7 @@ class GpuCheck(PhaseRunner):
         if built and dtype is not None and a.dry_run:  # the preflight's formats ran this flow on a toy alike
             self.record("formats", ok=True, skipped="dry run: preflight-formats ran the same flow")
         elif built and dtype is not None:  # last: the formats, on the checkpoint, in what time is left
-            group = 128
-            run_formats(
-                self, "formats", model_dir, budget, dtype, a.num_prompts, a.gen_len, self.timeout(240, 0), group
-            )
+            run_formats(self, "formats", model_dir, budget, dtype, a.num_prompts, a.gen_len, self.timeout(240, 0), 128)
         return self.conclude(bench, offload)
 
     def preflight(self) -> str | None:
@@ -287,9 +284,9 @@ class GpuCheck(PhaseRunner):
         if importlib.util.find_spec("pytest") is None:
             self.record("cuda-tests", ok=False, skipped="pytest is not installed (fetch its wheels, see gpu_check.sh)")
             return
-        argv = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CUDA_TESTS]
-        if self.args.dry_run:  # without a GPU their CUDA cases skip, and the suite runs the others: collect only
-            argv.append("--collect-only")
+        # a dry run only collects them: without a GPU their CUDA cases skip, and the suite runs the others
+        only = ["--collect-only"] if self.args.dry_run else []
+        argv = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CUDA_TESTS, *only]
         self.finish(self.start("cuda-tests", argv, self.timeout(150, 200)))
 
     def fail(self, message: str) -> int:
