@@ -7,16 +7,19 @@ earlier stack is detected before anything starts (gRPC binds without SO_REUSEPOR
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import os
 import queue
+import random
 import signal
 import socket
 import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -96,6 +99,31 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now, for a child to bind soon after. Taken below the kernel's ephemeral range when
+    there is room: a port the kernel hands out (bind to 0) is also what it gives any process's
+    outgoing connection as its local port, so in the moment before the child binds, another
+    connection (gloo's, gRPC's) may take it (a CI run failed so: "Address already in use")."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 12288), low), 64) if low > 11264 else ():
+        if port in _GIVEN:  # handed out a moment ago, perhaps not bound yet
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _GIVEN.append(port)
+        return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+_GIVEN: collections.deque[int] = collections.deque(maxlen=256)
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: the kernel's choice
