@@ -8,7 +8,6 @@ earlier stack is detected before anything starts (gRPC binds without SO_REUSEPOR
 from __future__ import annotations
 
 import collections
-import ctypes
 import errno
 import os
 import queue
@@ -17,34 +16,24 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-
-def parent_death_hook(parent: int | None = None, sig: int = signal.SIGTERM) -> Callable[[], None] | None:
-    """A `preexec_fn` that has the kernel send `sig` to the child when its parent dies (Linux's
-    PR_SET_PDEATHSIG), and ends the child at once if the parent (pid `parent`, default: this process)
-    already died before the signal was armed. None where prctl is not available."""
+def with_parent_death(argv: Sequence[str], parent: int | None = None, sig: int = signal.SIGTERM) -> list[str]:
+    """`argv` behind an exec wrapper (parent_death.py) that has the kernel send `sig` to the child
+    when its parent dies (Linux's PR_SET_PDEATHSIG), and ends the child at once if the parent (pid
+    `parent`, default: this process) died before the signal was armed. The wrapper, not a
+    `preexec_fn`, arms it: see parent_death.py for why. `argv` unchanged where prctl does not exist."""
     if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here, not in the forked child
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
+        return list(argv)
     parent = os.getpid() if parent is None else parent
+    return [sys.executable, "-S", "-I", str(_WRAPPER), str(parent), str(int(sig)), *argv]
 
-    def hook() -> None:
-        prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-        if os.getppid() != parent:  # reparented already: the signal will never come
-            os._exit(1)
 
-    return hook
+_WRAPPER = Path(__file__).with_name("parent_death.py")
 
 
 class _Spawner:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from moe_lightning.children import free_port, parent_death_hook, port_in_use, spawner
+from moe_lightning.children import free_port, port_in_use, spawner, with_parent_death
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
 from moe_lightning.service.auth import is_loopback
@@ -239,12 +239,11 @@ class Stack:
 
         def popen() -> None:  # recorded by the spawner thread: a caller interrupted meanwhile still stops it
             self.procs[name] = subprocess.Popen(
-                argv,
+                with_parent_death(argv),  # they get SIGTERM when we die, even by kill -9
                 env=env,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,  # Ctrl-C reaches us only; we stop the services in order
-                preexec_fn=parent_death_hook(),  # and they get SIGTERM when we die, even by kill -9
             )
 
         spawner.run(popen)

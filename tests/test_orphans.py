@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_lightning.children import parent_death_hook, spawner
+from moe_lightning.children import spawner, with_parent_death
 from moe_lightning.private_paths import runtime_root
 from moe_lightning.shm.segment import list_segments
 
@@ -65,9 +65,45 @@ def _cmdline(pid: int) -> list[str]:
 @pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
 def test_child_whose_parent_already_died_exits_at_once() -> None:
     """The race: the parent died between fork and prctl, so the signal would never come."""
-    hook = parent_death_hook(parent=1)  # "the parent" is some other process than the one that forks
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], preexec_fn=hook)
+    argv = with_parent_death([sys.executable, "-c", "import time; time.sleep(30)"], parent=1)  # not us
+    child = subprocess.Popen(argv)
     assert child.wait(10) == 1
+
+
+_BUSY_GRPC_PARENT = """
+import subprocess, sys, threading
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from moe_lightning.children import spawner, with_parent_death
+server = grpc.server(futures.ThreadPoolExecutor(8))
+health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+port = server.add_insecure_port("127.0.0.1:0")
+server.start()
+done = threading.Event()
+def pound():
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    while not done.is_set():
+        stub.Check(health_pb2.HealthCheckRequest())
+for _ in range(4):
+    threading.Thread(target=pound, daemon=True).start()
+argv = with_parent_death([sys.executable, "-c", "pass"])
+codes = [spawner.run(lambda: subprocess.Popen(argv)).wait() for _ in range(40)]
+done.set()
+print("codes", sorted(set(codes)), flush=True)
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
+def test_children_start_cleanly_from_a_process_busy_in_grpc() -> None:
+    """A TP leader and a launcher fork while their gRPC threads are busy. With the signal armed in a
+    preexec_fn, gRPC's fork handlers ran in the forked child and broke the parent's poller ("epoll_wait
+    error: Bad file descriptor") and aborted children (CI: a rank "exited with code -6"): 40 spawns under
+    load must all exit 0 and leave gRPC silent."""
+    out = subprocess.run([sys.executable, "-c", _BUSY_GRPC_PARENT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "codes [0]" in out.stdout
+    assert "fork_posix" not in out.stderr and "Bad file descriptor" not in out.stderr, out.stderr[-2000:]
 
 
 @pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
@@ -78,7 +114,7 @@ def test_children_outlive_the_thread_that_asked_for_them() -> None:
 
     def spawn() -> None:
         argv = [sys.executable, "-c", "import time; time.sleep(30)"]
-        spawner.run(lambda: procs.append(subprocess.Popen(argv, preexec_fn=parent_death_hook())))
+        spawner.run(lambda: procs.append(subprocess.Popen(with_parent_death(argv))))
 
     t = threading.Thread(target=spawn)
     t.start()
@@ -98,9 +134,9 @@ def test_kill_9_of_a_launcher_process_kills_its_children(tmp_path: Path) -> None
     script = textwrap.dedent(
         """
         import subprocess, sys, time
-        from moe_lightning.children import parent_death_hook, spawner
+        from moe_lightning.children import spawner, with_parent_death
         argv = [sys.executable, "-c", "import time; time.sleep(60)"]
-        kids = [spawner.run(lambda: subprocess.Popen(argv, start_new_session=True, preexec_fn=parent_death_hook()))
+        kids = [spawner.run(lambda: subprocess.Popen(with_parent_death(argv), start_new_session=True))
                 for _ in range(3)]
         print(" ".join(str(k.pid) for k in kids), flush=True)
         time.sleep(60)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
-from moe_lightning.children import parent_death_hook, spawner
+from moe_lightning.children import spawner, with_parent_death
 from moe_lightning.private_paths import private_dir
 from services.gpu_expert.ranks import Command, RankGroup
 
@@ -43,7 +43,7 @@ class GroupLeader:
         for rank in range(1, world):
             cmd = [sys.executable, "-m", "services.gpu_expert", *argv]
             cmd += ["--tp-rank", str(rank), "--tp-rendezvous", str(self.rendezvous)]
-            self.procs.append(spawner.run(lambda cmd=cmd: subprocess.Popen(cmd, preexec_fn=parent_death_hook())))
+            self.procs.append(spawner.run(lambda cmd=cmd: subprocess.Popen(with_parent_death(cmd))))
         threading.Thread(target=self._watch_start_up, name="tp-group-start-up", daemon=True).start()
 
     def _watch_start_up(self) -> None:
