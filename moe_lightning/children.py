@@ -8,6 +8,7 @@ earlier stack is detected before anything starts (gRPC binds without SO_REUSEPOR
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import os
 import queue
@@ -16,10 +17,13 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+
+from moe_lightning.private_paths import UnsafePathError, private_dir, runtime_root
 
 
 def with_parent_death(argv: Sequence[str], parent: int | None = None, sig: int = signal.SIGTERM) -> list[str]:
@@ -101,6 +105,8 @@ def free_port(host: str = "127.0.0.1") -> int:
                 s.bind((host, port))
             except OSError:
                 continue
+        if not _claim(port):  # another of our processes (a second stack: Ray's nodes on one box) has it
+            continue
         _GIVEN.append(port)
         return port
     with socket.socket() as s:
@@ -109,6 +115,39 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 _GIVEN: collections.deque[int] = collections.deque(maxlen=256)
+CLAIM_SECONDS = 120.0  # a claimed port is not handed out again by any of our processes for this long
+
+
+def _claim(port: int) -> bool:
+    """Claims `port` for this user's processes on this machine: two launchers (two Ray node stacks on
+    one box) picking ports at once can otherwise both get one before either child binds it (a CI run:
+    "Address already in use"). A file per port in a directory only we can use; an old claim lapses.
+    True (no claim needed) where that directory cannot be had safely: the bind check still stands."""
+    try:
+        claims = private_dir(runtime_root() / f"moe-lightning-ports-{os.getuid()}")
+    except (UnsafePathError, OSError):
+        return True
+    path = claims / str(port)
+    now = time.time()
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        try:
+            if now - path.stat().st_mtime < CLAIM_SECONDS:
+                return False
+            os.utime(path)  # lapsed: ours now (a race for it costs one port, not a collision of two)
+            return True
+        except OSError:
+            return False
+    except OSError:
+        return True
+    os.close(fd)
+    if random.random() < 1 / 64:  # now and then, lapsed claims go
+        for old in claims.iterdir():
+            with contextlib.suppress(OSError):
+                if now - old.stat().st_mtime > CLAIM_SECONDS:
+                    old.unlink()
+    return True
 
 
 def _ephemeral_low() -> int:
