@@ -4,7 +4,11 @@ Prints tokens/s both ways and their ratio, and the gateway's own time per reques
 `moe_lightning_gateway_overhead_seconds`: the request's time less its waits on the gRPC API).
 Targets: under 2 ms per request, under 5 % of tokens/s.
 
-    python bench/gateway_overhead.py [--model DIR] [--clients 64] [--tokens 32] [--rounds 3] [--json OUT]
+    python bench/gateway_overhead.py [--model DIR] [--clients 64] [--tokens 32] [--rounds 3]
+                                     [--stream-interval 1] [--json OUT]
+
+--stream-interval N starts the stack with `up --stream-interval N`: both APIs' streams send a message
+per N tokens, so per-message costs (gRPC reads, SSE events, socket writes) are paid N times less.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=32, help="generated per request")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--stream-interval", type=int, default=1, help="tokens per streamed message (the server's)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="moe-lightning-gateway-bench-"))
@@ -105,6 +110,7 @@ def main() -> int:
         port=0,
         http_port=0,
         max_batch_size=args.clients,
+        stream_interval=args.stream_interval,
         kv_cache_memory="1GiB",
         log_dir=work / "logs",
         cache_dir=work / "arena-cache",
@@ -150,7 +156,10 @@ def main() -> int:
     ms = statistics.median(r["gateway_ms_per_request"] for r in rows)
     cpu = statistics.median(r["gateway_cpu_ms_per_request"] for r in rows)
     complete = all(r["tokens"] == [args.clients * args.tokens] * 2 for r in rows)
-    print(f"{args.clients} streaming clients x {args.tokens} tokens, median of {args.rounds} rounds:")
+    print(
+        f"{args.clients} streaming clients x {args.tokens} tokens, --stream-interval {args.stream_interval}, "
+        f"median of {args.rounds} rounds:"
+    )
     print(f"  HTTP / gRPC tokens/s   {ratio:6.3f}   target >= 0.95")
     print(f"  gateway CPU ms/request {cpu:6.3f}   target < 2 (its process's CPU time per request)")
     print(f"  gateway wall ms/request {ms:6.3f}  (time in the gateway, not waiting on gRPC; on shared cores)")
@@ -161,6 +170,7 @@ def main() -> int:
             json.dumps(
                 {
                     "rounds": rows,
+                    "stream_interval": args.stream_interval,
                     "http_over_grpc": ratio,
                     "gateway_ms_per_request": ms,
                     "gateway_cpu_ms_per_request": cpu,

@@ -215,11 +215,11 @@ class GenerationClient:
         )
         return Completion.from_pb(resp.output)
 
-    def stream(self, prompt: Prompt) -> Iterator[StreamChunk | Completion]:
-        """Yields a StreamChunk per step as tokens come, then the Completion."""
-        for msg in self.stub.GenerateStream(
-            generation_pb2.GenerateStreamRequest(input=prompt.to_pb()), timeout=self.timeout, metadata=self._metadata
-        ):
+    def stream(self, prompt: Prompt, stream_interval: int = 0) -> Iterator[StreamChunk | Completion]:
+        """Yields a StreamChunk per message as tokens come (a step's, or at least `stream_interval`
+        tokens; 0: the server's --stream-interval), then the Completion."""
+        request = generation_pb2.GenerateStreamRequest(input=prompt.to_pb(), stream_interval=stream_interval)
+        for msg in self.stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata):
             if msg.token_ids or msg.text:
                 yield StreamChunk(list(msg.token_ids), msg.text, _logprobs(msg.logprobs))
             if msg.HasField("output"):

@@ -59,6 +59,7 @@ class StackConfig:
     experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
     http_port: int | None = None  # the OpenAI-compatible gateway's port on `host` (0: any free); None: no gateway
     chat_template: Path | None = None  # the orchestrator's --chat-template
+    stream_interval: int = 1  # the orchestrator's --stream-interval: tokens per streamed message
     tls_cert: Path | None = None  # serve the public API over TLS (the other services stay on unix sockets)
     tls_key: Path | None = None
     tls_ca: Path | None = None  # verifies tls_cert in the readiness check (None: the cert itself, self-signed)
@@ -156,6 +157,7 @@ class Stack:
             own += ["--micro-batch-size", str(c.micro_batch_size)] if c.micro_batch_size is not None else []
             own += ["--attention-placement", c.attention_placement, "--experts-placement", c.experts_placement]
             own += ["--chat-template", str(c.chat_template)] if c.chat_template else []
+            own += ["--stream-interval", str(c.stream_interval)] if c.stream_interval != 1 else []
             if c.tls_cert is not None and c.tls_key is not None:
                 own += ["--tls-cert", str(c.tls_cert), "--tls-key", str(c.tls_key)]
         return common + own + c.extra.get(name, [])

@@ -104,8 +104,9 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, device: str = "", workers: int = 8) -> None:
+    def __init__(self, device: str = "", workers: int = 8, stream_interval: int = 1) -> None:
         self.scheduler: Scheduler | None = None
+        self.stream_interval = stream_interval  # GenerateStream's tokens per message unless a request says
         self.device = device
         self.model_path = ""
         self.kv_cache_dtype = ""  # of the KV cache attention reads (set once the policy placed it)
@@ -291,9 +292,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 logprobs=self.logprobs_pb([lp for _, logprobs, _ in items for lp in logprobs]),
             )
 
+        interval = request.stream_interval or self.stream_interval
         try:
             while True:
                 items, ended = await _queued(queue)
+                while not ended and sum(len(tokens) for tokens, _, _ in items) < interval:
+                    more, ended = await _queued(queue)
+                    items += more
                 if not ended and ticket.done.is_set():  # the rest is already queued: it goes with the output
                     while (more := await queue.get()) is not None:
                         items.append(more)

@@ -11,7 +11,7 @@ from typing import Any
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.chat_template import ChatTemplate
-from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags
+from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags, positive_int
 from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.placement import Side
@@ -100,6 +100,14 @@ def build_parser() -> EnvDefaultsParser:
         "for its tokens holds no thread (--max-queue bounds the waiting work)",
     )
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM, time to finish in-flight requests")
+    p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="GenerateStream (and the gateway's streams) send a message once this many tokens are new: 1, a "
+        "message per decode step; larger, fewer messages and less CPU per token for the server and each reader "
+        "(a request may ask for its own, GenerateStreamRequest.stream_interval; docs/api.md)",
+    )
     return p
 
 
@@ -222,7 +230,7 @@ def _start(
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
-    servicer = GenerationServicer(workers=args.rpc_threads)
+    servicer = GenerationServicer(workers=args.rpc_threads, stream_interval=args.stream_interval)
     pages = DebugPages(backend)
     return serve_aio(
         args,

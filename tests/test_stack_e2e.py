@@ -79,6 +79,15 @@ def test_stream_yields_the_same_tokens_incrementally(client: GenerationClient, r
         assert all(p.text == "" for p in pieces)  # this model has no tokenizer
 
 
+def test_stream_interval_sends_fewer_larger_messages(client: GenerationClient, reference: dict) -> None:
+    """A request's stream_interval: every message but the last carries at least that many tokens."""
+    parts = list(client.stream(Prompt(token_ids=PROMPTS[3], max_new_tokens=14), stream_interval=5))
+    *pieces, final = parts
+    assert isinstance(final, Completion) and final.token_ids == reference[3]
+    assert [t for p in pieces for t in p.token_ids] == reference[3]
+    assert all(len(p.token_ids) >= 5 for p in pieces[:-1]) and 2 <= len(pieces) <= 3
+
+
 def test_seeded_sampling_is_reproducible(client: GenerationClient) -> None:
     def draw(seed: int) -> list[int]:
         p = Prompt(token_ids=PROMPTS[2], max_new_tokens=12, temperature=1.3, top_p=0.95, seed=seed, ignore_eos=True)

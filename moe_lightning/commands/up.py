@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.commands.common import add_stack_flags
+from moe_lightning.flags import positive_int
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -28,6 +29,13 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument("--no-http", action="store_true", help="no HTTP gateway: the gRPC API only")
     p.add_argument(
         "--chat-template", type=Path, default=None, help="a Jinja chat template file (default: the model's own)"
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="streams (gRPC and HTTP) send a message once this many tokens are new (1: every decode step; "
+        "larger: less CPU per token for the server and its readers; docs/api.md)",
     )
     add_stack_flags(p)
     p.add_argument("--tls-cert", type=Path, default=None, help="serve the public API over TLS with this PEM cert")
@@ -88,6 +96,7 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
         port=port,
         http_port=None if getattr(args, "no_http", True) else args.http_port,
         chat_template=getattr(args, "chat_template", None),
+        stream_interval=getattr(args, "stream_interval", 1),
         device=args.device,
         gpus=args.gpus,
         device_memory=args.device_memory,

@@ -116,10 +116,12 @@ class GenerateResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[GenerationOutput, _Mapping]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("input",)
+    __slots__ = ("input", "stream_interval")
     INPUT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     input: GenerationInput
-    def __init__(self, input: _Optional[_Union[GenerationInput, _Mapping]] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, input: _Optional[_Union[GenerationInput, _Mapping]] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
     __slots__ = ("token_ids", "output", "text", "logprobs")
