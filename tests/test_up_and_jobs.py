@@ -60,7 +60,7 @@ def test_streamed_text_adds_up_and_never_shows_the_stop(up: UpProcess) -> None:
     assert isinstance(final, Completion) and all(isinstance(p, StreamChunk) for p in pieces)
     assert final.finish_reason == "stop" and final.text == full.text[: full.text.find(stop)]
     assert "".join(p.text for p in pieces) == final.text  # the held text arrives with the last message
-    assert sum(bool(p.text) for p in pieces) > 2  # text came as it was generated, not at the end
+    assert sum(bool(p.text) for p in pieces) > 1  # text came as it was generated, not all at the end
     assert all(len(p.token_ids) >= 2 for p in pieces[:-1])  # `up --stream-interval 2`: two tokens a message
     assert [t for p in pieces for t in p.token_ids] == final.token_ids == full.token_ids[: len(final.token_ids)]
     assert [lp["token_id"] for p in pieces for lp in p.logprobs] == final.token_ids
