@@ -41,6 +41,7 @@ from bench.gpucheck.budget import Budget, describe_budget, device_budget, layers
 from bench.gpucheck.environment import environment  # noqa: E402
 from bench.gpucheck.formats import run_formats  # noqa: E402
 from bench.gpucheck.parallel import run_tensor_parallel  # noqa: E402
+from bench.gpucheck.preflight import CUDA_TESTS, PREFLIGHT_KV, preflight_facts, preflight_sizes  # noqa: E402
 from bench.gpucheck.processes import Phase, PhaseRunner  # noqa: E402
 from bench.gpucheck.workers import WORKERS  # noqa: E402
 from bench.gpucheck.workload import bench_prompts, prompts_digest  # noqa: E402
@@ -53,23 +54,6 @@ PRESET = "mixtral-8x7b-4l"
 # rule gives the same residency plan), tiny widths.
 TOY = {**PRESETS["tiny"], "num_hidden_layers": 4, "num_local_experts": 8}
 TARGETS = {"ours_over_overlap_off": 3.0, "ours_over_offload": 10.0}
-
-
-PREFLIGHT_KV = 256 << 20  # gpu_expert's KV cache when the preflight puts attention on the device
-# Run in a phase of their own when pytest is importable: the CUDA cases skip without a GPU
-CUDA_TESTS = (
-    "tests/test_cuda_copy.py",
-    "tests/test_pipeline.py",
-    "tests/test_tensor_parallel_faults.py::test_two_ranks_on_one_gpu_stream_their_slices_and_come_back_after_a_kill",
-)
-
-
-def _preflight_facts(bench: dict[str, Any]) -> dict[str, Any]:
-    """What a preflight run shows beyond its speed: it ran, in how many micro-batches, how often the
-    host synchronised with the device per decode step, how much host memory was pinned."""
-    ours = bench["ours"]
-    keys = ("micro_batches", "cuda_syncs_per_decode_step", "pinned_host_bytes", "residency_changes", "policy")
-    return {"ok": True, **{k: ours.get(k) for k in keys}}
 
 
 class GpuCheck(PhaseRunner):
@@ -254,24 +238,25 @@ class GpuCheck(PhaseRunner):
         if not self.finish(self.build(toy_dir, TOY, self.timeout(60, 300))):
             return None
         toy = ModelSpec.from_hf_config(mixtral_config(TOY, "bfloat16"))
+        n, gen = preflight_sizes(a.dry_run)
         for dtype in [a.dtype] + ([a.fallback_dtype] if a.fallback_dtype not in ("none", a.dtype) else []):
             budget = device_budget(toy, dtype, a.resident_fraction)
             pipeline = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", "--skip-references")
             name = f"preflight-{dtype}"
-            result = self.bench(name, toy_dir, budget, dtype, 16, 6, self.timeout(120, 240), True, pipeline)
+            result = self.bench(name, toy_dir, budget, dtype, n, gen, self.timeout(120, 240), True, pipeline)
             if result is None:
                 continue
-            self.report.setdefault("preflight", {})[name] = _preflight_facts(result)
+            self.report.setdefault("preflight", {})[name] = preflight_facts(result)
             on_device = replace(budget, device_memory=budget.device_memory + PREFLIGHT_KV)
             attention = ("--micro-batches", "8", "--attention-placement", "gpu", "--skip-references")
             attention += ("--device-kv-memory", str(PREFLIGHT_KV))
             name = f"preflight-device-attention-{dtype}"
-            result = self.bench(name, toy_dir, on_device, dtype, 16, 6, self.timeout(120, 240), True, attention)
-            self.report["preflight"][name] = _preflight_facts(result) if result else {"ok": False}
+            result = self.bench(name, toy_dir, on_device, dtype, n, gen, self.timeout(120, 240), True, attention)
+            self.report["preflight"][name] = preflight_facts(result) if result else {"ok": False}
             formats = f"preflight-formats-{dtype}"
-            run_formats(self, formats, toy_dir, budget, dtype, 16, 6, self.timeout(150, 240), group_size=32)
+            run_formats(self, formats, toy_dir, budget, dtype, n, gen, self.timeout(150, 240), group_size=32)
             ranks = f"preflight-tensor-parallel-{dtype}"
-            run_tensor_parallel(self, ranks, toy_dir, budget, dtype, 16, 6, self.timeout(120, 240))
+            run_tensor_parallel(self, ranks, toy_dir, budget, dtype, n, gen, self.timeout(120, 240))
             if dtype != a.dtype:
                 self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours ran in {dtype}"
                 log(f"WARNING: {self.report['dtype_fallback']}")
