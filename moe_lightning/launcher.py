@@ -329,20 +329,25 @@ class Stack:
         self._supervisor.start()
 
     def stop(self, timeout: float = 30.0) -> list[str]:
-        """SIGTERM in order (orchestrator first so it drains), SIGKILL after `timeout`; returns leaks swept."""
+        """SIGTERM in order (the gateway, then the orchestrator so it drains, then the workers together),
+        SIGKILL after `timeout`; returns leaks swept."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        for name in reversed(self.services):
-            proc = self.procs.get(name)
-            if proc is None or proc.poll() is not None:
-                continue
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        # the API's front first, each drained before the next; then the workers, which no request
+        # reaches any more, all at once (each takes ~0.6 s to exit: one after another was 2 s a stack)
+        fronts = [n for n in ("gateway", "orchestrator") if n in self.services]
+        for group in [[n] for n in fronts] + [[n for n in reversed(self.services) if n not in fronts]]:
+            procs = [p for p in (self.procs.get(n) for n in group) if p is not None and p.poll() is None]
+            for proc in procs:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         for f in self._logs:
             f.close()
         self._logs.clear()
