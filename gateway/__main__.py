@@ -1,5 +1,4 @@
-import sys
-
 from gateway.server import main
+from moe_lightning.service.process_exit import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -1,5 +1,4 @@
-import sys
-
+from moe_lightning.service.process_exit import exit_process
 from services.cpu_attention.server import main
 
-sys.exit(main())
+exit_process(main())
