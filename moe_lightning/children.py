@@ -135,7 +135,7 @@ def _claim(port: int) -> bool:
         try:
             if now - path.stat().st_mtime < CLAIM_SECONDS:
                 return False
-            os.utime(path)  # lapsed: ours now (a race for it costs one port, not a collision of two)
+            os.utime(path)  # lapsed: ours now (two taking one lapsed claim in the same instant is left to chance)
             return True
         except OSError:
             return False
