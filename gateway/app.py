@@ -11,31 +11,26 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
-import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import responses
 from gateway.errors import ApiError, bad_request, from_grpc
+from gateway.overhead import Clock
 from gateway.schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from gateway.streaming import EventStream
 from gateway.upstream import Upstream
 from moe_lightning.api.generation.v1 import generation_pb2
 
 REQUESTS = Counter("moe_lightning_gateway_requests_total", "HTTP requests by route and status", ["route", "status"])
-OVERHEAD = Histogram(
-    "moe_lightning_gateway_overhead_seconds",
-    "The gateway's own time per request: the whole request less the time spent waiting on the gRPC API",
-    buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5),
-)
 T = TypeVar("T")
 
 
@@ -45,24 +40,6 @@ class Settings:
     max_model_len: int
     auth_token: str | None = None
     max_body_bytes: int = 8 << 20
-
-
-class _Clock:
-    """Time spent waiting on the gRPC API, so that the gateway's own share can be told apart."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.upstream = 0.0
-
-    async def wait(self, aw: Awaitable[T]) -> T:
-        t0 = time.perf_counter()
-        try:
-            return await aw
-        finally:
-            self.upstream += time.perf_counter() - t0
-
-    def observe(self) -> None:
-        OVERHEAD.observe(max(0.0, time.perf_counter() - self.start - self.upstream))
 
 
 def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
@@ -105,8 +82,8 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         logprobs = body.logprobs is not None
         rid = responses.new_id("cmpl")
         if body.stream:
-            return _stream(request, upstream, settings, rid, inputs, body, chat=False, top=body.logprobs)
-        clock = _Clock()
+            return _stream(upstream, settings, rid, inputs, body, chat=False, top=body.logprobs)
+        clock = Clock()
         outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs)))
         clock.observe()
         return JSONResponse(responses.completion(rid, settings.model_name, outputs, body.n, logprobs))
@@ -117,8 +94,8 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         top = (body.top_logprobs or 0) if body.logprobs else None
         rid = responses.new_id("chatcmpl")
         if body.stream:
-            return _stream(request, upstream, settings, rid, inputs, body, chat=True, top=top)
-        clock = _Clock()
+            return _stream(upstream, settings, rid, inputs, body, chat=True, top=top)
+        clock = Clock()
         outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs)))
         clock.observe()
         return JSONResponse(responses.chat_completion(rid, settings.model_name, outputs, top))
@@ -218,59 +195,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-Item = tuple[int, generation_pb2.GenerateStreamResponse | BaseException]
-
-
-async def _merged(
-    upstream: Upstream, inputs: list[generation_pb2.GenerationInput], clock: _Clock
-) -> AsyncIterator[Item]:
-    """Every choice's stream as (choice, message), as they come; an error as (choice, exception).
-    One choice (the common case) is read directly; several through a queue. Leaving early (the
-    client went away) cancels every call."""
-    if len(inputs) == 1:
-        stream = upstream.stream(inputs[0]).__aiter__()
-        try:
-            while True:
-                try:
-                    msg = await clock.wait(stream.__anext__())
-                except StopAsyncIteration:
-                    return
-                except Exception as exc:
-                    yield 0, exc
-                    return
-                yield 0, msg
-        finally:
-            await stream.aclose()
-    queue: asyncio.Queue[tuple[int, generation_pb2.GenerateStreamResponse | BaseException | None]] = asyncio.Queue()
-
-    async def pump(index: int, m: generation_pb2.GenerationInput) -> None:
-        try:
-            async for msg in upstream.stream(m):
-                await queue.put((index, msg))
-            await queue.put((index, None))
-        except Exception as exc:
-            await queue.put((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, m)) for i, m in enumerate(inputs)]
-    try:
-        open_choices = len(inputs)
-        while open_choices:
-            index, item = await clock.wait(queue.get())
-            if item is None:
-                open_choices -= 1
-                continue
-            yield index, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-def _sse(obj: object) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
 def _stream(
-    request: Request,
     upstream: Upstream,
     settings: Settings,
     rid: str,
@@ -278,67 +203,9 @@ def _stream(
     body: CompletionRequest | ChatCompletionRequest,
     chat: bool,
     top: int | None,
-) -> StreamingResponse:
-    """Server-sent events: per choice, one chunk per piece of our gRPC stream, a last chunk with the
-    finish reason, a usage chunk when asked (stream_options.include_usage), then `data: [DONE]`."""
-    created = responses.now()
-    model = settings.model_name
+) -> EventStream:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def piece(index: int, text: str, lps: list, offset: int) -> dict[str, Any]:
-        if chat:
-            out: dict[str, Any] = {"index": index, "delta": {"content": text}, "finish_reason": None}
-            out["logprobs"] = responses.chat_logprobs(lps, top) if top is not None else None
-        else:
-            out = {"index": index, "text": text, "finish_reason": None}
-            out["logprobs"] = responses.completion_logprobs(lps, offset) if top is not None else None
-        return out
-
-    # a text-only piece is the hot path (a chunk per piece per stream): its JSON is framed once
-    head = json.dumps(responses.chunk(rid, model, chat, [], created), separators=(",", ":"))[: -len("[]}")] + "["
-    frame = (
-        '{"index":%d,"delta":{"content":%s},"finish_reason":null,"logprobs":null}]}'
-        if chat
-        else ('{"index":%d,"text":%s,"finish_reason":null,"logprobs":null}]}')
+    n = len(inputs) if chat else body.n  # a chat request is one prompt
+    return EventStream(
+        upstream, inputs, rid=rid, model=settings.model_name, chat=chat, top=top, n=n, include_usage=include_usage
     )
-
-    async def events() -> AsyncIterator[bytes]:
-        clock = _Clock()
-        finals: dict[int, generation_pb2.GenerationOutput] = {}
-        offsets = [0] * len(inputs)
-        if chat:
-            first = [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                for i in range(len(inputs))
-            ]
-            yield _sse(responses.chunk(rid, model, chat, first, created))
-        async for index, item in _merged(upstream, inputs, clock):
-            if isinstance(item, BaseException):
-                error = (
-                    from_grpc(item)
-                    if isinstance(item, grpc.aio.AioRpcError)
-                    else ApiError(500, str(item), "internal_error")
-                )
-                yield _sse(error.body())
-                break
-            if item.logprobs:
-                piece_obj = piece(index, item.text, list(item.logprobs), offsets[index])
-                yield _sse(responses.chunk(rid, model, chat, [piece_obj], created))
-            elif item.text:
-                yield f"data: {head}{frame % (index, json.dumps(item.text))}\n\n".encode()
-            offsets[index] += len(item.text)
-            if item.HasField("output"):
-                finals[index] = item.output
-                last = {"index": index, "finish_reason": responses.FINISH.get(item.output.finish_reason)}
-                last |= {"delta": {}} if chat else {"text": ""}
-                last["logprobs"] = None
-                yield _sse(responses.chunk(rid, model, chat, [last], created))
-        else:
-            if include_usage:
-                ordered = [finals[i] for i in sorted(finals)]
-                usage = responses.usage(ordered, len(ordered) if chat else body.n)
-                yield _sse({**responses.chunk(rid, model, chat, [], created), "usage": usage})
-        yield b"data: [DONE]\n\n"
-        clock.observe()
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

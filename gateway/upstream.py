@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -33,13 +32,10 @@ class Upstream:
         calls = [self.stub.Generate(generation_pb2.GenerateRequest(input=m), metadata=self.metadata) for m in inputs]
         return [r.output for r in await asyncio.gather(*calls)]
 
-    async def stream(self, m: generation_pb2.GenerationInput) -> AsyncIterator[generation_pb2.GenerateStreamResponse]:
-        call = self.stub.GenerateStream(generation_pb2.GenerateStreamRequest(input=m), metadata=self.metadata)
-        try:
-            async for msg in call:
-                yield msg
-        finally:
-            call.cancel()  # a no-op when it ended; else the orchestrator stops the request
+    def stream_call(self, m: generation_pb2.GenerationInput) -> grpc.aio.UnaryStreamCall:
+        """A started GenerateStream: read it with `read()`; `cancel()` stops the request at the
+        orchestrator's next step (a no-op once it ended)."""
+        return self.stub.GenerateStream(generation_pb2.GenerateStreamRequest(input=m), metadata=self.metadata)
 
     async def serving(self, timeout: float = 1.0) -> bool:
         try:

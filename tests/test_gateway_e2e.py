@@ -100,6 +100,32 @@ def test_streamed_completion_pieces_are_the_grpc_stream_pieces(stack: Stack, mod
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
 
 
+def test_streamed_choices_of_several_prompts_add_up_to_the_unstreamed_ones(stack: Stack, model_id: str) -> None:
+    seeded = dict(prompt=["a b c", "d e"], n=2, max_tokens=6, temperature=0.8, seed=11, extra_body={"ignore_eos": True})
+    c = client(stack)
+    whole = c.completions.create(model=model_id, **seeded)  # type: ignore[call-overload]
+    stream = c.completions.create(model=model_id, stream=True, stream_options={"include_usage": True}, **seeded)  # type: ignore[call-overload]
+    texts, finishes = ["", "", "", ""], [[], [], [], []]
+    usage = None
+    for ch in stream:
+        usage = ch.usage or usage
+        for choice in ch.choices:
+            texts[choice.index] += choice.text
+            if choice.finish_reason:
+                finishes[choice.index].append(choice.finish_reason)
+    assert texts == [ch.text for ch in whole.choices]
+    assert finishes == [["length"]] * 4  # one last chunk per choice
+    assert usage is not None and usage.model_dump() == whole.usage.model_dump()
+
+
+def test_a_streamed_request_the_api_refuses_gets_its_http_status(stack: Stack, model_id: str) -> None:
+    body = {"model": model_id, "prompt": "x", "max_tokens": 10**6, "stream": True}
+    r = httpx.post(f"{stack.http_address}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_argument", r.text  # not a 200 stream
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client(stack).chat.completions.create(model=model_id, messages=CHAT, max_tokens=10**6, stream=True)  # type: ignore[arg-type]
+
+
 def test_chat_sync_async_and_streamed_agree_with_the_grpc_messages_form(stack: Stack, model_id: str) -> None:
     want, _ = grpc_text(stack, messages=CHAT, max_new_tokens=16)
     r = client(stack).chat.completions.create(model=model_id, messages=CHAT, max_tokens=16, temperature=0)  # type: ignore[arg-type]
