@@ -1,10 +1,10 @@
 """The FastAPI application: OpenAI's routes over the gRPC Generation API (docs/openai.md).
 
-Every choice of a request is one Generate (or GenerateStream) call on the orchestrator, so n
-choices and a list of prompts batch with everything else there. A streamed response sends, per
-choice, exactly the text pieces our gRPC stream sends (held back near a stop string, so the pieces
-add up to the final text). A client that goes away cancels its calls: the orchestrator stops the
-requests at the next step and frees their KV.
+Every choice of a request is one request on the orchestrator, so n choices and a list of prompts
+batch with everything else there: a Generate call when not streamed, a stream on the gateway's one
+GenerateStreams call when streamed (gateway/mux.py), whose pieces are exactly GenerateStream's
+(held back near a stop string, so they add up to the final text). A client that goes away cancels
+its requests: the orchestrator stops them at the next step and frees their KV.
 """
 
 from __future__ import annotations

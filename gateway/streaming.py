@@ -1,14 +1,15 @@
-"""A streamed completion: server-sent events relayed from GenerateStream calls (docs/openai.md).
+"""A streamed completion: server-sent events relayed from the choices' streams (docs/openai.md).
 
 Per choice, one chunk per message of our gRPC stream (its text piece, held back near a stop string
 by the orchestrator, so the pieces add up to the whole text), a last chunk with the finish reason,
 a usage chunk when asked (stream_options.include_usage), then `data: [DONE]`.
 
 This is the gateway's hot path: every streamed token of every client passes here. So a message goes
-from `call.read()` to the ASGI `send` with no async generator, queue or task between them for the
-common one-choice request, and the text-only chunk's JSON is framed once per request. A client that
-goes away cancels the calls at once (the orchestrator frees their KV at the next step), from a
-watcher of the connection rather than a task group around the writer (docs/openai.md "Overhead").
+from the stream's `read()` (gateway/mux.py) to the ASGI `send` with no async generator, queue or
+task between them for the common one-choice request, and the text-only chunk's JSON is framed once
+per request. A client that goes away cancels its streams at once (the orchestrator frees their KV at
+the next step), from a watcher of the connection rather than a task group around the writer
+(docs/openai.md "Overhead").
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway import responses
 from gateway.errors import ApiError, from_grpc
+from gateway.mux import MuxStream
 from gateway.overhead import Clock
 from gateway.upstream import Upstream
 from moe_lightning.api.generation.v1 import generation_pb2
@@ -60,7 +62,7 @@ class EventStream(Response):
         self.rid, self.model, self.chat, self.top, self.n = rid, model, chat, top, n
         self.include_usage = include_usage
         self.created = responses.now()
-        self.calls: list[grpc.aio.UnaryStreamCall] = []
+        self.calls: list[MuxStream] = []
         self.gone = False  # the client closed the connection
         self.finals: dict[int, generation_pb2.GenerationOutput] = {}
         self.offsets = [0] * len(inputs)
@@ -75,7 +77,7 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         clock = Clock()
-        self.calls = [self.upstream.stream_call(m) for m in self.inputs]
+        self.calls = [self.upstream.stream(m) for m in self.inputs]
         watcher = asyncio.ensure_future(_disconnect(receive))
         watcher.add_done_callback(self._client_left)
         try:
@@ -148,7 +150,7 @@ class EventStream(Response):
         relayed in arrival order."""
         queue: asyncio.Queue[tuple[int, Message | BaseException | None]] = asyncio.Queue()
 
-        async def pump(index: int, call: grpc.aio.UnaryStreamCall, msg: Read) -> None:
+        async def pump(index: int, call: MuxStream, msg: Read) -> None:
             try:
                 while msg is not grpc.aio.EOF:
                     queue.put_nowait((index, msg))

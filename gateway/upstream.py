@@ -8,12 +8,24 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.mux import Mux, MuxStream
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 from moe_lightning.service.names import GENERATION
 
 OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+WHOLE = (1 << 32) - 1  # a stream_interval no request reaches: one message, the output
+
+
+async def _output(stream: MuxStream) -> generation_pb2.GenerationOutput:
+    output = None
+    while (msg := await stream.read()) is not grpc.aio.EOF:
+        output = msg.output if msg.HasField("output") else output
+    assert output is not None  # a stream's last message carries it, else read() raised
+    return output
 
 
 class Upstream:
@@ -26,16 +38,23 @@ class Upstream:
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.mux = Mux(self.stub, self.metadata)
 
     async def generate_all(self, inputs: list[generation_pb2.GenerationInput]) -> list[generation_pb2.GenerationOutput]:
-        """One Generate per input, all at once (cancelling this cancels every call)."""
-        calls = [self.stub.Generate(generation_pb2.GenerateRequest(input=m), metadata=self.metadata) for m in inputs]
-        return [r.output for r in await asyncio.gather(*calls)]
+        """Every input's output, all at once, as streams of one message each on the shared call: a
+        unary call per input would pay gRPC's per-call cost (its own HTTP/2 stream, headers and
+        trailers) for every request. Cancelling this cancels every stream."""
+        streams = [self.mux.open(m, stream_interval=WHOLE) for m in inputs]
+        try:
+            return [await _output(s) for s in streams]
+        finally:
+            for s in streams:
+                s.cancel()  # a no-op for those that ended
 
-    def stream_call(self, m: generation_pb2.GenerationInput) -> grpc.aio.UnaryStreamCall:
-        """A started GenerateStream: read it with `read()`; `cancel()` stops the request at the
-        orchestrator's next step (a no-op once it ended)."""
-        return self.stub.GenerateStream(generation_pb2.GenerateStreamRequest(input=m), metadata=self.metadata)
+    def stream(self, m: generation_pb2.GenerationInput) -> MuxStream:
+        """A started stream, read and cancelled as a GenerateStream call is, on the shared
+        GenerateStreams call (gateway/mux.py)."""
+        return self.mux.open(m)
 
     async def serving(self, timeout: float = 1.0) -> bool:
         try:
@@ -59,4 +78,5 @@ class Upstream:
                 await asyncio.sleep(0.5)
 
     async def close(self) -> None:
+        await self.mux.close()
         await self.channel.close()

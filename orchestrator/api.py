@@ -28,6 +28,7 @@ from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
 from moe_lightning.service.errors import NotReadyError, ResourceExhaustedError
 from moe_lightning.validation import RequestLimits, check_batch, prompt_ids, sampling_params, validate
 from orchestrator.scheduler import Scheduler, Ticket, TokenCallback
+from orchestrator.streams import generate_streams
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BATCH_PROMPTS = 1024
@@ -318,6 +319,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if not ticket.done.is_set():  # the client went away (or its deadline passed)
                 sched.cancel(ticket)
         yield generation_pb2.GenerateStreamResponse(output=self.to_output(ticket))  # raises the request's error
+
+    async def GenerateStreams(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[generation_pb2.GenerateStreamsRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[generation_pb2.GenerateStreamsResponse]:
+        def stopping() -> bool:
+            return self.scheduler is not None and self.scheduler.stopping
+
+        async for response in generate_streams(request_iterator, lambda r: self.GenerateStream(r, context), stopping):
+            yield response
 
     async def GetModelInfo(  # type: ignore[override]
         self, request: generation_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext

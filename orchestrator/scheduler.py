@@ -21,12 +21,7 @@ from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.request import GenerationRequest, GenerationResult
 from moe_lightning.sampling import TokenLogprobs
-from moe_lightning.service.errors import (
-    ServiceError,
-    ShuttingDownError,
-    UnavailableError,
-    status_for,
-)
+from moe_lightning.service.errors import ServiceError, ShuttingDownError, UnavailableError, status_for
 from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
@@ -169,6 +164,11 @@ class Scheduler:
         with self._cv:
             b = self.batcher
             return {"waiting": len(b.waiting), "running": len(b.running), "free_blocks": b.free_blocks}
+
+    @property
+    def stopping(self) -> bool:
+        """stop() was called: no new request is admitted."""
+        return self._stopping
 
     def stop(self, drain_timeout: float = 0.0) -> None:
         """Stops admitting; lets running and queued requests finish for up to `drain_timeout`."""

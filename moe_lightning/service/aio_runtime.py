@@ -72,15 +72,29 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 await _reject_undecodable(request, context)
-                try:
-                    async for msg in inner_stream(request, context):
-                        yield msg
-                except Exception as exc:
-                    await _abort(context, exc, method)
-                count_rpc(method, "OK")
+                async for msg in _mapped(inner_stream(request, context), context, method):
+                    yield msg
 
             return handler._replace(unary_stream=stream)
+        if handler.stream_stream is not None:  # a malformed message in the stream is the handler's to refuse
+            inner_bidi = handler.stream_stream
+
+            async def bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for msg in _mapped(inner_bidi(requests, context), context, method):
+                    yield msg
+
+            return handler._replace(stream_stream=bidi)
         return handler
+
+
+async def _mapped(responses: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[Any]:
+    """A streaming handler's responses, its exception as the call's status."""
+    try:
+        async for msg in responses:
+            yield msg
+    except Exception as exc:
+        await _abort(context, exc, method)
+    count_rpc(method, "OK")
 
 
 async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -130,9 +144,11 @@ class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
         if handler.unary_stream is not None:
             return handler._replace(unary_stream=deny_stream)
+        if handler.stream_stream is not None:
+            return handler._replace(stream_stream=deny_stream)
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=deny)
-        return None  # no client-streaming methods here: refuse as unimplemented rather than serve unchecked
+        return None  # no client-streaming-only methods here: refuse as unimplemented rather than serve unchecked
 
 
 class AioServiceRuntime(ServiceHooks):

@@ -135,6 +135,40 @@ class GenerateStreamResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., output: _Optional[_Union[GenerationOutput, _Mapping]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
+class GenerateStreamsRequest(_message.Message):
+    __slots__ = ("id", "start", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    start: GenerateStreamRequest
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., start: _Optional[_Union[GenerateStreamRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class StreamPiece(_message.Message):
+    __slots__ = ("id", "message", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    message: GenerateStreamResponse
+    error: StreamError
+    def __init__(self, id: _Optional[int] = ..., message: _Optional[_Union[GenerateStreamResponse, _Mapping]] = ..., error: _Optional[_Union[StreamError, _Mapping]] = ...) -> None: ...
+
+class StreamError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class GenerateStreamsResponse(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[StreamPiece]
+    def __init__(self, pieces: _Optional[_Iterable[_Union[StreamPiece, _Mapping]]] = ...) -> None: ...
+
 class BatchGenerateRequest(_message.Message):
     __slots__ = ("inputs",)
     INPUTS_FIELD_NUMBER: _ClassVar[int]

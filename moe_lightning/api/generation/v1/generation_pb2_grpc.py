@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
                 response_deserializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/moe_lightning.api.generation.v1.Generation/GenerateStreams',
+                request_serializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamsRequest.SerializeToString,
+                response_deserializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamsResponse.FromString,
+                _registered_method=True)
         self.BatchGenerate = channel.unary_unary(
                 '/moe_lightning.api.generation.v1.Generation/BatchGenerate',
                 request_serializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.BatchGenerateRequest.SerializeToString,
@@ -74,6 +79,16 @@ class GenerationServicer:
 
     def GenerateStream(self, request, context):
         """Tokens as they are produced; the last message carries the complete output.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStreams(self, request_iterator, context):
+        """Many GenerateStreams on one call, for a front end that serves many clients (the HTTP gateway):
+        the client starts and cancels streams by ids of its choosing, and each response carries every
+        stream's messages ready at the time, so a decode step costs one message for all of them, not
+        one per stream (docs/api.md, "Many streams on one call").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +125,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamRequest.FromString,
                     response_serializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamsRequest.FromString,
+                    response_serializer=moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamsResponse.SerializeToString,
             ),
             'BatchGenerate': grpc.unary_unary_rpc_method_handler(
                     servicer.BatchGenerate,
@@ -182,6 +202,33 @@ class Generation:
             '/moe_lightning.api.generation.v1.Generation/GenerateStream',
             moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamRequest.SerializeToString,
             moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/moe_lightning.api.generation.v1.Generation/GenerateStreams',
+            moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamsRequest.SerializeToString,
+            moe__lightning_dot_api_dot_generation_dot_v1_dot_generation__pb2.GenerateStreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,
