@@ -75,14 +75,14 @@ class Mux:
         self.reader: asyncio.Task[None] | None = None
         self.next_id = 1
 
-    def open(self, m: generation_pb2.GenerationInput, stream_interval: int = 0) -> MuxStream:
+    def open(self, m: generation_pb2.GenerationInput) -> MuxStream:
         if self.outbox is None:
             self._start()
         assert self.outbox is not None
         stream = MuxStream(self, self.next_id)
         self.next_id += 1
         self.streams[stream.sid] = stream
-        start = generation_pb2.GenerateStreamRequest(input=m, stream_interval=stream_interval)
+        start = generation_pb2.GenerateStreamRequest(input=m)
         self.outbox.put_nowait(generation_pb2.GenerateStreamsRequest(id=stream.sid, start=start))
         return stream
 
@@ -97,8 +97,8 @@ class Mux:
             while True:
                 yield await outbox.get()
 
+        call = self.stub.GenerateStreams(requests(), metadata=self.metadata)  # before the outbox is ours
         self.outbox, self.streams = outbox, {}
-        call = self.stub.GenerateStreams(requests(), metadata=self.metadata)
         self.reader = asyncio.ensure_future(self._read(call, outbox, self.streams))
 
     async def _read(
@@ -107,7 +107,7 @@ class Mux:
         outbox: asyncio.Queue[generation_pb2.GenerateStreamsRequest],
         streams: dict[int, MuxStream],
     ) -> None:
-        error: grpc.aio.AioRpcError
+        code, details = grpc.StatusCode.UNAVAILABLE, "the API ended the streams call"
         try:
             async for response in call:
                 for piece in response.pieces:
@@ -115,8 +115,8 @@ class Mux:
                     if stream is None:  # cancelled: its last pieces may still come
                         continue
                     if piece.HasField("error"):
-                        code = CODES.get(piece.error.code, grpc.StatusCode.UNKNOWN)
-                        stream.deliver(grpc.aio.AioRpcError(code, details=piece.error.message), last=True)
+                        error = CODES.get(piece.error.code, grpc.StatusCode.UNKNOWN)
+                        stream.deliver(grpc.aio.AioRpcError(error, details=piece.error.message), last=True)
                         del streams[piece.id]
                     elif piece.message.HasField("output"):
                         stream.deliver(piece.message)
@@ -124,22 +124,24 @@ class Mux:
                         del streams[piece.id]
                     else:
                         stream.deliver(piece.message)
-            error = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, details="the API ended the streams call")
         except grpc.aio.AioRpcError as exc:
-            error = exc
+            code, details = exc.code(), exc.details() or exc.code().name
+        except asyncio.CancelledError:  # close(): the gateway is stopping
+            code, details = grpc.StatusCode.UNAVAILABLE, "the gateway is stopping"
         except Exception as exc:  # a bug here must fail the streams, not leave their clients waiting
             structlog.get_logger().error("streams_call_reader_failed", exc_info=exc)
-            error = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, details=f"the gateway's stream reader failed: {exc}")
+            code, details = grpc.StatusCode.INTERNAL, f"the gateway's stream reader failed: {exc}"
         finally:
             if self.outbox is outbox:  # the next stream starts a new call
                 self.outbox = None
             call.cancel()
         if streams:
-            structlog.get_logger().warning("streams_call_ended", code=error.code().name, open_streams=len(streams))
-        for stream in streams.values():
-            stream.deliver(error, last=True)
+            structlog.get_logger().warning("streams_call_ended", code=code.name, open_streams=len(streams))
+        for stream in streams.values():  # an error each: raised in each stream's own task
+            stream.deliver(grpc.aio.AioRpcError(code, details=details), last=True)
         streams.clear()
 
     async def close(self) -> None:
         if self.reader is not None:
             self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)

@@ -17,17 +17,6 @@ from moe_lightning.service.names import GENERATION
 OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
-WHOLE = (1 << 32) - 1  # a stream_interval no request reaches: one message, the output
-
-
-async def _output(stream: MuxStream) -> generation_pb2.GenerationOutput:
-    output = None
-    while (msg := await stream.read()) is not grpc.aio.EOF:
-        output = msg.output if msg.HasField("output") else output
-    assert output is not None  # a stream's last message carries it, else read() raised
-    return output
-
-
 class Upstream:
     def __init__(self, address: str, tls_ca: Path | None = None, token: str | None = None) -> None:
         if tls_ca is not None:
@@ -41,15 +30,10 @@ class Upstream:
         self.mux = Mux(self.stub, self.metadata)
 
     async def generate_all(self, inputs: list[generation_pb2.GenerationInput]) -> list[generation_pb2.GenerationOutput]:
-        """Every input's output, all at once, as streams of one message each on the shared call: a
-        unary call per input would pay gRPC's per-call cost (its own HTTP/2 stream, headers and
-        trailers) for every request. Cancelling this cancels every stream."""
-        streams = [self.mux.open(m, stream_interval=WHOLE) for m in inputs]
-        try:
-            return [await _output(s) for s in streams]
-        finally:
-            for s in streams:
-                s.cancel()  # a no-op for those that ended
+        """One Generate per input, all at once (cancelling this cancels every call). Unary, not a
+        stream on the shared call: the orchestrator then does no per-token work for it."""
+        calls = [self.stub.Generate(generation_pb2.GenerateRequest(input=m), metadata=self.metadata) for m in inputs]
+        return [r.output for r in await asyncio.gather(*calls)]
 
     def stream(self, m: generation_pb2.GenerationInput) -> MuxStream:
         """A started stream, read and cancelled as a GenerateStream call is, on the shared

@@ -297,9 +297,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             while True:
                 items, ended = await _queued(queue)
-                while not ended and sum(len(tokens) for tokens, _, _ in items) < interval:
+                count = sum(len(tokens) for tokens, _, _ in items)
+                while not ended and count < interval:
                     more, ended = await _queued(queue)
                     items += more
+                    count += sum(len(tokens) for tokens, _, _ in more)
                 if not ended and ticket.done.is_set():  # the rest is already queued: it goes with the output
                     while (more := await queue.get()) is not None:
                         items.append(more)

@@ -17,10 +17,14 @@ from collections.abc import AsyncIterator, Callable
 from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.request import InvalidRequestError
 from moe_lightning.service.errors import _Undecodable, rejection
+from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 
 METHOD = "/moe_lightning.api.generation.v1.Generation/GenerateStreams"
-# pieces per response at most: a reader that fell far behind gets several messages, none huge
+# a response's pieces at most, by count and by size: a reader that fell far behind, or several large
+# outputs done in one step, get several messages, each sendable (a single GenerateStream message
+# is bounded by what validation admits, well under the limit)
 MAX_PIECES = 4096
+MAX_RESPONSE_BYTES = MAX_MESSAGE_BYTES // 4
 IDLE_CHECK_SECONDS = 0.5  # how soon an idle call ends once the server is stopping
 
 Stream = Callable[[generation_pb2.GenerateStreamRequest], AsyncIterator[generation_pb2.GenerateStreamResponse]]
@@ -42,13 +46,15 @@ async def generate_streams(
         try:
             async for msg in stream(request):
                 out.put_nowait((sid, msg))
-        except asyncio.CancelledError:
-            raise  # the client cancelled it: no more pieces for this id
         except Exception as exc:  # what GenerateStream's call would have ended with
-            code, message = rejection(exc, METHOD)
+            code, message = rejection(exc, METHOD, count=False)  # the request's outcome is counted
             out.put_nowait((sid, generation_pb2.StreamError(code=code.value[0], message=message)))
-        finally:
-            out.put_nowait((sid, None))  # the id is free again
+
+    def started(sid: int, request: generation_pb2.GenerateStreamRequest) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(run(sid, request))
+        # the end marker even for a task cancelled before it ran: the loop waits for every stream's
+        task.add_done_callback(lambda _: out.put_nowait((sid, None)))
+        return task
 
     async def read() -> None:
         """The client's starts and cancels; a malformed one ends the whole call (INVALID_ARGUMENT)."""
@@ -59,7 +65,7 @@ async def generate_streams(
             if which == "start":
                 if r.id in tasks:
                     raise InvalidRequestError(f"stream {r.id} is already open on this call")
-                tasks[r.id] = asyncio.ensure_future(run(r.id, r.start))
+                tasks[r.id] = started(r.id, r.start)
             elif which == "cancel":
                 if r.id in tasks:  # else it ended already: nothing to stop
                     tasks[r.id].cancel()
@@ -87,19 +93,29 @@ async def generate_streams(
             await asyncio.sleep(0)  # the step's other streams, woken with this one, queue theirs
             while not out.empty() and len(items) < MAX_PIECES:
                 items.append(out.get_nowait())
-            pieces = []
+            pieces: list[generation_pb2.StreamPiece] = []
+            size = 0
             for sid, item in items:
                 if item is None:
                     tasks.pop(sid, None)
                     cancelled.discard(sid)
-                elif sid in cancelled:
                     continue
-                elif isinstance(item, generation_pb2.StreamError):
-                    pieces.append(generation_pb2.StreamPiece(id=sid, error=item))
+                if sid in cancelled:
+                    continue
+                if isinstance(item, generation_pb2.StreamError):
+                    piece = generation_pb2.StreamPiece(id=sid, error=item)
                 else:
-                    pieces.append(generation_pb2.StreamPiece(id=sid, message=item))
+                    piece = generation_pb2.StreamPiece(id=sid, message=item)
+                n = piece.ByteSize()
+                if pieces and size + n > MAX_RESPONSE_BYTES:
+                    yield generation_pb2.GenerateStreamsResponse(pieces=pieces)
+                    pieces, size = [], 0
+                pieces.append(piece)
+                size += n
             if pieces:
                 yield generation_pb2.GenerateStreamsResponse(pieces=pieces)
+            if not tasks and stopping():
+                return  # draining, and nothing open: the front end's idle call must not hold it up
     finally:
         reader.cancel()
         for t in tasks.values():

@@ -89,10 +89,12 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def rejection(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str]:
-    """The status and message a failed call is answered with, logged once (a bug with its traceback)."""
+def rejection(exc: BaseException, method: str, count: bool = True) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed call is answered with, logged once (a bug with its traceback);
+    counted as the call's outcome unless `count` is off (one stream of a GenerateStreams call)."""
     code = status_for(exc)
-    count_rpc(method, code.name)
+    if count:
+        count_rpc(method, code.name)
     message = exc.details() if isinstance(exc, grpc.RpcError) and hasattr(exc, "details") else str(exc)
     log = structlog.get_logger()
     if code == grpc.StatusCode.INTERNAL:
