@@ -13,8 +13,8 @@ Prints, per round and as medians:
     python bench/gateway_overhead.py [--preset bench|tiny | --model DIR] [--clients 64] [--tokens 32]
                                      [--rounds 3] [--stream-interval 1] [--json OUT]
 
---preset bench (the default) is the demo model benchmarks use on a CPU box, a step at batch 64 of a
-few hundred ms; --preset tiny makes a step ~30 ms on two cores, the gateway's worst case, where its
+--preset bench (the default) is the demo model benchmarks use on a CPU box, a step at batch 64 of
+about a second here; --preset tiny makes a step ~35 ms on two cores, the gateway's worst case, where its
 per-token CPU is as large as the stack's. The HTTP clients are aiohttp's (a C parser, as vLLM's
 serving benchmark uses); the gRPC clients are grpc.aio's.
 """
