@@ -85,11 +85,17 @@ def pound():
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
     while not done.is_set():
         stub.Check(health_pb2.HealthCheckRequest())
-for _ in range(4):
-    threading.Thread(target=pound, daemon=True).start()
+pounders = [threading.Thread(target=pound, daemon=True) for _ in range(4)]
+for t in pounders:
+    t.start()
 argv = with_parent_death([sys.executable, "-c", "pass"])
 codes = [spawner.run(lambda: subprocess.Popen(argv)).wait() for _ in range(40)]
 done.set()
+# Exiting with calls in flight races gRPC's server thread against interpreter shutdown (its executor
+# refuses work, the thread dies, a pending call never ends and exit hangs): end them before exiting.
+for t in pounders:
+    t.join(30)
+server.stop(None).wait(30)
 print("codes", sorted(set(codes)), flush=True)
 """
 
