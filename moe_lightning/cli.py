@@ -31,18 +31,32 @@ def build_parser() -> EnvDefaultsParser:
     return parser
 
 
+# errors that are the user's to fix (a bad checkpoint, flag or path), printed as one line, exit 2
+USER_ERRORS = (
+    ("moe_lightning.spec", "ModelSpecError"),
+    ("moe_lightning.checkpoint", "CheckpointError"),
+    ("moe_lightning.launcher", "StackError"),
+)
+
+
+def _is_user_error(exc: BaseException) -> bool:
+    # only modules this run imported can have raised their errors: importing the others to ask would
+    # cost torch's import (seconds) on a command that never needed it (`plan`, a refused input file)
+    kinds = [ValueError, OSError]
+    kinds += [getattr(sys.modules[m], name) for m, name in USER_ERRORS if m in sys.modules]
+    return isinstance(exc, tuple(kinds))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from moe_lightning.checkpoint import CheckpointError
-    from moe_lightning.launcher import StackError
-    from moe_lightning.spec import ModelSpecError
-
     try:
         return COMMANDS[args.command].run(args)
     except grpc.RpcError as exc:
         sys.stderr.write(f"error: {exc.code().name}: {exc.details()}\n")  # type: ignore[attr-defined]
         return 1
-    except (ModelSpecError, CheckpointError, StackError, ValueError, OSError) as exc:
+    except Exception as exc:
+        if not _is_user_error(exc):
+            raise
         sys.stderr.write(f"error: {exc}\n")
         return 2
 

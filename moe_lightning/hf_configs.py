@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_lightning.spec import DTYPES, ModelSpec, ModelSpecError
+from moe_lightning.spec import DTYPE_NAMES, ModelSpec, ModelSpecError
 
 SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -51,8 +51,8 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
 
 def _checkpoint_dtype(config: dict[str, Any]) -> str:
     dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    if dtype not in DTYPES:
-        raise ModelSpecError(f"config.json dtype {dtype!r} is not supported; supported: {sorted(DTYPES)}")
+    if dtype not in DTYPE_NAMES:
+        raise ModelSpecError(f"config.json dtype {dtype!r} is not supported; supported: {sorted(DTYPE_NAMES)}")
     return dtype
 
 

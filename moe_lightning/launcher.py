@@ -24,7 +24,7 @@ from moe_lightning.children import free_port, port_in_use, spawner, with_parent_
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
 from moe_lightning.service.auth import is_loopback
-from moe_lightning.service.upstream import health_status, http_ready, open_channel, readiness_channel
+from moe_lightning.service.upstream import POLLING_OPTIONS, health_status, http_ready, open_channel, readiness_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
 from moe_lightning.spec import ModelSpec, resolve_dtype
 
@@ -252,7 +252,8 @@ class Stack:
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
-        channels = {name: open_channel(addr) for name, addr in self.addresses.items() if name != "gateway"}
+        grpc_services = [name for name in self.addresses if name != "gateway"]
+        channels = {name: open_channel(self.addresses[name], options=POLLING_OPTIONS) for name in grpc_services}
         if self.config.tls_cert is not None:  # the public API speaks TLS: so must its health check
             channels["orchestrator"].close()
             channels["orchestrator"] = readiness_channel(

@@ -10,17 +10,25 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 
-DTYPE_CHOICES = ("auto", *DTYPES)
+
+def __getattr__(name: str) -> Any:
+    # DTYPES (name -> torch.dtype) is built on first use: the spec itself needs no torch, and the
+    # command line, the planner and the Python client read specs without paying torch's import
+    if name == "DTYPES":
+        import torch
+
+        dtypes = {n: getattr(torch, n) for n in DTYPE_NAMES}
+        globals()["DTYPES"] = dtypes
+        return dtypes
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
@@ -28,7 +36,7 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
     (bfloat16 for a checkpoint saved in float32: fp32 would stream twice the bytes); on a CPU
     float32, since bf16/fp16 matmuls are emulated (and slow) on most CPUs."""
     if requested != "auto":
-        if requested not in DTYPES:
+        if requested not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}")
         return requested
     if device.split(":")[0] == "cpu":
@@ -110,8 +118,8 @@ class ModelSpec:
             )
         if self.head_dim % 2:
             raise ModelSpecError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.dtype not in DTYPES:
-            raise ModelSpecError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_NAMES:
+            raise ModelSpecError(f"dtype must be one of {sorted(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.rope_theta <= 0:
             raise ModelSpecError(f"rope_theta must be positive, got {self.rope_theta}")
         if self.rms_norm_eps <= 0:
@@ -157,7 +165,9 @@ class ModelSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers

@@ -92,3 +92,46 @@ def test_errors_are_one_clear_line(tmp_path: Path, tiny_model: Path) -> None:
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
     r = run_cli("generate", "--model", str(tiny_model), "--prompt-ids", "1", "--top-p", "0")
     assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr
+
+
+# The command line's own process with torch made unimportable: what it does without torch must
+# not import it (the services it starts are other processes, with torch).
+_WITHOUT_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+import moe_lightning.client, moe_lightning.launcher
+from moe_lightning.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def without_torch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_planning_refusals_the_client_and_a_job_need_no_torch(tiny_model: Path, tmp_path: Path) -> None:
+    """`--help`, `plan`, a refused flag or input file answer without importing torch (a fraction of a
+    second, not the seconds its import takes), and so do the Python client and the launcher: a job
+    driven by `run --model` imports it only in the services it starts (docs/api.md, "The command line")."""
+    r = without_torch("plan", "--arch", "mixtral-8x7b", "--hardware", "t4", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["predicted_decode_tokens_per_second"] > 0
+    r = without_torch("plan", "--arch", "gpt5", "--hardware", "t4")
+    assert r.returncode == 2 and "unknown --arch 'gpt5'" in r.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("prompt\nhi\n")
+    r = without_torch("run", "--addr", "127.0.0.1:1", "--input", str(bad), "--output", str(tmp_path / "o.parquet"))
+    assert r.returncode == 2 and "must be .parquet or .jsonl" in r.stderr and "Traceback" not in r.stderr
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"story {i}"}) + "\n" for i in range(40)))
+    out = tmp_path / "out.parquet"
+    argv = ["run", "--model", str(tiny_model), "--input", str(src), "--output", str(out), "--max-new-tokens", "3"]
+    r = without_torch(*argv, "--ignore-eos", "--no-progress", "--run-id", f"nt{os.getpid()}")
+    assert r.returncode == 0, r.stderr
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out).column("completion_tokens").to_pylist() == [3] * 40

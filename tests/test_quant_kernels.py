@@ -151,6 +151,32 @@ def test_a_kernel_whose_time_is_fixed_is_not_pruned(monkeypatch: pytest.MonkeyPa
     assert all(not c.pruned for c in chooser.table.values())
 
 
+def test_a_kernel_far_behind_on_its_first_call_is_not_raced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU a first call costs what the next ones do: a kernel that took PRUNE_BEHIND times the
+    best on it is called once, keeps that time in the choice, and does not win."""
+    calls = {"slow": 0, "fast": 0}
+
+    def slow(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+        import time
+
+        calls["slow"] += 1
+        time.sleep(0.05)  # 50 ms against a matmul of microseconds: far behind on any machine
+        return x @ ql.dequantize().T
+
+    def fast(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+        calls["fast"] += 1
+        return x @ ql.dequantize().T
+
+    ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
+    chooser = kernels.KernelChooser()
+    fake = (kernels.Kernel("slow", QuantFormat.INT8, slow), kernels.Kernel("fast", QuantFormat.INT8, fast))
+    monkeypatch.setattr(kernels, "KERNELS", fake)
+    assert chooser.pick(torch.randn(4, 32), ql).name == "fast"
+    assert calls == {"slow": 1, "fast": 1 + kernels.RACE_ROUNDS}
+    (choice,) = chooser.table.values()
+    assert choice.seconds["slow"] >= 0.05 and not choice.pruned
+
+
 def test_a_single_kernel_can_be_forced() -> None:
     ql = quantize(weight(), QuantScheme(QuantFormat.INT8))
     chooser = kernels.configure(only="dequant_mm")

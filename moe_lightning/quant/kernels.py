@@ -224,7 +224,10 @@ class KernelChooser:
             return Choice(found[0], {})
         pruned = self._pruned(key)
         found = [k for k in found if k.name not in pruned] or found
-        seconds = _race([k for k in found if _runs(k, x, ql)], x, ql)
+        first = {k.name: t for k in found if (t := _first_call(k, x, ql)) is not None}
+        behind = _far_behind(first) if x.device.type == "cpu" else {}
+        seconds = _race([k for k in found if k.name in first and k.name not in behind], x, ql)
+        seconds.update(behind)
         if not seconds:
             raise RuntimeError(f"every kernel for {ql.format} on {x.device} failed")
         best = min(seconds, key=seconds.__getitem__)
@@ -270,18 +273,28 @@ class KernelChooser:
         ]
 
 
-def _runs(kernel: Kernel, x: torch.Tensor, ql: QuantizedLinear) -> bool:
-    """One uncounted call (a first call may load or compile the kernel): False if this build or
-    device lacks it."""
+def _first_call(kernel: Kernel, x: torch.Tensor, ql: QuantizedLinear) -> float | None:
+    """A first call, not counted in the race (it may load or compile the kernel): its seconds, or None
+    if this build or device lacks the kernel."""
     try:
-        kernel.fn(x, ql)
-        return True
+        return _once(kernel.fn, x, ql)
     except torch.OutOfMemoryError:
         raise  # not a missing kernel: the step's own error handling says so
     except (RuntimeError, NotImplementedError, AttributeError) as exc:
         error = str(exc).splitlines()[0] if str(exc) else repr(exc)
         structlog.get_logger().warning("kernel_unavailable", kernel=kernel.name, error=error)
-        return False
+        return None
+
+
+def _far_behind(first: dict[str, float]) -> dict[str, float]:
+    """The kernels whose first call alone took PRUNE_BEHIND times the best first call: on a CPU a
+    first call costs what the next ones do (nothing loads lazily; these kernels keep no state), and
+    timing such a kernel again in the race is what made choosing slow (int4mm_cpu: 1.5 s a call at
+    256 rows, where dequant_mm takes 40 ms). Timed once, it keeps that time in the Choice."""
+    if not first:
+        return {}
+    best = min(first.values())
+    return {name: t for name, t in first.items() if t > PRUNE_BEHIND * best}
 
 
 def _race(found: list[Kernel], x: torch.Tensor, ql: QuantizedLinear, rounds: int = RACE_ROUNDS) -> dict[str, float]:

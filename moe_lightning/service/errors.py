@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import structlog
-import torch
 
 from moe_lightning.checkpoint import CheckpointError
 from moe_lightning.kv_cache import KVCacheFullError
@@ -45,7 +45,10 @@ class OutOfMemoryError(ResourceExhaustedError):
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA raises torch.OutOfMemoryError; the CPU allocator a RuntimeError of its own wording;
     Python objects a MemoryError."""
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # not imported: nothing here raised its error (clients go without)
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
         return True
     return isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
 

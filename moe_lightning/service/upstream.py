@@ -13,10 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
 from moe_lightning.service.auth import INTERNAL_METADATA_KEY, split_host
-from moe_lightning.service.convert import DTYPE_FROM_PB, spec_from_pb
-from moe_lightning.service.errors import UnavailableError
+from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 from moe_lightning.service.names import WEIGHT_STORE
-from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.spec import ModelSpec
 
 CHANNEL_OPTIONS = [
@@ -27,6 +25,11 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
+# For a channel that polls a peer until it is SERVING: the peer is a process still importing torch,
+# so every attempt fails until it listens, and the default backoff would then add up to a second to
+# every start (a stack start waited ~0.8 s on average past the last service's SERVING). An attempt is
+# one connect() on a loopback or unix socket: trying every 100 ms costs nothing.
+POLLING_OPTIONS = [("grpc.max_reconnect_backoff_ms", 100)]
 
 
 class _Stoppable(Protocol):
@@ -82,7 +85,7 @@ def open_channel(
 ) -> grpc.Channel:
     """A channel to `address` (TLS verified against `tls_ca` when given) that carries this process's
     internal secret, if it has one, on every call."""
-    opts = [*CHANNEL_OPTIONS, *(options or [])]
+    opts = list({**dict(CHANNEL_OPTIONS), **dict(options or [])}.items())  # one value per key: `options` win
     if tls_ca is not None:
         creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
         channel = grpc.secure_channel(address, creds, options=opts)
@@ -118,7 +121,7 @@ def readiness_channel(address: str, cert: Path, ca: Path | None = None) -> grpc.
     if names and split_host(target) not in names:
         # a wildcard name matches any one label: put one in
         options.append(("grpc.ssl_target_name_override", names[0].replace("*", "readiness", 1)))
-    return open_channel(target, tls_ca=ca or cert, options=options)
+    return open_channel(target, tls_ca=ca or cert, options=[*POLLING_OPTIONS, *options])
 
 
 def health_status(channel: grpc.Channel, service: str, timeout: float = 1.0) -> int | None:
@@ -132,21 +135,29 @@ def health_status(channel: grpc.Channel, service: str, timeout: float = 1.0) -> 
     return resp.status
 
 
+def _unavailable(message: str) -> Exception:
+    # errors.py maps every domain error, torch's among them: the client and the launcher import this
+    # module without torch, so it is imported when a wait fails, not before
+    from moe_lightning.service.errors import UnavailableError
+
+    return UnavailableError(message)
+
+
 def wait_serving(
     address: str, service: str, timeout: float = 600.0, stop: _Stoppable | None = None, poll: float = 0.2
 ) -> grpc.Channel:
     """Waits until `service` at `address` reports SERVING; returns an open channel to it."""
-    channel = open_channel(address)
+    channel = open_channel(address, options=POLLING_OPTIONS)
     deadline = time.monotonic() + timeout
     while True:
         if health_status(channel, service) == health_pb2.HealthCheckResponse.SERVING:
             return channel
         if stop is not None and stop.stopping:
             channel.close()
-            raise UnavailableError(f"stopped while waiting for {service} at {address}")
+            raise _unavailable(f"stopped while waiting for {service} at {address}")
         if time.monotonic() >= deadline:
             channel.close()
-            raise UnavailableError(f"{service} at {address} was not SERVING within {timeout:.0f} s")
+            raise _unavailable(f"{service} at {address} was not SERVING within {timeout:.0f} s")
         time.sleep(poll)
 
 
@@ -160,11 +171,15 @@ def fetch_manifest(
         )
     finally:
         channel.close()
+    from moe_lightning.service.convert import spec_from_pb  # torch: not for a client or the launcher
+
     return spec_from_pb(manifest.model), manifest
 
 
 def arena_dtype(spec: ModelSpec, manifest: weight_store_pb2.GetManifestResponse) -> str:
     """The dtype the weight store serves (its --dtype, not the checkpoint's): what the device computes in."""
+    from moe_lightning.service.convert import DTYPE_FROM_PB
+
     return DTYPE_FROM_PB[manifest.pages[0].dtype] if manifest.pages else spec.dtype
 
 

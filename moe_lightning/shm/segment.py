@@ -17,10 +17,13 @@ import re
 import stat
 from collections.abc import Collection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import posix_ipc
 import structlog
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 PREFIX = "mlt"
 SHM_DIR = Path("/dev/shm")
@@ -197,6 +200,8 @@ class Segment:
             self._mm = mmap.mmap(shm.fd, shm.size)
         finally:
             shm.close_fd()
+        import torch  # here, not at the top: the launcher lists and sweeps segments without torch
+
         self._bytes: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8) if self.size else None
         self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
