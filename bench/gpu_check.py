@@ -241,14 +241,16 @@ class GpuCheck(PhaseRunner):
         n, gen = preflight_sizes(a.dry_run)
         for dtype in [a.dtype] + ([a.fallback_dtype] if a.fallback_dtype not in ("none", a.dtype) else []):
             budget = device_budget(toy, dtype, a.resident_fraction)
-            pipeline = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", "--skip-references")
+            # ours only: its baseline (b) runs in the `ours` phase; here it would cost device time for nothing
+            skip = ("--skip-references", "--skip-overlap-off")
+            pipeline = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", *skip)
             name = f"preflight-{dtype}"
             result = self.bench(name, toy_dir, budget, dtype, n, gen, self.timeout(120, 240), True, pipeline)
             if result is None:
                 continue
             self.report.setdefault("preflight", {})[name] = preflight_facts(result)
             on_device = replace(budget, device_memory=budget.device_memory + PREFLIGHT_KV)
-            attention = ("--micro-batches", "8", "--attention-placement", "gpu", "--skip-references")
+            attention = ("--micro-batches", "8", "--attention-placement", "gpu", *skip)
             attention += ("--device-kv-memory", str(PREFLIGHT_KV))
             name = f"preflight-device-attention-{dtype}"
             result = self.bench(name, toy_dir, on_device, dtype, n, gen, self.timeout(120, 240), True, attention)

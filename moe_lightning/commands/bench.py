@@ -78,6 +78,11 @@ def add_parser(sub: Any, name: str) -> None:
     )
     p.add_argument("--skip-transformers", action="store_true", help="leave out baseline (a)")
     p.add_argument(
+        "--skip-overlap-off",
+        action="store_true",
+        help="leave out baseline (b): a run that only needs ours (the GPU check's preflight)",
+    )
+    p.add_argument(
         "--skip-references",
         action="store_true",
         help="leave out the reference runs (whole model resident; the other expert placement and its (b))",
@@ -263,11 +268,12 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"ours with the {name}...\n")
             results[key] = _public(_ours(args, prompts, "c", trace_dir, experts=other))
             rows.append((f"ours, {name}", results[key], "it / resident", None))
-    sys.stderr.write("baseline (b): ours with overlap off, same placement...\n")
-    seq = _ours(args, prompts, "0", trace_dir, False, attention=policy.get("attention"), experts=policy.get("experts"))
-    results["overlap_off"] = _public(seq)
-    rows.append(("(b) overlap off", results["overlap_off"], "ours / it", 1.2))
-    if "streamed" in results:  # ours computes experts in place: also compare the streaming schedules
+    if not args.skip_overlap_off:
+        sys.stderr.write("baseline (b): ours with overlap off, same placement...\n")
+        att, exp = policy.get("attention"), policy.get("experts")
+        results["overlap_off"] = _public(_ours(args, prompts, "0", trace_dir, False, attention=att, experts=exp))
+        rows.append(("(b) overlap off", results["overlap_off"], "ours / it", 1.2))
+    if "streamed" in results and not args.skip_overlap_off:  # ours in place: compare the streaming schedules too
         sys.stderr.write("baseline (b) at the streamed placement...\n")
         att = policy.get("attention")
         results["overlap_off_streamed"] = _public(
