@@ -128,53 +128,68 @@ def test_warm_up_chooses_every_bucket_once_and_prunes_losers() -> None:
 
 def test_a_kernel_whose_time_is_fixed_is_not_pruned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Far behind at few rows but flat (dequantizing a page costs the same at any rows): it stays a
-    candidate, and wins where the others have grown past it."""
+    candidate, and wins where the others have grown past it. Times are given per kernel and rows,
+    so that a loaded machine's scheduling delays cannot decide."""
 
     def fixed(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
-        import time
-
-        time.sleep(0.02)  # long against a loaded machine's scheduling delays: one sample decides
         return x @ ql.dequantize().T
 
     def growing(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
-        import time
-
-        time.sleep(0.0005 * x.shape[0])
         return x @ ql.dequantize().T
+
+    def timed(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+        fn(x, ql)
+        return 0.02 if fn is fixed else 0.0005 * x.shape[0]
 
     ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
     chooser = kernels.KernelChooser()
     fake = (kernels.Kernel("fixed", QuantFormat.INT8, fixed), kernels.Kernel("growing", QuantFormat.INT8, growing))
     monkeypatch.setattr(kernels, "KERNELS", fake)
+    monkeypatch.setattr(kernels, "_once", timed)
     winners = {rows: chooser.pick(torch.randn(rows, 32), ql).name for rows in (1, 2, 4, 8, 16, 32, 64, 128)}
-    assert winners[1] == "growing" and winners[128] == "fixed"
+    assert winners == {
+        1: "growing",
+        2: "growing",
+        4: "growing",
+        8: "growing",
+        16: "growing",
+        32: "growing",
+        64: "fixed",
+        128: "fixed",
+    }
     assert all(not c.pruned for c in chooser.table.values())
 
 
 def test_a_kernel_far_behind_on_its_first_call_is_not_raced(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU a first call costs what the next ones do: a kernel that took PRUNE_BEHIND times the
-    best on it is called once, keeps that time in the choice, and does not win."""
+    best on it is called once, keeps that time in the choice, and does not win. The kernels' times
+    are given (a clock per kernel), not measured: on a loaded machine one scheduling delay in the fast
+    kernel's first call made it look slow and the slow one was raced (CI, stop 26)."""
     calls = {"slow": 0, "fast": 0}
 
     def slow(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
-        import time
-
         calls["slow"] += 1
-        time.sleep(0.05)  # 50 ms against a matmul of microseconds: far behind on any machine
         return x @ ql.dequantize().T
 
     def fast(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
         calls["fast"] += 1
         return x @ ql.dequantize().T
 
+    seconds = {slow: 0.05, fast: 0.05 / (4 * kernels.PRUNE_BEHIND)}
+
+    def timed(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+        fn(x, ql)
+        return seconds[fn]
+
     ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
     chooser = kernels.KernelChooser()
     fake = (kernels.Kernel("slow", QuantFormat.INT8, slow), kernels.Kernel("fast", QuantFormat.INT8, fast))
     monkeypatch.setattr(kernels, "KERNELS", fake)
+    monkeypatch.setattr(kernels, "_once", timed)
     assert chooser.pick(torch.randn(4, 32), ql).name == "fast"
     assert calls == {"slow": 1, "fast": 1 + kernels.RACE_ROUNDS}
     (choice,) = chooser.table.values()
-    assert choice.seconds["slow"] >= 0.05 and not choice.pruned
+    assert choice.seconds == {"slow": 0.05, "fast": seconds[fast]} and not choice.pruned
 
 
 def test_a_single_kernel_can_be_forced() -> None:
