@@ -6,8 +6,12 @@ import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it computes: the parameters and their checks are the API's and the command
+# line's too, which answer bad input without paying torch's import (docs/api.md, "The command line")
 
 MAX_LOGPROBS = 20
 
@@ -24,6 +28,8 @@ class TokenLogprobs:
 
 def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """logits: (V,) raw, fp32."""
+    import torch
+
     lp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(lp, min(top, lp.shape[-1]))
     return TokenLogprobs(token, float(lp[token]), ids.tolist(), values.tolist())
@@ -55,12 +61,16 @@ class SamplingParams:
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
         if self.greedy:
             return None
+        import torch
+
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
         return gen
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    import torch
+
     # logits: (V,) fp32, already divided by temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -81,6 +91,8 @@ def sample(
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
     """logits: (B, V) -> next token ids (B,) on the CPU."""
+    import torch
+
     logits = logits.float()
     out = torch.argmax(logits, dim=-1).cpu()  # (B,)
     for b, (p, gen) in enumerate(zip(params, generators, strict=True)):

@@ -10,6 +10,24 @@ from pathlib import Path
 
 from moe_lightning.tokenizer import TextTokenizer
 
+# The command line's own process with torch made unimportable: what it does without torch must
+# not import it (the services it starts are other processes, with torch).
+_WITHOUT_TORCH = """
+import sys
+class NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch is blocked in this test")
+sys.meta_path.insert(0, NoTorch())
+import moe_lightning.client, moe_lightning.launcher
+from moe_lightning.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def without_torch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=120)
+
 
 def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
@@ -76,7 +94,7 @@ def test_generate_without_tokenizer_needs_ids(tiny_model: Path, tmp_path: Path) 
     d = tmp_path / "notok"
     shutil.copytree(tiny_model, d)
     (d / "tokenizer.json").unlink()
-    r = run_cli("generate", "--model", str(d), "--prompt", "hi")
+    r = without_torch("generate", "--model", str(d), "--prompt", "hi")  # refused before torch is imported
     assert r.returncode != 0 and "pass --prompt-ids" in r.stderr
     r = run_cli(
         "generate", "--model", str(d), "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--ignore-eos", "--no-progress"
@@ -86,31 +104,13 @@ def test_generate_without_tokenizer_needs_ids(tiny_model: Path, tmp_path: Path) 
 
 
 def test_errors_are_one_clear_line(tmp_path: Path, tiny_model: Path) -> None:
-    r = run_cli("generate", "--model", str(tmp_path), "--prompt-ids", "1")
+    """In-process generation checks the checkpoint, the prompts and the flags before it imports torch."""
+    r = without_torch("generate", "--model", str(tmp_path), "--prompt-ids", "1")
     assert r.returncode == 2 and "config.json not found" in r.stderr and "Traceback" not in r.stderr
-    r = run_cli("generate", "--model", str(tiny_model), "--prompt-ids", "1,9999")
+    r = without_torch("generate", "--model", str(tiny_model), "--prompt-ids", "1,9999")
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
-    r = run_cli("generate", "--model", str(tiny_model), "--prompt-ids", "1", "--top-p", "0")
+    r = without_torch("generate", "--model", str(tiny_model), "--prompt-ids", "1", "--top-p", "0")
     assert r.returncode == 2 and "top_p must be in (0, 1]" in r.stderr
-
-
-# The command line's own process with torch made unimportable: what it does without torch must
-# not import it (the services it starts are other processes, with torch).
-_WITHOUT_TORCH = """
-import sys
-class NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in this test")
-sys.meta_path.insert(0, NoTorch())
-import moe_lightning.client, moe_lightning.launcher
-from moe_lightning.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def without_torch(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=120)
 
 
 def test_planning_refusals_the_client_and_a_job_need_no_torch(tiny_model: Path, tmp_path: Path) -> None:

@@ -47,6 +47,8 @@ def test_dry_run_runs_every_phase_and_writes_the_report(tmp_path: Path) -> None:
     assert [r["rank"] for r in ranks["per_rank"]["ranks"]] == [0, 1] and ranks["decode_tokens_per_second"] > 0
     preflight = json.loads((tmp_path / "out" / "gpu_check-preflight-float32.json").read_text())
     assert preflight["ours"] and "overlap_off" not in preflight  # --skip-overlap-off: (b) runs in `ours`
+    two_ranks = json.loads((tmp_path / "out" / "gpu_check-preflight-tensor-parallel-float32.json").read_text())
+    assert two_ranks["ours"] and "overlap_off" not in two_ranks  # the phase files ours only
     pipeline = report["preflight"]["preflight-float32"]
     assert pipeline["micro_batches"] == 8 and pipeline["residency_changes"] >= 1
     assert pipeline["cuda_syncs_per_decode_step"] is None  # counted on CUDA only

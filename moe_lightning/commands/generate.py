@@ -55,13 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _local(args: argparse.Namespace) -> int:
-    import torch
-
-    from moe_lightning.checkpoint import load_model_weights
-    from moe_lightning.engine import InProcessEngine
+    # the prompts and the flags are checked before torch is imported: a mistake is told in a fraction
+    # of a second, not after the seconds its import takes
     from moe_lightning.request import GenerationRequest
     from moe_lightning.sampling import SamplingParams
-    from moe_lightning.spec import DTYPES, ModelSpec
+    from moe_lightning.spec import ModelSpec
     from moe_lightning.tokenizer import TextTokenizer
 
     spec = ModelSpec.from_pretrained(args.model)
@@ -77,6 +75,13 @@ def _local(args: argparse.Namespace) -> int:
     requests = [GenerationRequest(p, args.max_new_tokens, sampling, tuple(args.stop), args.ignore_eos) for p in prompts]
     for r in requests:
         r.validate(spec)
+
+    import torch
+
+    from moe_lightning.checkpoint import load_model_weights
+    from moe_lightning.engine import InProcessEngine
+    from moe_lightning.spec import DTYPES
+
     if args.dtype == "auto":
         dtype = torch.float32 if args.device == "cpu" else DTYPES[spec.dtype]
     else:

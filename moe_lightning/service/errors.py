@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -9,12 +10,7 @@ from typing import Any
 import grpc
 import structlog
 
-from moe_lightning.checkpoint import CheckpointError
-from moe_lightning.kv_cache import KVCacheFullError
-from moe_lightning.request import InvalidRequestError
 from moe_lightning.service.metrics import count_rpc
-from moe_lightning.shm import ChannelClosedError, ChannelTimeoutError, PeerDiedError
-from moe_lightning.spec import ModelSpecError
 
 
 class ServiceError(Exception):
@@ -63,16 +59,26 @@ class ShuttingDownError(UnavailableError):
     pass
 
 
-_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
-    (ServiceError, grpc.StatusCode.INTERNAL),  # refined by the subclass's own code below
-    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-    (ModelSpecError, grpc.StatusCode.FAILED_PRECONDITION),
-    (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
-    (KVCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (PeerDiedError, grpc.StatusCode.UNAVAILABLE),
-    (ChannelClosedError, grpc.StatusCode.UNAVAILABLE),
-    (ChannelTimeoutError, grpc.StatusCode.UNAVAILABLE),
-]
+@functools.cache
+def _codes() -> list[tuple[type[BaseException], grpc.StatusCode]]:
+    # imported on first use: their modules import torch, and the command line and the client use
+    # these errors without it (docs/api.md, "The command line")
+    from moe_lightning.kv_cache import KVCacheFullError
+    from moe_lightning.request import InvalidRequestError
+    from moe_lightning.safetensors_header import CheckpointError
+    from moe_lightning.shm import ChannelClosedError, ChannelTimeoutError, PeerDiedError
+    from moe_lightning.spec import ModelSpecError
+
+    return [
+        (ServiceError, grpc.StatusCode.INTERNAL),  # refined by the subclass's own code below
+        (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+        (ModelSpecError, grpc.StatusCode.FAILED_PRECONDITION),
+        (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
+        (KVCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (PeerDiedError, grpc.StatusCode.UNAVAILABLE),
+        (ChannelClosedError, grpc.StatusCode.UNAVAILABLE),
+        (ChannelTimeoutError, grpc.StatusCode.UNAVAILABLE),
+    ]
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -86,7 +92,7 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
             else (grpc.StatusCode.UNAVAILABLE)
         )
-    for kind, code in _CODES:
+    for kind, code in _codes():
         if isinstance(exc, kind):
             return code
     return grpc.StatusCode.INTERNAL
