@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from moe_lightning.service.limits import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKENS
+from moe_lightning.service.limits import DEFAULT_SLOTS as DEFAULT_SLOTS
 from moe_lightning.spec import ModelSpec
 
 BYTES_PER_ELEMENT = 4  # slots are sized for fp32 activations; bf16/fp16 fit in the same slots
-DEFAULT_SLOTS = 4  # per direction: attention works on up to this many micro-batches ahead
-DEFAULT_MAX_TOKENS = 8192  # tokens of one micro-batch (a slot's size)
 MAX_ERROR_BYTES = 4096  # an error's text is cut to this (it still travels in the slot)
 _HEADER = struct.Struct("<QQIII")  # step, session, layer, micro-batch, status
 RELEASE_LAYER = 0xFFFFFFFF  # the header's layer of a release message (no layer has this index)

@@ -12,8 +12,8 @@ from typing import Any
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.chat_template import ChatTemplate
 from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_flags, positive_int
-from moe_lightning.hrm.calibrate import profile_from
 from moe_lightning.hrm.costmodel import Workload
+from moe_lightning.hrm.measurements import profile_from
 from moe_lightning.placement import Side
 from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
 from moe_lightning.service.names import GENERATION

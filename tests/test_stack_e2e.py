@@ -205,3 +205,13 @@ def test_workers_report_their_calibrated_roofs(stack: Stack) -> None:
         cpu_ch.close()
     assert g.matmul_flops > 1e8 and g.weight_stream_bandwidth > 1e7 and g.shared_host_device
     assert c.attention_bandwidth > 1e7 and c.memory_bytes > 1e9
+
+
+def test_the_orchestrator_serves_without_torch(stack: Stack, client: GenerationClient) -> None:
+    """The orchestrator plans, schedules and detokenizes; it computes nothing, so it does not load
+    torch (a stack starts a torch import faster: docs/architecture.md, "Repository layout"). Checked
+    in the running process after it has served, not by importing its modules here."""
+    assert client.generate(Prompt(token_ids=PROMPTS[0], max_new_tokens=2, ignore_eos=True)).completion_tokens == 2
+    maps = Path(f"/proc/{stack.procs['orchestrator'].pid}/maps").read_text()
+    assert "libtorch" not in maps
+    assert "libtorch" in Path(f"/proc/{stack.procs['gpu_expert'].pid}/maps").read_text()  # the check can see it

@@ -96,3 +96,18 @@ def test_sampling_parameters_are_the_clients_error(args: tuple, message: str) ->
 def test_sampling_parameters_pass_through() -> None:
     p = sampling_params(0.7, 5, 0.9, 11, 3)
     assert (p.temperature, p.top_k, p.top_p, p.seed, p.logprobs) == (0.7, 5, 0.9, 11, 3)
+
+
+def test_every_domain_error_has_its_status() -> None:
+    """The map names the classes (their modules import torch); each name is a real exception class,
+    and an instance of it, or of a subclass, gets its code."""
+    import importlib
+
+    from moe_lightning.service.errors import DOMAIN_CODES
+
+    for module, name, code in DOMAIN_CODES:
+        kind = getattr(importlib.import_module(module), name)
+        assert issubclass(kind, Exception), (module, name)
+        sub = type("Sub", (kind,), {})
+        assert status_for(kind("x")) == code and status_for(sub("x")) == code, (module, name)
+    assert status_for(ValueError("x")) == grpc.StatusCode.INTERNAL  # a bug, not a domain error

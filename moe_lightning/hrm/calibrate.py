@@ -15,7 +15,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 
 from moe_lightning.hrm.costmodel import NO_QUANT
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.measurements import Measurements, profile_from  # noqa: F401 (the services import them here)
 from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
 from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, profile_cache_dir: the module's API)
     PROFILE_CACHE_ENV,
@@ -237,26 +238,6 @@ def cached_profile(
     return profile
 
 
-@dataclass(frozen=True, slots=True)
-class Measurements:
-    """What one service measured at warm-up; the planner combines the two sides into a profile."""
-
-    matmul_flops: float = 0.0
-    weight_stream_bandwidth: float = 0.0
-    attention_bandwidth: float = 0.0
-    memory_bytes: float = 0.0
-    h2d_bandwidth: float = 0.0
-    d2h_bandwidth: float = 0.0
-    shared_host_device: bool = False
-    source: str = ""
-    # gpu_expert with quantized expert pages: their format (QuantScheme.key()), the expert GEMM's
-    # FLOP/s and the page bytes per second it reads, both through the kernels chosen for the pages.
-    # weight_stream_bandwidth is then the dense weights' rate (unquantized: the experts' own)
-    expert_format: str = "none"
-    expert_matmul_flops: float = 0.0
-    expert_stream_bandwidth: float = 0.0
-
-
 def measure_expert_side(
     experts: Sequence[ExpertWeights],
     device: str,
@@ -349,22 +330,3 @@ def cached_measurements(
     m = measure_fn()
     write_cache(path, json.dumps(asdict(m)))
     return m
-
-
-def profile_from(expert: Measurements, attention: Measurements, name: str = "calibrated-stack") -> HardwareProfile:
-    return HardwareProfile(
-        name=name,
-        gpu_flops=expert.matmul_flops,
-        gpu_bandwidth=expert.weight_stream_bandwidth,
-        gpu_memory=expert.memory_bytes,
-        cpu_flops=attention.matmul_flops,
-        cpu_bandwidth=attention.attention_bandwidth,
-        cpu_memory=attention.memory_bytes,
-        h2d_bandwidth=expert.h2d_bandwidth,
-        d2h_bandwidth=expert.d2h_bandwidth,
-        shared_host_device=expert.shared_host_device,
-        source="calibrated by the services",
-        expert_format=expert.expert_format or "none",  # a peer without the field sent ""
-        expert_flops=expert.expert_matmul_flops,
-        expert_bandwidth=expert.expert_stream_bandwidth,
-    )

@@ -10,8 +10,8 @@ import grpc
 
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
-from moe_lightning.arena import ArenaLayout, Page
-from moe_lightning.hrm.calibrate import Measurements
+from moe_lightning.arena_layout import ArenaLayout, Page
+from moe_lightning.hrm.measurements import Measurements
 from moe_lightning.placement import Placement, Side
 from moe_lightning.plan import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, TokenLogprobs

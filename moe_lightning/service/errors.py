@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -59,26 +58,25 @@ class ShuttingDownError(UnavailableError):
     pass
 
 
-@functools.cache
-def _codes() -> list[tuple[type[BaseException], grpc.StatusCode]]:
-    # imported on first use: their modules import torch, and the command line and the client use
-    # these errors without it (docs/api.md, "The command line")
-    from moe_lightning.kv_cache import KVCacheFullError
-    from moe_lightning.request import InvalidRequestError
-    from moe_lightning.safetensors_header import CheckpointError
-    from moe_lightning.shm import ChannelClosedError, ChannelTimeoutError, PeerDiedError
-    from moe_lightning.spec import ModelSpecError
+# Domain errors by module and class name, not imported here: their modules import torch, which the
+# orchestrator, the command line and the client run without. An error's class is loaded wherever one
+# was raised, so a class whose module is not loaded cannot match (see _codes).
+DOMAIN_CODES: list[tuple[str, str, grpc.StatusCode]] = [
+    ("moe_lightning.request", "InvalidRequestError", grpc.StatusCode.INVALID_ARGUMENT),
+    ("moe_lightning.spec", "ModelSpecError", grpc.StatusCode.FAILED_PRECONDITION),
+    ("moe_lightning.safetensors_header", "CheckpointError", grpc.StatusCode.FAILED_PRECONDITION),
+    ("moe_lightning.kv_cache", "KVCacheFullError", grpc.StatusCode.RESOURCE_EXHAUSTED),
+    ("moe_lightning.shm.channel", "PeerDiedError", grpc.StatusCode.UNAVAILABLE),
+    ("moe_lightning.shm.channel", "ChannelClosedError", grpc.StatusCode.UNAVAILABLE),
+    ("moe_lightning.shm.channel", "ChannelTimeoutError", grpc.StatusCode.UNAVAILABLE),
+]
 
-    return [
-        (ServiceError, grpc.StatusCode.INTERNAL),  # refined by the subclass's own code below
-        (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-        (ModelSpecError, grpc.StatusCode.FAILED_PRECONDITION),
-        (CheckpointError, grpc.StatusCode.FAILED_PRECONDITION),
-        (KVCacheFullError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-        (PeerDiedError, grpc.StatusCode.UNAVAILABLE),
-        (ChannelClosedError, grpc.StatusCode.UNAVAILABLE),
-        (ChannelTimeoutError, grpc.StatusCode.UNAVAILABLE),
-    ]
+
+def _codes() -> Iterator[tuple[type[BaseException], grpc.StatusCode]]:
+    for module, name, code in DOMAIN_CODES:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            yield getattr(loaded, name), code
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:

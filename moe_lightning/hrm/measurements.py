@@ -1,0 +1,49 @@
+"""What a service measured of its side of the machine at warm-up, and the hardware profile the
+planner makes of the two sides. Apart from calibrate.py, which measures with torch: the orchestrator
+plans from these without importing torch (it computes nothing; a stack starts faster without a fourth
+import of it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_lightning.hrm.hardware import HardwareProfile
+
+
+@dataclass(frozen=True, slots=True)
+class Measurements:
+    """What one service measured at warm-up; the planner combines the two sides into a profile."""
+
+    matmul_flops: float = 0.0
+    weight_stream_bandwidth: float = 0.0
+    attention_bandwidth: float = 0.0
+    memory_bytes: float = 0.0
+    h2d_bandwidth: float = 0.0
+    d2h_bandwidth: float = 0.0
+    shared_host_device: bool = False
+    source: str = ""
+    # gpu_expert with quantized expert pages: their format (QuantScheme.key()), the expert GEMM's
+    # FLOP/s and the page bytes per second it reads, both through the kernels chosen for the pages.
+    # weight_stream_bandwidth is then the dense weights' rate (unquantized: the experts' own)
+    expert_format: str = "none"
+    expert_matmul_flops: float = 0.0
+    expert_stream_bandwidth: float = 0.0
+
+
+def profile_from(expert: Measurements, attention: Measurements, name: str = "calibrated-stack") -> HardwareProfile:
+    return HardwareProfile(
+        name=name,
+        gpu_flops=expert.matmul_flops,
+        gpu_bandwidth=expert.weight_stream_bandwidth,
+        gpu_memory=expert.memory_bytes,
+        cpu_flops=attention.matmul_flops,
+        cpu_bandwidth=attention.attention_bandwidth,
+        cpu_memory=attention.memory_bytes,
+        h2d_bandwidth=expert.h2d_bandwidth,
+        d2h_bandwidth=expert.d2h_bandwidth,
+        shared_host_device=expert.shared_host_device,
+        source="calibrated by the services",
+        expert_format=expert.expert_format or "none",  # a peer without the field sent ""
+        expert_flops=expert.expert_matmul_flops,
+        expert_bandwidth=expert.expert_stream_bandwidth,
+    )
