@@ -161,8 +161,9 @@ def dequant_only() -> Iterator[None]:
 
 
 def test_calibration_on_quantized_experts(dequant_only: None) -> None:
-    from moe_lightning.hrm.calibrate import Measurements as M
-    from moe_lightning.hrm.calibrate import expert_side_key, measure_expert_side, profile_from
+    from moe_lightning.hrm.calibrate import expert_side_key, measure_expert_side
+    from moe_lightning.hrm.measurements import Measurements as M
+    from moe_lightning.hrm.measurements import profile_from
     from moe_lightning.hrm.pages import page_nbytes
     from moe_lightning.service.convert import measurements_from_pb, measurements_to_pb
 

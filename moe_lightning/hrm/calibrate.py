@@ -23,7 +23,7 @@ import torch
 
 from moe_lightning.hrm.costmodel import NO_QUANT
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.measurements import Measurements, profile_from  # noqa: F401 (the services import them here)
+from moe_lightning.hrm.measurements import Measurements
 from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
 from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, profile_cache_dir: the module's API)
     PROFILE_CACHE_ENV,

@@ -14,7 +14,8 @@ import torch
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, internal_address, parse_size
 from moe_lightning.handoff import handoff_slot_bytes
-from moe_lightning.hrm.calibrate import Measurements, cached_measurements, measure_attention_side
+from moe_lightning.hrm.calibrate import cached_measurements, measure_attention_side
+from moe_lightning.hrm.measurements import Measurements
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb, timeline_to_pb
 from moe_lightning.service.errors import NotReadyError

@@ -14,7 +14,8 @@ import torch
 from moe_lightning.api.weight_store.v1 import weight_store_pb2
 from moe_lightning.arena import ArenaLayout, weights_from_arena
 from moe_lightning.handoff import handoff_slot_bytes
-from moe_lightning.hrm.calibrate import Measurements, cached_measurements, expert_side_key, measure_expert_side
+from moe_lightning.hrm.calibrate import cached_measurements, expert_side_key, measure_expert_side
+from moe_lightning.hrm.measurements import Measurements
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.quant import kernels
 from moe_lightning.service.convert import DTYPE_FROM_PB
