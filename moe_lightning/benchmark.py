@@ -4,10 +4,11 @@ is never needed to serve)."""
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,11 +16,29 @@ import torch
 
 from moe_lightning.client import Completion, GenerationClient, Prompt
 from moe_lightning.hrm.costmodel import Policy
+from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.launcher import Stack, StackConfig
 from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.private_paths import private_dir
+from moe_lightning.spec import DTYPES, ModelSpec
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
+KV_BLOCK_SIZE = 16  # cpu_attention's --block-size default: the unit the orchestrator reserves KV in
+KV_MARGIN = 1.25  # beyond the batch's own reservations: a safety margin, should admission ever reserve more
+KV_FLOOR_BLOCKS = 64  # a tiny batch (tests, the check's dry run) still gets a few sequences' worth of room
+
+
+def kv_cache_bytes(
+    spec: ModelSpec, prompt_lengths: Sequence[int], gen: int, kv_dtype: str, block_size: int = KV_BLOCK_SIZE
+) -> int:
+    """cpu_attention's --kv-cache-memory for a batch that runs all at once: the blocks the orchestrator
+    reserves at admission (each sequence's prompt + gen rounded up to blocks, validation.blocks_needed),
+    with a margin and a floor, in whole blocks of the size cpu_attention divides the budget by
+    (PagedKVCache.blocks_in). 64 MT-Bench prompts and 32 new tokens of a 4-layer Mixtral in bf16 need
+    0.14 GiB, where a fixed 4 GiB cost /dev/shm room the weight arena needs (bench/gpucheck/budget.py)."""
+    blocks = sum(-(-(n + gen) // block_size) for n in prompt_lengths)
+    blocks = max(KV_FLOOR_BLOCKS, math.ceil(blocks * KV_MARGIN))
+    return blocks * PagedKVCache.bytes_per_block(spec, block_size, DTYPES[kv_dtype])
 
 
 def bench_log_prefix(run_id: str) -> str:
@@ -70,13 +89,13 @@ def run_batch(
     micro_batch: int | None = None,
     **stack: object,
 ) -> StackRun:
-    """`stack`: more StackConfig fields (device, dtype, placements, device_kv_memory)."""
+    """`stack`: more StackConfig fields (device, dtype, placements, device_kv_memory); without a
+    kv_cache_memory, the KV cache is sized to hold the whole batch (kv_cache_bytes)."""
     cfg = StackConfig(
         model=model,
         run_id=run_id,
         port=0,
         max_batch_size=len(batch),
-        kv_cache_memory="4GiB",
         log_dir=private_dir(prefix=bench_log_prefix(run_id)),  # found again by bench/gpucheck/processes.py
         cache_dir=model.parent / "arena-cache",
         threads={"gpu_expert": threads, "cpu_attention": threads} if threads else {},
@@ -86,6 +105,10 @@ def run_batch(
         **stack,  # type: ignore[arg-type]
     )
     s = Stack(cfg)
+    if "kv_cache_memory" not in stack:
+        kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else s.weight_dtype()  # auto: the arena's, as cpu_attention
+        spec = ModelSpec.from_pretrained(model)
+        cfg.kv_cache_memory = str(kv_cache_bytes(spec, [len(p) for p in batch], gen, kv_dtype))
     s.start()
     try:
         ep = s.endpoints()

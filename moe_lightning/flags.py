@@ -51,6 +51,56 @@ def parse_size(text: str) -> int:
     return int(float(m[1]) * _UNITS[m[2].lower()])
 
 
+def parse_rate(text: str) -> float:
+    """'2GB/s', '500MiB/s', '1.5e9', '2G' -> bytes per second (positive)."""
+    raw = str(text).strip()
+    body = raw[:-2] if raw.lower().endswith("/s") else raw
+    try:
+        rate = float(body)  # plain and scientific notation (1.5e9)
+    except ValueError:
+        try:
+            rate = float(parse_size(body))
+        except argparse.ArgumentTypeError:
+            rate = -1.0
+    if not rate > 0 or rate == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive rate in bytes per second like 2GB/s, 500MiB/s or 1.5e9, got {text!r}"
+        )
+    return rate
+
+
+def format_rate(rate: float) -> str:
+    """Bytes per second for people: 1.50 GB/s, 300.0 MB/s (decimal units, as links are quoted)."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if rate >= scale:
+            return f"{rate / scale:.2f} {unit}"
+    return f"{rate:.0f} B/s"
+
+
+def add_link_flags(parser: argparse.ArgumentParser) -> None:
+    """The simulated host-device link of a CPU device (gpu_expert's, `up`'s and `bench`'s flag;
+    docs/cgopipe-and-benchmarks.md, "The link on the CPU")."""
+    parser.add_argument(
+        "--link-bandwidth",
+        type=parse_rate,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="with --device cpu: stream expert pages no faster than this (e.g. 2GB/s), as a PCIe link would; the "
+        "copy thread sleeps out each page's time, and the HRM plans with this figure as its host-to-device "
+        "bandwidth. Simulates the link only: device and host compute still share the CPU's cores",
+    )
+
+
+def link_flag_error(device: str, link_bandwidth: float | None) -> str | None:
+    """Why --link-bandwidth cannot be used with `device` (None: it can)."""
+    if link_bandwidth is None or device.split(":")[0] == "cpu":
+        return None
+    return (
+        f"--link-bandwidth simulates a host-device link for --device cpu; --device {device} copies over its real "
+        "link, which is not capped: leave --link-bandwidth out"
+    )
+
+
 class EnvDefaultsParser(argparse.ArgumentParser):
     """An ArgumentParser whose options take their default from MOE_LIGHTNING_<FLAG> when set (an empty
     value counts as unset, as compose's `${VAR:-}` passes one)."""

@@ -55,6 +55,7 @@ class StackConfig:
     gpus: int = 1  # gpu_expert's tensor-parallel ranks (one process per device; docs/parallel.md)
     device_memory: str | None = None  # per device
     device_kv_memory: str | None = None  # a KV cache in gpu_expert, so attention may run on the device
+    link_bandwidth: float | None = None  # bytes/s: a simulated link for a CPU device (gpu_expert --link-bandwidth)
     attention_placement: str = "auto"  # cpu, gpu or auto (the HRM picks)
     experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
     http_port: int | None = None  # the OpenAI-compatible gateway's port on `host` (0: any free); None: no gateway
@@ -141,9 +142,11 @@ class Stack:
             ]
         elif name == "gpu_expert":
             own = ["--weight-store", a["weight_store"], "--device", c.device, "--expert-kernels", c.expert_kernels]
+            own += ["--experts-placement", c.experts_placement]  # what it warms up at start (worker.py)
             own += ["--gpus", str(c.gpus)] if c.gpus > 1 else []
             own += ["--device-memory", c.device_memory] if c.device_memory else []
             own += ["--device-kv-memory", c.device_kv_memory] if c.device_kv_memory else []
+            own += ["--link-bandwidth", repr(float(c.link_bandwidth))] if c.link_bandwidth is not None else []
         else:
             own = [
                 "--weight-store",

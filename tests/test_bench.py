@@ -94,3 +94,31 @@ def test_bench_compares_expert_formats_in_both_placements(tiny_model: Path, tmp_
     assert all(in_place[f]["expert_bytes_streamed"] == 0 for f in in_place)
     assert set(streamed["int4"]["kernels"]) == {"256x64", "64x128"}  # w13 and w2 of the tiny model
     assert "experts streamed (ratios against none)" in r.stdout and "computed in place" in r.stdout
+
+
+def test_bench_behind_a_simulated_link_reports_the_hrms_layer_error(tiny_model: Path, tmp_path: Path) -> None:
+    """`bench --link-bandwidth`: every stack streams its experts over the simulated link; the HRM plans
+    and predicts with that link, for ours and for (b), whose times add up. Purely link-bound here (the
+    tiny model computes a layer in a few ms, its link takes ~40), so both predictions are the link's
+    time: the error only measures what the simulation and the schedule add to it."""
+    spec = ModelSpec.from_pretrained(tiny_model)
+    out = tmp_path / "link.json"
+    argv = [sys.executable, "-m", "moe_lightning.cli", "bench", "--model", str(tiny_model), "--num-prompts", "6"]
+    # a ring of 1.5 layers and nothing resident: every expert streams (a double buffer would hold them all)
+    argv += ["--gen-len", "6", "--device-memory", str(device_budget(tiny_model, spec.num_experts * 3 // 2))]
+    argv += ["--experts-placement", "gpu", "--link-bandwidth", "10MB/s", "--skip-references", "--skip-transformers"]
+    r = subprocess.run([*argv, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["link_bandwidth"] == 10e6 and res["ours"]["policy"]["experts"] == "gpu"
+    assert res["ours"]["resident_experts"] == 0 and res["ours"]["expert_bytes_per_step"] > 0
+    errors = res["hrm_layer_error"]
+    assert set(errors) == {"ours", "overlap_off"}
+    # ours hides the tiny compute behind the link; (b) adds it, and the tiny model's compute is mostly
+    # per-call overhead the roofline does not see, so only its lower side is checked
+    assert -0.05 < errors["ours"] < 0.5 and errors["overlap_off"] > -0.05, errors
+    copy = res["stages_per_layer"]["expert copy (exposed wait)"]
+    link = spec.num_experts * 3 * 64 * 128 * 4 / 10e6  # a layer's pages over the link (+ the memcpy's share)
+    assert link <= copy["predicted"] < 1.1 * link
+    assert res["ratios"]["(b) overlap off"] > 0 and res["ratios"]["(b) overlap off, decode"] > 1.0
+    assert "HRM layer time, measured / predicted - 1: ours" in r.stdout and "behind a simulated" in r.stdout

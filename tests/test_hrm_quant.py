@@ -162,6 +162,7 @@ def dequant_only() -> Iterator[None]:
 
 def test_calibration_on_quantized_experts(dequant_only: None) -> None:
     from moe_lightning.hrm.calibrate import expert_side_key, measure_expert_side
+    from moe_lightning.hrm.kernels import measured
     from moe_lightning.hrm.measurements import Measurements as M
     from moe_lightning.hrm.measurements import profile_from
     from moe_lightning.hrm.pages import page_nbytes
@@ -188,7 +189,11 @@ def test_calibration_on_quantized_experts(dequant_only: None) -> None:
     hw = profile_from(m, M(matmul_flops=1e9, attention_bandwidth=1e9, memory_bytes=1e10))
     assert (hw.expert_format, hw.expert_bandwidth) == ("int4-g32", m.expert_stream_bandwidth)
     unquantized = measure_expert_side([ExpertWeights(torch.randn(128, 64), torch.randn(64, 64))], "cpu", 1e9)
-    assert unquantized.expert_format == "none" and unquantized.expert_stream_bandwidth == 0
+    # unquantized pages: the expert GEMM's own rate too (the stream rate is the weights' own)
+    assert unquantized.expert_format == "none" and unquantized.expert_matmul_flops > 0
+    assert unquantized.expert_stream_bandwidth == unquantized.weight_stream_bandwidth > 0
+    side = M(matmul_flops=1e9, attention_bandwidth=1e9, memory_bytes=1e10)
+    assert measured(profile_from(unquantized, side), QuantScheme())
     key = expert_side_key("cuda:0", torch.bfloat16, SPEC, scheme)
     assert key == "gpu_expert-cuda0-torch.bfloat16-1024x3584-int4-g32"
     assert expert_side_key("cpu", torch.float32, SPEC, QuantScheme()) == "gpu_expert-cpu-torch.float32-1024x3584"

@@ -16,7 +16,7 @@ from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
 from moe_lightning.hrm.costmodel import Estimate, Headroom, Policy, Workload, estimate
 from moe_lightning.hrm.fastcost import PolicyCost
-from moe_lightning.hrm.hardware import PRESETS, HardwareProfile
+from moe_lightning.hrm.hardware import PRESETS, HardwareProfile, with_simulated_link
 from moe_lightning.hrm.optimizer import best_resident, optimize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -61,6 +61,9 @@ def _cases() -> list[tuple[ModelSpec, Workload, HardwareProfile, dict[str, Any]]
         (SMALL, Workload(24, 16), TOY, {"dtype": "float32"}),
         (SMALL, Workload(24, 16), TOY.scaled(gpu_memory=0.5), {"dtype": "float32", "quant": QUANTS[3]}),
         (SMALL, Workload(24, 16), TOY.scaled(h2d_bandwidth=20), {"dtype": "float32", "max_micro_batch": 3}),
+        # a CPU device behind a simulated link (gpu_expert --link-bandwidth): link-bound and not
+        (SPEC, Workload(64, 32), with_simulated_link(HOST, 2e8), {"dtype": "float32", "batch_cap": 256}),
+        (SPEC, Workload(64, 32), with_simulated_link(HOST, 2e9), {"dtype": "float32", "experts": ("gpu",)}),
     ]
     return out
 
@@ -98,6 +101,8 @@ CONTEXTS = [  # (spec, work, hw, dtype, kv_dtype, quant): where the cost model b
     (HALF_DENSE, Workload(77, 64), PRESETS["a100-40g"], None, "bfloat16", QuantScheme(QuantFormat.INT4, 32)),
     (ARCHS["qwen1.5-moe-a2.7b"], Workload(77, 32), replace(PRESETS["l4"], shared_host_device=True), None, None, INT4),
     (SPEC, Workload(64, 32), replace(HOST, expert_format="int8", expert_bandwidth=1e9), "float32", None, INT8),
+    (SPEC, Workload(64, 32), with_simulated_link(HOST, 3e8), "float32", None, QuantScheme()),
+    (SPEC, Workload(64, 32), with_simulated_link(HOST, 3e8), "float32", None, INT8),
 ]
 POINTS = [(n_ub * mu, mu) for mu in (1, 3, 32, 256) for n_ub in (1, 2, 7, 40)]
 PLACES = [(a, e, r_c) for a in (False, True) for e in (False, True) for r_c in ((0.0, 0.5, 1.0) if a else (0.0,))]

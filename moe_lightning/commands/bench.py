@@ -19,7 +19,7 @@ from moe_lightning.commands.bench_formats import compare_formats, device_memory_
 from moe_lightning.commands.bench_ranks import rank_shares
 from moe_lightning.commands.bench_ranks import report as ranks_report
 from moe_lightning.commands.common import add_placement_flags
-from moe_lightning.flags import positive_int
+from moe_lightning.flags import add_link_flags, format_rate, link_flag_error, positive_int
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -54,6 +54,7 @@ def add_parser(sub: Any, name: str) -> None:
         help="dtype of cpu_attention's KV cache (auto: the weights' dtype)",
     )
     add_placement_flags(p)
+    add_link_flags(p)
     p.add_argument(
         "--quantize",
         default=None,
@@ -133,8 +134,10 @@ def _ours(
     attention: str | None = None,
     experts: str | None = None,
     quantize: str = "auto",
+    micro_batch: int | None = None,
 ) -> dict[str, Any]:
-    """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory."""
+    """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory;
+    `micro_batch`: fixed for this run (default: --micro-batch-size, else the stack's planner's)."""
     from moe_lightning.benchmark import decode_totals, run_batch
     from moe_lightning.timeline import load, summarize
 
@@ -150,12 +153,13 @@ def _ours(
         f"bench{os.getpid()}{tag}",
         extra=extra,
         device_memory=args.device_memory if device_memory == "" else device_memory,
-        micro_batch=args.micro_batch_size,
+        micro_batch=micro_batch or args.micro_batch_size,
         device=args.device,
         gpus=args.gpus,
         dtype=args.dtype,
         kv_dtype=args.kv_dtype,
         device_kv_memory=args.device_kv_memory,
+        link_bandwidth=args.link_bandwidth,
         attention_placement=attention or args.attention_placement,
         experts_placement=experts or args.experts_placement,
         quantize=quantize,
@@ -179,7 +183,7 @@ def _ours(
         "policy": policy,
         # the operator's size when fixed: the policy gauge shows the planner's, which is then not in force
         "micro_batches": _micro_batches(
-            len(prompts), args.micro_batch_size or int(policy.get("micro_batch_size") or 0)
+            len(prompts), micro_batch or args.micro_batch_size or int(policy.get("micro_batch_size") or 0)
         ),
         "cuda_syncs_per_decode_step": syncs / steps if counted and steps else None,
         "pinned_host_bytes": run.after["gpu_expert"].get("moe_lightning_pinned_host_bytes", 0.0),
@@ -196,6 +200,14 @@ def _ours(
     }
 
 
+def layer_error_of(decode: Any, predicted: Any, layers: int) -> float | None:
+    """measured / predicted - 1 of a decode step's time per layer (None without decode steps)."""
+    from moe_lightning.hrm import measured
+
+    rows = measured.compare(predicted, decode.timings, decode.steps, layers, cpu_attention=decode.cpu_attention)
+    return rows["layer"].measured / rows["layer"].predicted - 1 if rows and rows["layer"].predicted else None
+
+
 def _public(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if not k.startswith("_")}
 
@@ -205,9 +217,13 @@ def run(args: argparse.Namespace) -> int:
     from moe_lightning.hrm import measured
     from moe_lightning.hrm.calibrate import cached_profile
     from moe_lightning.hrm.costmodel import Workload, estimate
+    from moe_lightning.hrm.hardware import with_simulated_link
     from moe_lightning.spec import ModelSpec, resolve_dtype
     from moe_lightning.timeline import write
 
+    error = link_flag_error(args.device, args.link_bandwidth)
+    if error:
+        raise ValueError(error)
     spec = ModelSpec.from_pretrained(args.model)
     args.dtype = resolve_dtype(args.dtype, spec.dtype, args.device)  # every run and baseline uses this one
     prompts = _prompts(args, spec.vocab_size)
@@ -268,10 +284,15 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"ours with the {name}...\n")
             results[key] = _public(_ours(args, prompts, "c", trace_dir, experts=other))
             rows.append((f"ours, {name}", results[key], "it / resident", None))
+    overlap_off, mu = None, None  # (b)'s run, and the micro-batch it ran at
     if not args.skip_overlap_off:
         sys.stderr.write("baseline (b): ours with overlap off, same placement...\n")
         att, exp = policy.get("attention"), policy.get("experts")
-        results["overlap_off"] = _public(_ours(args, prompts, "0", trace_dir, False, attention=att, experts=exp))
+        # ours' micro-batch too: (b)'s own planner would re-plan it (where the link binds, sizes tie for
+        # a pipeline that (b) does not run), and the schedule is what the comparison is about
+        mu = args.micro_batch_size or int(policy.get("micro_batch_size") or 0) or None
+        overlap_off = _ours(args, prompts, "0", trace_dir, False, attention=att, experts=exp, micro_batch=mu)
+        results["overlap_off"] = _public(overlap_off)
         rows.append(("(b) overlap off", results["overlap_off"], "ours / it", 1.2))
     if "streamed" in results and not args.skip_overlap_off:  # ours in place: compare the streaming schedules too
         sys.stderr.write("baseline (b) at the streamed placement...\n")
@@ -290,11 +311,22 @@ def run(args: argparse.Namespace) -> int:
 
     quant = resolve_scheme(args.model)  # the checkpoint's own format: what this bench's stack ran
     profile = cached_profile(spec, args.device, quant=quant).with_gpus(args.gpus)
+    if args.link_bandwidth is not None:  # the link the stack ran behind, as its planner saw it
+        profile = with_simulated_link(profile, args.link_bandwidth)
+        results["link_bandwidth"] = args.link_bandwidth
     ran = policy_that_ran(policy, ours["resident_experts"], n, args.micro_batch_size)
     kv_dtype = args.dtype if args.kv_dtype == "auto" else args.kv_dtype
-    bound = estimate(spec, Workload(avg, args.gen_len), profile, ran, args.dtype, kv_dtype=kv_dtype, quant=quant)
+    work = Workload(avg, args.gen_len)
+    bound = estimate(spec, work, profile, ran, args.dtype, kv_dtype=kv_dtype, quant=quant)
     results["roofline_decode_tokens_per_second"] = bound.tokens_per_second
     results["roofline_policy"] = str(ran)
+    layer_error = {"ours": layer_error_of(ours["_decode"], bound, spec.num_layers)}
+    if overlap_off is not None:  # (b)'s own prediction: the same roofs, every resource's time added
+        off = policy_that_ran(overlap_off["policy"], overlap_off["resident_experts"], n, mu)
+        off_bound = estimate(spec, work, profile, off, args.dtype, kv_dtype=kv_dtype, quant=quant, overlap=False)
+        results["roofline_overlap_off_decode_tokens_per_second"] = off_bound.tokens_per_second
+        layer_error["overlap_off"] = layer_error_of(overlap_off["_decode"], off_bound, spec.num_layers)
+    results["hrm_layer_error"] = layer_error  # measured / predicted - 1, per layer of a decode step
 
     e2e = ours["generated_tokens_per_second"]
     print(f"policy that ran: {ran}")
@@ -311,6 +343,12 @@ def run(args: argparse.Namespace) -> int:
             ratio = e2e / t
         results.setdefault("ratios", {})[name] = ratio
         print(f"{name:34} {t:8.1f} {ratio:6.2f} {what:>13} {'>= ' + str(target) if target else '':>7}")
+    if overlap_off is not None and overlap_off["decode_tokens_per_second"]:
+        # decode alone: where the link binds; prefill on a CPU device is compute-bound in both schedules
+        t = overlap_off["decode_tokens_per_second"]
+        ratio = ours["decode_tokens_per_second"] / t
+        results.setdefault("ratios", {})["(b) overlap off, decode"] = ratio
+        print(f"{'(b) overlap off, decode':34} {t:8.1f} {ratio:6.2f} {'ours / it':>13}")
     decode_ratio = ours["decode_tokens_per_second"] / bound.tokens_per_second
     results.setdefault("ratios", {})["decode / roofline"] = decode_ratio
     name = "(c) HRM roofline bound, decode"
@@ -318,8 +356,13 @@ def run(args: argparse.Namespace) -> int:
     dec = ours["_decode"]
     stages = measured.compare(bound, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
     results["stages_per_layer"] = measured.as_json(stages)
-    print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours):")
+    link = f", behind a simulated {format_rate(args.link_bandwidth)} link" if args.link_bandwidth else ""
+    print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours{link}):")
     print("\n".join(measured.table(stages)))
+    print(
+        "HRM layer time, measured / predicted - 1: "
+        + ", ".join(f"{run} {e:+.0%}" for run, e in layer_error.items() if e is not None)
+    )
     if args.gpus > 1:
         results["tensor_parallel"] = ranks_report(ours["rank_shares"], spec, bound, args.gpus)
     tl = ours["timeline"]

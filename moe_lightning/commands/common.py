@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from moe_lightning.flags import add_batch_flags, add_kernel_flags, add_quantize_flags, positive_int
+from moe_lightning.flags import add_batch_flags, add_kernel_flags, add_link_flags, add_quantize_flags, positive_int
 
 
 def token_ids(text: str) -> list[int]:
@@ -72,6 +72,7 @@ def add_stack_flags(p: argparse.ArgumentParser) -> None:
         help="dtype of cpu_attention's KV cache (attention computes in fp32 over it); auto: the weights' dtype",
     )
     add_placement_flags(p)
+    add_link_flags(p)
     p.add_argument(
         "--dtype",
         default="auto",

@@ -100,7 +100,11 @@ def row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any
 
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.commands import openai_batch
+    from moe_lightning.flags import link_flag_error
 
+    error = link_flag_error(args.device, getattr(args, "link_bandwidth", None))
+    if error:  # before anything starts (gpu_expert would refuse it only seconds into start-up)
+        raise ValueError(error)
     if args.ray is not None:
         try:
             from moe_lightning.cluster.driver import run_on_ray

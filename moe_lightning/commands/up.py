@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.commands.common import add_stack_flags
-from moe_lightning.flags import positive_int
+from moe_lightning.flags import link_flag_error, positive_int
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -101,6 +101,7 @@ def stack_config(args: argparse.Namespace, port: int, host: str = "127.0.0.1") -
         gpus=args.gpus,
         device_memory=args.device_memory,
         device_kv_memory=args.device_kv_memory,
+        link_bandwidth=getattr(args, "link_bandwidth", None),
         attention_placement=args.attention_placement,
         experts_placement=args.experts_placement,
         kv_cache_memory=args.kv_cache_memory,
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from moe_lightning.launcher import Stack, StackInterrupted
 
     error, warnings = exposure_check(args)
+    error = error or link_flag_error(args.device, args.link_bandwidth)
     if error:
         sys.stderr.write(f"error: {error}\n")
         return 2

@@ -45,8 +45,9 @@ from moe_lightning.weights import ExpertWeights
 FLOPS_TOKENS = {"cpu": 64, "cuda": 1024}
 # Part of every cache key: bump it when a kernel the roofs are measured with changes, so cached
 # roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU; 3: decode
-# attention gathers whole blocks a chunk at a time, over an fp32, bf16 or fp16 KV cache)
-KERNELS_VERSION = 3
+# attention gathers whole blocks a chunk at a time, over an fp32, bf16 or fp16 KV cache; 4: the expert
+# GEMM's own rate measured for unquantized pages too)
+KERNELS_VERSION = 4
 
 
 def _sync(device: torch.device) -> None:
@@ -180,14 +181,14 @@ def measure(
     dtype = dtype or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     host_flops = matmul_flops(torch.device("cpu"), torch.float32)
     expert_bw = expert_stream_bandwidth(dev, dtype, spec.hidden_size, spec.intermediate_size)
-    roofs: dict[str, Any] = {}
-    if quant.quantized:
-        pages = random_experts(dev, dtype, spec.hidden_size, spec.intermediate_size, 8, quant)
-        roofs = {
-            "expert_format": quant.key(),
-            "expert_bandwidth": expert_stream_bandwidth(dev, dtype, 0, 0, weights=pages),
-            "expert_flops": expert_gemm_flops(pages[:2], dev, dtype, FLOPS_TOKENS.get(dev.type, 64)),
-        }
+    pages = random_experts(dev, dtype, spec.hidden_size, spec.intermediate_size, 8 if quant.quantized else 2, quant)
+    # the expert GEMM's own rate at the rows a planned micro-batch gives each expert: well below the
+    # square GEMM's peak on a CPU (64 rows of the bench model reach ~0.6 of it), for any page format
+    roofs: dict[str, Any] = {
+        "expert_format": quant.key(),
+        "expert_bandwidth": expert_stream_bandwidth(dev, dtype, 0, 0, weights=pages) if quant.quantized else expert_bw,
+        "expert_flops": expert_gemm_flops(pages[:2], dev, dtype, FLOPS_TOKENS.get(dev.type, 64)),
+    }
     attn_bw = attention_bandwidth(spec, dtype=dtype)  # the `auto` KV dtype: the weights'
     if dev.type == "cuda":
         gpu_flops = matmul_flops(dev, dtype, n=4096)
@@ -263,15 +264,13 @@ def measure_expert_side(
         else:
             raise ValueError("quantized experts carry no model dtype: pass dtype (or the dense weights)")
     stream = expert_stream_bandwidth(dev, dtype, 0, 0, weights=experts)
-    quantized: dict[str, Any] = {}
+    quantized: dict[str, Any] = {  # the expert GEMM's own roofs, in any format (see measure())
+        "expert_format": scheme.key(),
+        "expert_stream_bandwidth": stream,
+        "expert_matmul_flops": expert_gemm_flops(experts[:2], dev, dtype, FLOPS_TOKENS.get(dev.type, 64)),
+    }
     if scheme.quantized:
         hidden, inter = experts[0].w2.shape
-        tokens = FLOPS_TOKENS.get(dev.type, 64)
-        quantized = {
-            "expert_format": scheme.key(),
-            "expert_stream_bandwidth": stream,
-            "expert_matmul_flops": expert_gemm_flops(experts[:2], dev, dtype, tokens),
-        }
         stream = (
             dense_stream_bandwidth(dense, dev)
             if dense

@@ -155,9 +155,12 @@ def estimate(
     headroom: Headroom = Headroom(),
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
+    overlap: bool = True,
 ) -> Estimate:
     """`dtype`: the weights' (default the spec's), also the device KV cache's; `kv_dtype`: the host KV
-    cache's (cpu_attention's --kv-dtype; default the weights'); `quant`: the expert pages' format."""
+    cache's (cpu_attention's --kv-dtype; default the weights'); `quant`: the expert pages' format.
+    `overlap=False`: the overlap-off baseline schedule (gpu_expert --no-overlap: every stage waits for
+    the one before, a layer's experts copied when it starts), where the resources' times add up."""
     b = DTYPE_BYTES[dtype or spec.dtype]
     kv_b = DTYPE_BYTES[kv_dtype] if kv_dtype else b
     w = weight_bytes(spec, b, quant)
@@ -232,6 +235,11 @@ def estimate(
         link_bytes[stage] = nbytes
         stages[stage] = nbytes / bandwidth
 
+    if hw.shared_host_device and hw.simulated_link and policy.experts == "gpu" and streamed:
+        # a CPU device behind a simulated link: only the expert pages are held to the link's rate (the
+        # hand-offs stay in shared memory); the memcpy above still takes the shared cores' time
+        over_link("link_weights", streamed * w["expert"], hw.h2d_bandwidth)
+        link = stages["link_weights"]
     if not hw.shared_host_device:
         if policy.experts == "gpu":
             over_link("link_weights", streamed * w["expert"], hw.h2d_bandwidth)
@@ -247,11 +255,17 @@ def estimate(
     gpu = sum(v for s, v in stages.items() if s.startswith("gpu_"))
     cpu = sum(v for s, v in stages.items() if s.startswith("cpu_"))
     resources = {"gpu": gpu, "cpu": cpu, "link": link}
-    # Shared host/device: one set of cores and one memory, nothing overlaps. Otherwise CGOPipe hides
-    # the smaller of CPU and GPU work behind the other only across micro-batches: one micro-batch's
-    # share of it stays exposed (pipeline fill), all of it when n_ub = 1.
+    # Shared host/device: one set of cores and one memory, so compute never overlaps compute; a
+    # simulated link still runs beside it. Otherwise CGOPipe hides the smaller of CPU and GPU work
+    # behind the other only across micro-batches: one micro-batch's share of it stays exposed
+    # (pipeline fill), all of it when n_ub = 1. With overlap off nothing hides anything.
     fill = (gpu + cpu - max(gpu, cpu)) / n_ub
-    layer = gpu + cpu if hw.shared_host_device else max(gpu, cpu, link) + fill
+    if not overlap:
+        layer = gpu + cpu + link
+    elif hw.shared_host_device:
+        layer = max(gpu + cpu, link)
+    else:
+        layer = max(gpu, cpu, link) + fill
     binding = max(resources, key=lambda r: resources[r])
 
     # --- memory -----------------------------------------------------------------------------

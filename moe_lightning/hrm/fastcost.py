@@ -65,6 +65,7 @@ class PolicyCost:
         h1, h2, k, q, kv = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.q_size, spec.kv_size
         f = sparse_share(spec)
         self.shared = hw.shared_host_device
+        self.simulated_link = hw.shared_host_device and hw.simulated_link
         self.layers = spec.num_layers
         self.total_experts = spec.total_experts
         self.sparse_layers = spec.num_sparse_layers
@@ -212,7 +213,8 @@ class PolicyCost:
             cpu += attention
         gpu += head
         if shared:
-            layer = gpu + cpu
+            link = streamed * self.expert_page / self.h2d if self.simulated_link and exp_gpu and streamed else 0.0
+            layer = max(gpu + cpu, link)
         else:
             link = 0.0
             if exp_gpu:

@@ -29,6 +29,10 @@ class HardwareProfile:
     h2d_bandwidth: float  # host -> device bytes/s (pinned, per GPU)
     d2h_bandwidth: float  # device -> host bytes/s (per GPU)
     shared_host_device: bool = False  # the "device" is the host itself (CPU-only run): no overlap, no link
+    # a CPU "device" whose expert streaming is capped at h2d_bandwidth (gpu_expert --link-bandwidth):
+    # the link is then a resource of its own that overlaps compute, while compute still shares the cores
+    # (docs/cgopipe-and-benchmarks.md, "The link on the CPU")
+    simulated_link: bool = False
     source: str = "preset"
     # CUDA compute capability (7.5 T4, 8.9 L4, ...): which quantized expert kernels the device has
     # (int4 tinygemm needs 8.0+); 0 when unknown, then only dequantize-then-GEMM is assumed
@@ -87,6 +91,14 @@ class HardwareProfile:
             return cls(**{**data, "source": str(path)})
         except (OSError, json.JSONDecodeError, TypeError) as exc:
             raise ValueError(f"{path}: not a hardware profile ({exc})") from exc
+
+
+def with_simulated_link(profile: HardwareProfile, bandwidth: float) -> HardwareProfile:
+    """A CPU-only profile whose expert pages stream over a simulated link of `bandwidth` bytes/s
+    (gpu_expert --link-bandwidth): the figure the services' planner uses as the link's."""
+    if not profile.shared_host_device:
+        raise ValueError(f"{profile.name}: a simulated link is for a CPU device; a GPU profile has its real link")
+    return replace(profile, h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth, simulated_link=True)
 
 
 def _host(memory_gb: float, bandwidth_gbs: float, tflops: float) -> dict[str, float]:

@@ -14,9 +14,9 @@ Sources of the numbers (W weights, b bytes of the model dtype, p page bytes per 
   `_dequantize_rows` is a pass over memory. int8: to float32 (read 1, write 4), x scale (4 + 4), to the
   model dtype (4 + b, none in float32), the GEMM (b): 21 bytes per weight in bf16 against 2 unquantized.
   int4: unpacking the nibbles (4), to float32 (1 + 4), addcmul (4 + 4), to the dtype (4 + b), the GEMM
-  (b): 25. Its scratch is the float32 copies of a block of rows (8, plus b while rounding), at most
-  DEQUANT_CHUNK weights at a time (moe_lightning/quant/scheme.py). A fused
-  dequantization would read p and write b once.
+  (b): 25. Its scratch is the float32 copies of the rows dequantized at once (8, plus b while
+  rounding): on CUDA, where this model applies, the whole linear (moe_lightning/quant/scheme.py
+  `dequant_chunk`, which the kernel reads too). A fused dequantization would read p and write b once.
 * int4 tinygemm (`_weight_int4pack_mm`, compute capability 8.0+): repacks the page per call (read and
   write 0.5), reads the repacked weight (0.5) and the scales and zeros converted to bfloat16 (reading,
   stacking and converting the float32 ones moves 4x their page bytes): 1.5 + 4 (p - 0.5) bytes per
@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.quant.scheme import DEQUANT_CHUNK, QuantFormat, QuantScheme
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme, dequant_chunk
 
 TINYGEMM_FLOPS = 0.25  # assumed share of the tensor-core peak for int4 tinygemm at large row counts
 TINYGEMM_MIN_CAPABILITY = 8.0
@@ -61,10 +61,12 @@ class KernelRoof:
 
 
 def _dequant(fmt: QuantFormat, b: int) -> KernelRoof:
+    """On the device side only (a host sharing the device takes HOST_KERNELS): CUDA's chunk."""
     rounding = 0 if b == 4 else 4 + b  # to the model dtype; a no-op in float32
+    chunk = dequant_chunk("cuda")
     if fmt is QuantFormat.INT8:
-        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0, DEQUANT_CHUNK)
-    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b), DEQUANT_CHUNK)
+        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0, chunk)
+    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b), chunk)
 
 
 def _tinygemm(page_bpw: float) -> KernelRoof:

@@ -5,7 +5,7 @@ import of it)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moe_lightning.hrm.hardware import HardwareProfile
 
@@ -28,6 +28,14 @@ class Measurements:
     expert_format: str = "none"
     expert_matmul_flops: float = 0.0
     expert_stream_bandwidth: float = 0.0
+    # gpu_expert on a CPU device with --link-bandwidth: h2d/d2h are that simulated link's rate
+    simulated_link: bool = False
+
+
+def simulated_link(m: Measurements, bandwidth: float) -> Measurements:
+    """A CPU device's measurements behind a simulated link of `bandwidth` bytes/s: the planner then sees
+    that link, as it would see a GPU's measured one."""
+    return replace(m, h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth, simulated_link=True)
 
 
 def profile_from(expert: Measurements, attention: Measurements, name: str = "calibrated-stack") -> HardwareProfile:
@@ -42,6 +50,7 @@ def profile_from(expert: Measurements, attention: Measurements, name: str = "cal
         h2d_bandwidth=expert.h2d_bandwidth,
         d2h_bandwidth=expert.d2h_bandwidth,
         shared_host_device=expert.shared_host_device,
+        simulated_link=expert.simulated_link,
         source="calibrated by the services",
         expert_format=expert.expert_format or "none",  # a peer without the field sent ""
         expert_flops=expert.expert_matmul_flops,

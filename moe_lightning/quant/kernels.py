@@ -70,10 +70,21 @@ def dequantize(ql: QuantizedLinear, dtype: torch.dtype = torch.float32) -> torch
 
 
 # --- the candidates: (x (M, K) in ql's column order, ql without perm) -> (M, N) in x.dtype -------
+def dequant_block_rows(out_features: int, in_features: int, device_type: str) -> int:
+    """Output rows `_dequant_mm` dequantizes at a time on this device type (scheme.dequant_chunk)."""
+    chunk = scheme.dequant_chunk(device_type)
+    if chunk >= out_features * in_features:
+        return out_features
+    return max(1, int(chunk) // in_features)
+
+
 def _dequant_mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
-    """Block by block of output rows, so a Mixtral w13 (117 M weights) never exists whole in fp32
-    next to the device's working set; the result is the same as one dequantization."""
-    rows = max(1, scheme.DEQUANT_CHUNK // ql.in_features)
+    return _dequant_mm_blocks(x, ql, dequant_block_rows(ql.out_features, ql.in_features, x.device.type))
+
+
+def _dequant_mm_blocks(x: torch.Tensor, ql: QuantizedLinear, rows: int) -> torch.Tensor:
+    """`rows` output rows at a time, so that on a CPU a Mixtral w13 (117 M weights) never exists whole
+    in fp32; the result is the same as one dequantization."""
     if rows >= ql.out_features:
         return dense_linear(x, _dequantize_rows(ql, x.dtype))
     out = torch.empty(x.shape[0], ql.out_features, dtype=x.dtype, device=x.device)

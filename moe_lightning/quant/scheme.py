@@ -12,6 +12,7 @@ Formats, with N output features, K input features and G the int4 group size:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -25,7 +26,15 @@ class QuantFormat(StrEnum):
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
 COMPONENT_ALIGN = 64  # between the parts of one expert's page: a page stays one contiguous transfer
-DEQUANT_CHUNK = 1 << 22  # weights dequantize-then-GEMM expands at a time: bounds its scratch (~40 MB)
+DEQUANT_CHUNK = 1 << 22  # weights dequantize-then-GEMM expands at a time on a CPU: bounds its scratch (~40 MB)
+
+
+def dequant_chunk(device_type: str) -> float:
+    """Weights dequantize-then-GEMM expands at a time on this device type (the kernel and the HRM's
+    model of its scratch both read it). On CUDA a whole linear at once: in blocks, a Mixtral expert
+    call was ~43 blocks of 4-5 kernels each, launch-bound, and one linear's float32 copy fits beside
+    the device's working set (the HRM counts it against the budget). A CPU keeps the blocks."""
+    return math.inf if device_type == "cuda" else float(DEQUANT_CHUNK)
 
 
 @dataclass(frozen=True, slots=True)

@@ -207,6 +207,7 @@ def measurements_from_pb(m: common_pb2.HardwareMeasurements) -> Measurements:
         m.expert_format or "none",  # a peer from before quantized pages leaves it unset
         m.expert_matmul_flops,
         m.expert_stream_bandwidth,
+        m.simulated_link,
     )
 
 

@@ -4,6 +4,11 @@ Two engines with one interface: on CUDA the arena is registered as pinned memory
 issued on a side stream, each page ending in an event the compute stream waits on (the CPU never
 blocks); on a CPU "device" a worker thread does the copies, so the same schedule (and its slot
 reuse) runs and is tested on every machine.
+
+A CPU device may also be given a link (`--link-bandwidth`): the copy thread then holds each copy job
+to the time its bytes would take on a link of that rate, one job after another as a PCIe link's copy
+engine runs them, and sleeps out the rest after the memcpy (no core spins). That makes the link-bound
+regime of a small GPU measurable here (docs/cgopipe-and-benchmarks.md, "The link on the CPU").
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Protocol
 import torch
 from prometheus_client import Counter
 
+from moe_lightning.flags import link_flag_error
 from moe_lightning.timeline import TimelineRecorder
 
 # The copy link's busy time; with moe_lightning_expert_wait_seconds_total (its exposed part) it gives
@@ -60,16 +66,30 @@ class _FutureTicket:
 
 class ThreadCopyEngine:
     """One worker thread, copies in issue order. Compute on a CPU device is synchronous, so a slot
-    freed by `slots_released` is already unused and needs no fence."""
+    freed by `slots_released` is already unused and needs no fence.
 
-    def __init__(self, timeline: TimelineRecorder) -> None:
+    `link_bandwidth` (bytes/s): a simulated link. A job that starts at t0 ends no earlier than
+    t0 + bytes / rate; jobs run one at a time, so a job queued behind another starts when that one
+    ends, as on a real link. The memcpy is done first (the slot must hold the page), then the thread
+    sleeps out what is left; a memcpy slower than the link just takes its own time."""
+
+    def __init__(self, timeline: TimelineRecorder, link_bandwidth: float | None = None) -> None:
+        if link_bandwidth is not None and not link_bandwidth > 0:
+            raise ValueError(f"the link's bandwidth must be positive, got {link_bandwidth}")
         self.timeline = timeline
+        self.link_bandwidth = link_bandwidth
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-copy")
 
     def _run(self, pairs: list[Pair], layer: int) -> None:
         t0 = time.perf_counter_ns()
         for dst, src in pairs:
             dst.copy_(src)
+        if self.link_bandwidth is not None:
+            nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
+            end = t0 + round(nbytes / self.link_bandwidth * 1e9)
+            left = end - time.perf_counter_ns()
+            if left > 0:
+                time.sleep(left / 1e9)  # the link is busy, no core is: sleep, never spin
         t1 = time.perf_counter_ns()
         COPY_SECONDS.inc((t1 - t0) / 1e9)
         self.timeline.record("copy", "expert_copy", -1, layer, -1, t0, t1)
@@ -178,5 +198,11 @@ class CudaCopyEngine:
         self._flush_timeline()
 
 
-def make_copy_engine(device: torch.device, timeline: TimelineRecorder) -> CopyEngine:
-    return CudaCopyEngine(device, timeline) if device.type == "cuda" else ThreadCopyEngine(timeline)
+def make_copy_engine(
+    device: torch.device, timeline: TimelineRecorder, link_bandwidth: float | None = None
+) -> CopyEngine:
+    """`link_bandwidth`: a simulated link for a CPU device (a CUDA device has its real one)."""
+    error = link_flag_error(str(device), link_bandwidth)
+    if error:
+        raise ValueError(error)
+    return CudaCopyEngine(device, timeline) if device.type == "cuda" else ThreadCopyEngine(timeline, link_bandwidth)

@@ -20,6 +20,7 @@ from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.flags import (
     EnvDefaultsParser,
     add_kernel_flags,
+    add_link_flags,
     add_service_flags,
     add_tensor_parallel_flags,
     add_worker_flags,
@@ -195,6 +196,15 @@ def build_parser() -> EnvDefaultsParser:
     )
     add_worker_flags(p)
     add_kernel_flags(p)
+    p.add_argument(
+        "--experts-placement",
+        choices=["auto", "gpu", "cpu"],
+        default="auto",
+        help="the orchestrator's --experts-placement, for what to warm up: cpu chooses the host's quantized-expert "
+        "kernels at start (otherwise they are chosen on first use, if the plan ever places experts there); "
+        "the placement in force is the one each step's plan carries",
+    )
+    add_link_flags(p)
     p.add_argument(
         "--residency-interval",
         type=int,

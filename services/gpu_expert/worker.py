@@ -15,7 +15,7 @@ from moe_lightning.api.weight_store.v1 import weight_store_pb2
 from moe_lightning.arena import ArenaLayout, weights_from_arena
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import cached_measurements, expert_side_key, measure_expert_side
-from moe_lightning.hrm.measurements import Measurements
+from moe_lightning.hrm.measurements import Measurements, simulated_link
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.quant import kernels
 from moe_lightning.service.convert import DTYPE_FROM_PB
@@ -23,6 +23,7 @@ from moe_lightning.shm import Segment, TensorChannel, segment_name
 from moe_lightning.spec import DTYPES, ModelSpec
 from moe_lightning.tensor_parallel import Shard, rank_spec
 from moe_lightning.timeline import TimelineRecorder
+from services.gpu_expert.copy_engine import make_copy_engine
 from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.memory import default_budget
 from services.gpu_expert.pager import ExpertPager
@@ -31,7 +32,7 @@ from services.gpu_expert.ranks import RankGroup
 from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
-# the host's experts on a GPU box: only if the plan places experts there, where each GEMM is slow
+# the host's experts on a GPU box, where each GEMM is slow: decode-sized buckets at start, more on use
 HOST_WARM_UP_ROWS = 64
 
 
@@ -55,17 +56,33 @@ class Worker:
 
 def rank_device(device: str, shard: Shard, same_device: bool = False) -> torch.device:
     """Rank r of a group on `cuda` (or `cuda:i`) takes the r-th device from there; on a CPU, or with
-    `same_device` (--tp-same-device: a check of several ranks on one GPU), all share `device`."""
+    `same_device` (--tp-same-device: a check of several ranks on one GPU), all share `device`. A CUDA
+    device always comes back with its index: `torch.cuda.set_device` (claim_device) refuses a bare
+    `cuda`, and a bare one would name whichever device is current, not the rank's."""
     base = torch.device(device)
-    if base.type != "cuda" or shard.world == 1 or same_device:
+    if base.type != "cuda":
         return base
-    index = (base.index or 0) + shard.rank
-    if index >= torch.cuda.device_count():
+    shared = shard.world == 1 or same_device
+    index = (base.index or 0) + (0 if shared else shard.rank)
+    visible = torch.cuda.device_count()
+    if index >= visible:
+        who = f"rank {shard.rank} of {shard.world}" if not shared else "this process"
         raise ValueError(
-            f"rank {shard.rank} of {shard.world} needs cuda:{index}, but {torch.cuda.device_count()} CUDA "
-            f"device(s) are visible from {device}: run fewer --gpus (or --tp-same-device with --tp-backend gloo)"
+            f"{who} needs cuda:{index}, but {visible} CUDA device(s) are visible from {device}: run fewer "
+            f"--gpus (or --tp-same-device with --tp-backend gloo)"
         )
     return torch.device("cuda", index)
+
+
+def host_warm_up_rows(placement: str, residency: ResidencyPlan, host_apart: bool) -> int:
+    """Rows up to which the host's quantized-expert kernels are chosen at start (0: none). Only when
+    experts will compute on the host of a device apart from it: `--experts-placement cpu`, or no room
+    to stream (the host is then the only place a non-resident expert can run). Racing them otherwise
+    costs 20-60 s per start for experts that stream; should the orchestrator's planner (auto) place
+    them on the host later, the chooser picks each shape's kernel on its first use there."""
+    if not host_apart or all(len(r) == n for r, n in zip(residency.resident, residency.experts_per_layer, strict=True)):
+        return 0  # on a CPU device the host's kernels are the device's (warmed anyway); or nothing is on the host
+    return HOST_WARM_UP_ROWS if placement == "cpu" or residency.ring_slots == 0 else 0
 
 
 def claim_device(device: torch.device) -> None:
@@ -96,6 +113,7 @@ def build_worker(
 ) -> Worker:
     log = structlog.get_logger()
     device = rank_device(args.device, shard, args.tp_same_device)
+    claim_device(device)  # again for a group's ranks (no-op); for one rank, its context on its own device
     mine = rank_spec(spec, shard)
     itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
     # rank 0 also holds the whole layer's q/k/v and attention result for the hand-off: the spec's
@@ -131,7 +149,8 @@ def build_worker(
     name = "gpu_expert" if shard.world == 1 else f"gpu_expert.rank{shard.rank}"
     timeline = TimelineRecorder(args.timeline, name, keep=args.timeline_keep if shard.leads else 0)
     closers.append(lambda idle: timeline.close())
-    pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap)
+    engine = make_copy_engine(device, timeline, args.link_bandwidth)
+    pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap, engine=engine)
     closers.append(lambda idle: pager.close())
     kv = _device_kv_cache(mine, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
     output, link = None, None
@@ -151,8 +170,8 @@ def build_worker(
     if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
         kernels.warm_up([experts[0].w13, experts[0].w2], dtype)
         host = weights.layers[first].experts[0]  # computed where it lives, when experts are placed there
-        if host.device != experts[0].device:  # decode-sized buckets now; more rows on first use
-            kernels.warm_up([host.w13, host.w2], dtype, max_rows=HOST_WARM_UP_ROWS)
+        if rows := host_warm_up_rows(args.experts_placement, residency, host.device != experts[0].device):
+            kernels.warm_up([host.w13, host.w2], dtype, max_rows=rows)
         log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
     dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
     measurements = cached_measurements(
@@ -161,6 +180,8 @@ def build_worker(
         refresh=args.recalibrate,
         cache_dir=args.profile_cache,
     )
+    if args.link_bandwidth is not None:  # the simulated link is the link the planner must see (not cached)
+        measurements = simulated_link(measurements, args.link_bandwidth)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the calibration buffers' blocks go back to the device for activations
     runner = ExpertRunner(
