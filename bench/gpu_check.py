@@ -1,22 +1,32 @@
-"""GPU check for issue 5: our stack against its own overlap-off schedule and against transformers with
-accelerate offloading, on a Mixtral-8x7B-shaped checkpoint cut to 4 layers (bf16, ~12 GB, random
-weights from a fixed seed), within a device budget that holds the dense weights, the streaming ring
-and about 20 % of the expert weights. Targets (issue 5): ours >= 3x (b) overlap off, >= 10x offload.
+"""GPU check (issues 5 and 26): our stack against its own overlap-off schedule (b) and against
+transformers with accelerate offloading, on a Mixtral-8x7B-shaped checkpoint cut to 4 layers (bf16,
+~12 GB, random weights from a fixed seed), within a device budget that holds the dense weights, the
+streaming ring and about 20 % of the expert weights, at the batch the HRM picks for that link-bound
+budget. Targets (issue 5): ours >= 3x (b), >= 10x offload; next to them, the HRM's prediction.
 
-Run it on the H200 machine through bench/gpu_check.sh (it installs the wheels the image lacks). Every
-phase but the checks is a subprocess with its own timeout under one deadline (default 440 s):
+It fits a GPU lease (bench/gpu_check.sh: at most 6 minutes, two files in $OUT). The main comparison
+runs first, its summary printed and written the moment it ends; then the optional phases, each
+skipped (and recorded so) when the deadline leaves it too little time. Every phase is a subprocess
+with its own timeout; a failed one never stops the next.
 
   checks     GPU, versions, imports, room in /dev/shm (the weight arena lives there) and on disk
-  preflight  the same bench on a 4-layer toy model, same device, dtype and budget rule, so start-up,
-             CUDA and dtype faults show in seconds (runs while the checkpoint is being built)
-  build      the checkpoint, generated on the GPU and saved with safetensors (reused when present)
-  ours       `moe-lightning bench`: ours, then (b) ours with overlap off, on the MT-Bench workload
-  offload    transformers generate with accelerate offloading in the same budget, same prompts
+  hrm        the HRM's pick (optimize on the h200 preset) and its prediction for ours, (b), offload
+  build      the checkpoint, generated on the GPU and saved with safetensors (in the background)
+  preflight  meanwhile, the bench on a toy model through 8 micro-batches, hot-expert residency and
+             the counted host syncs: a start-up, CUDA or dtype fault shows in seconds (a bf16
+             failure that fp32 does not share makes ours run in fp32; a failure never skips ours)
+  ours       `moe-lightning bench`: ours, then (b) ours with overlap off, at the HRM's N and micro-batch
+  offload    transformers generate with accelerate offloading, all of its GPU memory capped at the
+             same budget, same prompts (time-capped: chunks of its largest batch)
+  optional   cuda-tests (GPU unit tests), formats (bf16/int8/int4 experts), tensor-parallel (2 ranks
+             on the one GPU), device-attention (attention on the device): on the toy model
 
-The report (JSON) is rewritten after every phase, so a phase that times out leaves the others' numbers.
+Out: OUT/gpu_check.json (every figure, rewritten after every phase) and OUT/gpu_check-logs.tar.gz
+(log tails, the bench JSONs, our Chrome trace); the rest stays in the private work dir.
 
-    python bench/gpu_check.py [--num-prompts 64] [--gen-len 32] [--json gpu_check.json]
-    python bench/gpu_check.py --dry-run     # the whole flow on the toy model on the CPU (seconds)
+    python bench/gpu_check.py [--batch-cap 1024] [--gen-len 32] [--out DIR]
+    python bench/gpu_check.py --predict-only   # the HRM's pick and prediction, no GPU needed
+    python bench/gpu_check.py --dry-run        # the whole flow on the toy model on the CPU
 """
 
 from __future__ import annotations
@@ -25,8 +35,10 @@ import argparse
 import importlib.util
 import json
 import shutil
+import signal
 import sys
-from dataclasses import asdict, replace
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,353 +46,318 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
 from bench.gpucheck import log  # noqa: E402
+from bench.gpucheck.args import parse_args  # noqa: E402
 from bench.gpucheck.budget import Budget, describe_budget, device_budget, layers_that_fit, shm_needed  # noqa: E402
-from bench.gpucheck.environment import environment  # noqa: E402
-from bench.gpucheck.formats import run_formats  # noqa: E402
+from bench.gpucheck.formats import DRY_RUN_FORMATS, FORMATS, run_formats  # noqa: E402
+from bench.gpucheck.optional import OptionalPhase, run_optional  # noqa: E402
+from bench.gpucheck.outputs import MAX_DEPTH, MAX_FILES, out_dir_problems, write_archive  # noqa: E402
 from bench.gpucheck.parallel import run_tensor_parallel  # noqa: E402
+from bench.gpucheck.predict import hrm_prediction, prediction_table  # noqa: E402
 from bench.gpucheck.preflight import CUDA_TESTS, PREFLIGHT_KV, preflight_facts, preflight_sizes  # noqa: E402
-from bench.gpucheck.processes import Phase, PhaseRunner  # noqa: E402
-from bench.gpucheck.workers import WORKERS  # noqa: E402
-from bench.gpucheck.workload import bench_prompts, prompts_digest  # noqa: E402
+from bench.gpucheck.processes import PhaseRunner  # noqa: E402
+from bench.gpucheck.report import predicted_vs_measured, ratios, summary_lines  # noqa: E402
 from moe_lightning.demo_model import PRESETS, mixtral_config  # noqa: E402
 from moe_lightning.flags import format_size  # noqa: E402
 from moe_lightning.spec import ModelSpec  # noqa: E402
 
 PRESET = "mixtral-8x7b-4l"
-# The toy for the preflight and --dry-run: the real model's layer and expert counts (so the budget
-# rule gives the same residency plan), tiny widths.
+# The toy for the preflight, the optional phases and --dry-run: the real model's layer and expert
+# counts (so the budget rule gives the same residency plan), tiny widths.
 TOY = {**PRESETS["tiny"], "num_hidden_layers": 4, "num_local_experts": 8}
-TARGETS = {"ours_over_overlap_off": 3.0, "ours_over_offload": 10.0}
+SCRIPT_SECONDS = 360  # the lease rule: 6 minutes of script, so a rerun fits in the 15 of a lease
 
 
 class GpuCheck(PhaseRunner):
-    # ---- phases ----------------------------------------------------------------------------------
-    def build(self, out: Path, preset: str | dict[str, Any], timeout: float) -> Phase | None:
-        """The checkpoint in bf16 (Mixtral's own dtype), generated on the device under test."""
-        text = preset if isinstance(preset, str) else json.dumps(preset)
-        argv = [__file__, "_build", "--out", str(out), "--preset", text, "--dtype", "bfloat16"]
-        return self.start(
-            f"build-{out.name}", [*argv, "--device", self.args.device, "--seed", str(self.args.seed)], timeout
-        )
+    def run(self) -> int:
+        a = self.args
+        self.report["limits"] = {
+            "script_seconds": SCRIPT_SECONDS,
+            "deadline_seconds": a.deadline,
+            "out_files": MAX_FILES,
+            "out_depth": MAX_DEPTH,
+        }
+        log(f"report in {self.out / 'gpu_check.json'}, work dir {self.work}, deadline {a.deadline:.0f} s")
+        from bench.gpucheck.environment import environment  # imports every service: after the limits are saved
 
-    def bench(
-        self,
-        name: str,
-        model: Path,
-        budget: Budget,
-        dtype: str,
-        prompts: int,
-        gen_len: int,
-        timeout: float,
-        fail_fast: bool = False,
-        extra: tuple[str, ...] = (),
-    ) -> dict[str, Any] | None:
-        """`moe-lightning bench` with gpu_expert on the device and the arena in `dtype`; its JSON.
-        `extra`: more bench flags (they replace the defaults below where both are given)."""
-        result = self.json_path.parent / f"gpu_check-{name}.json"
-        result.unlink(missing_ok=True)
-        args = [
-            "--model",
-            str(model),
-            "--workload",
-            "mtbench",
-            "--num-prompts",
-            str(prompts),
-            "--gen-len",
-            str(gen_len),
-        ]
-        args += ["--device-memory", str(budget.device_memory), "--json", str(result)]
-        args += ["--trace", str(self.json_path.parent / f"gpu_check-{name}-trace.json")]
-        args += [] if self.args.with_transformers else ["--skip-transformers"]
-        # the reference runs (whole model resident, experts computed on the host in bf16 on the CPU)
-        # would not fit the time budget; ours vs (b) and vs offload are what the check is for
-        args += ["--skip-references"]
-        # the paper's configuration: non-resident experts stream to the GPU (CGOPipe is what is checked)
-        args += ["--experts-placement", "gpu"]
-        if not any(f in extra for f in ("--micro-batches", "--micro-batch-size")):
-            args += ["--micro-batch-size", str(self.args.micro_batch_size)] if self.args.micro_batch_size else []
-            args += ["--micro-batches", str(self.args.micro_batches)] if self.args.micro_batches else []
-        args += list(extra)
-        device = ["--device", self.args.device, "--dtype", dtype]
-        command = " ".join(["moe-lightning", "bench", *args])
-        self.record(name, command=f"{command}  # gpu_expert --device {self.args.device}, weight_store --dtype {dtype}")
-        phase = self.start(name, [__file__, "_bench", *device, "--", *args], timeout, stack=True, fail_fast=fail_fast)
-        ok = self.finish(phase)
-        return json.loads(result.read_text()) if ok and result.is_file() else None
+        env = self.report["environment"] = environment()
+        self.save()
+        if env["import_errors"]:
+            return self.fail(
+                "imports failed: " + "; ".join(env["import_errors"]) + ". Fetch the missing wheels on the dev "
+                "machine (bash bench/gpu_wheels.sh) and carry .whl (see bench/README.md)"
+            )
+        if a.device == "cuda" and not env.get("gpu"):
+            return self.fail("no CUDA device (--dry-run runs the flow on the CPU)")
+        ctx = self.setup()
+        if isinstance(ctx, int):
+            return ctx
+        self.main_comparison(*ctx)
+        self.conclude()  # the main comparison's summary, printed and written now
+        write_archive(self.out, self.collect, self.work)
+        run_optional(self, self.optional_phases(ctx[1]), a.skip)
+        return self.conclude(final=True)
+
+    # ---- setup: model, budget, the HRM's pick, room ----------------------------------------------
+    def setup(self) -> tuple[ModelSpec, Path, Any, Budget] | int:
+        a = self.args
+        preset: str | dict[str, Any] = TOY if a.dry_run else PRESET
+        spec, budget = self.plan(preset, a.dtype)
+        if not a.dry_run:
+            free = shutil.disk_usage("/dev/shm").free
+            n = self.report["hrm"]["batch"]
+            layers = layers_that_fit(PRESETS[PRESET], a.dtype, a.resident_fraction, free, n, a.gen_len)
+            if layers < spec.num_layers:
+                preset = {**PRESETS[PRESET], "num_hidden_layers": max(1, layers)}
+                log(f"/dev/shm holds a {layers}-layer model, not {spec.num_layers}: using that")
+                self.report["shm_layers"] = layers
+                spec, budget = self.plan(preset, a.dtype)
+        model_dir = self.work / ("toy" if a.dry_run else f"{PRESET}-{spec.num_layers}l")
+        checkpoint_bytes = 2 * spec.num_parameters()
+        self.report["model"] = {
+            "preset": "toy" if a.dry_run else f"{PRESET}, {spec.num_layers} layers",
+            "layers": spec.num_layers,
+            "dir": str(model_dir),
+            "config": mixtral_config(preset, "bfloat16"),
+            "parameters": spec.num_parameters(),
+            "checkpoint_bytes": checkpoint_bytes,
+            "seed": a.seed,
+        }
+        n = self.report["hrm"]["batch"]
+        need = shm_needed(spec, budget, n, a.gen_len, a.dtype)
+        problem = self.check_room("the weight arena + KV cache", "/dev/shm", need)
+        if problem:
+            return self.fail(
+                f"{problem}. The weight store keeps its arena in /dev/shm: give the container more "
+                "(docker run --shm-size=32g, or mount -o remount,size=32G /dev/shm), or lower --batch-cap"
+            )
+        if not (model_dir / "gpu_check.built").is_file():  # the checkpoint and the weight store's copy of it
+            problem = self.check_room("the checkpoint", str(self.work), 2 * checkpoint_bytes + (1 << 30))
+            if problem:
+                return self.fail(f"{problem}; point --work-dir at a larger disk")
+        self.workload(spec, n)
+        return spec, model_dir, preset, budget
+
+    def workload(self, spec: ModelSpec, n: int) -> None:
+        """The prompts every system gets (bench's own mtbench prompts for N), recorded with a digest."""
+        from bench.gpucheck.workload import describe_workload
+
+        self.report["workload"] = describe_workload(self.work, spec.vocab_size, n, self.args.gen_len)
+        self.save()
+
+    def plan(self, preset: str | dict[str, Any], dtype: str) -> tuple[ModelSpec, Budget]:
+        """The budget rule and the HRM's pick for this model in `dtype` (recorded in the report)."""
+        a = self.args
+        spec = ModelSpec.from_hf_config(mixtral_config(preset, "bfloat16"))
+        budget = device_budget(spec, dtype, a.resident_fraction)
+        log(f"budget, ours ({dtype}): {describe_budget(budget)}")
+        offload = device_budget(spec, "bfloat16", a.resident_fraction)  # the checkpoint's dtype
+        self.report["budget"] = {
+            "rule": f"smallest budget at which gpu_expert's plan keeps >= {a.resident_fraction:.0%} of the experts",
+            "ours": {"dtype": dtype, **asdict(budget), "human": format_size(budget.device_memory)},
+            "offload": {
+                "dtype": "bfloat16",
+                **asdict(offload),
+                "human": format_size(offload.device_memory),
+                "weights_bytes": offload.device_memory - offload.ring_bytes,  # accelerate's placement
+                "total_bytes": offload.device_memory,  # everything it allocates on the GPU
+            },
+        }
+        t0 = time.monotonic()
+        hrm = hrm_prediction(spec, budget, dtype, a.batch_cap, a.gen_len, a.profile)
+        self.report["hrm"] = {**hrm, "table": prediction_table(hrm)}
+        self.record("hrm", ok=True, seconds=round(time.monotonic() - t0, 1))
+        log("\n    ".join(["the HRM's pick and prediction:", *self.report["hrm"]["table"]]))
+        return spec, budget
 
     def check_room(self, what: str, path: str, need: int) -> str | None:
         free = shutil.disk_usage(path).free
         log(f"{what}: {format_size(free)} free at {path}, {format_size(need)} needed")
         return None if free >= need else f"{path} has {format_size(free)} free; {what} needs {format_size(need)}"
 
-    def run(self) -> int:
+    # ---- the main comparison ---------------------------------------------------------------------
+    def main_comparison(self, spec: ModelSpec, model_dir: Path, preset: Any, budget: Budget) -> None:
         a = self.args
-        self.work.mkdir(parents=True, exist_ok=True)
-        env = self.report["environment"] = environment()
-        self.save()
-        if env["import_errors"]:
-            return self.fail(
-                "imports failed: " + "; ".join(env["import_errors"]) + ". Fetch the missing wheels on the dev "
-                "machine (bash ../shared/gpu-check/wheels.sh posix-ipc grpcio protobuf [more]) and carry .whl"
-            )
-        if a.device == "cuda" and not torch.cuda.is_available():
-            return self.fail("no CUDA device (--dry-run runs the flow on the CPU)")
-
-        preset: str | dict[str, Any] = TOY if a.dry_run else PRESET
-        if not a.dry_run:
-            layers = layers_that_fit(PRESETS[PRESET], a.dtype, a.resident_fraction, shutil.disk_usage("/dev/shm").free)
-            if layers < PRESETS[PRESET]["num_hidden_layers"]:
-                preset = {**PRESETS[PRESET], "num_hidden_layers": max(1, layers)}
-                log(f"/dev/shm holds a {layers}-layer model, not {PRESETS[PRESET]['num_hidden_layers']}: using that")
-                self.report["shm_layers"] = layers
-        config = mixtral_config(preset, "bfloat16")
-        spec = ModelSpec.from_hf_config(config)
-        model_dir = self.work / ("toy" if a.dry_run else f"{PRESET}-{spec.num_layers}l")
-        checkpoint_bytes = 2 * spec.num_parameters()
-        self.report["model"] = {
-            "preset": "toy" if a.dry_run else f"{PRESET}, {spec.num_layers} layers",
-            "dir": str(model_dir),
-            "config": config,
-            "parameters": spec.num_parameters(),
-            "checkpoint_bytes": checkpoint_bytes,
-            "seed": a.seed,
-        }
-        budget = device_budget(spec, a.dtype, a.resident_fraction)
-        offload_budget = device_budget(spec, "bfloat16", a.resident_fraction)  # the checkpoint's dtype
-        log(f"budget, ours ({a.dtype}): {describe_budget(budget)}")
-        self.report["budget"] = {
-            "rule": f"smallest budget at which gpu_expert's plan keeps >= {a.resident_fraction:.0%} of the experts",
-            "ours": {"dtype": a.dtype, **asdict(budget), "human": format_size(budget.device_memory)},
-            "offload": {
-                "dtype": "bfloat16",
-                **asdict(offload_budget),
-                "human": format_size(offload_budget.device_memory),
-            },
-        }
-        problem = self.check_room("the weight arena + KV cache", "/dev/shm", shm_needed(spec, budget))
-        if problem:
-            return self.fail(
-                f"{problem}. The weight store keeps its arena in /dev/shm: give the container more "
-                "(docker run --shm-size=32g, or mount -o remount,size=32G /dev/shm)"
-            )
-        if not (model_dir / "gpu_check.built").is_file():
-            problem = self.check_room("the checkpoint", str(self.work), checkpoint_bytes + (1 << 30))
-            if problem:
-                return self.fail(f"{problem}; point --work-dir at a larger disk")
-        prompts = bench_prompts(model_dir, spec.vocab_size, a.num_prompts)
-        lengths = [len(p) for p in prompts]
-        self.report["workload"] = {
-            "kind": "mtbench",
-            "prompts": len(prompts),
-            "gen_len": a.gen_len,
-            "average_prompt_tokens": sum(lengths) / len(lengths),
-            "longest_prompt_tokens": max(lengths),
-            "prompts_sha256": prompts_digest(prompts),
-        }
-        self.save()
-
+        toy_dir = self.work / "toy"
         # the checkpoint is built while the preflight looks for faults of the stack on this machine
-        builder = self.build(model_dir, preset, self.timeout(180, 240))
-        self.cuda_tests()
-        dtype = self.preflight() if a.preflight else a.dtype
-        built = self.finish(builder)
+        builder = None if a.dry_run else self.build(model_dir, preset, self.timeout(150, 150))
+        toy = self.finish(self.build(toy_dir, TOY, self.timeout(60, 200)))
+        dtype = a.dtype
+        if toy and a.preflight and "preflight" not in a.skip:
+            dtype = self.preflight(toy_dir) or a.dtype  # a failed preflight never skips ours
+        built = toy if a.dry_run else self.finish(builder)
+        if dtype != a.dtype:  # the fallback: our stack works in it on the toy model, not in a.dtype
+            spec, budget = self.plan(preset, dtype)
+            need = shm_needed(spec, budget, self.report["hrm"]["batch"], a.gen_len, dtype)
+            if self.check_room("the weight arena + KV cache", "/dev/shm", need):
+                log(f"not enough room for {dtype}: ours runs in {a.dtype} after all")
+                dtype, (spec, budget) = a.dtype, self.plan(preset, a.dtype)
+            self.workload(spec, self.report["hrm"]["batch"])
+        hrm = self.report["hrm"]
         bench = None
         if not built:
             self.report["ours_error"] = "no checkpoint: see phases.build-*"
-        elif dtype is None:
-            self.report["ours_error"] = "the preflight failed: see phases.preflight-* and gpu_check-logs/"
+            for name in ("ours", "offload"):
+                self.record(name, ok=None, skipped=self.report["ours_error"])
+        elif "ours" in a.skip:
+            self.record("ours", ok=None, skipped="--skip")
         else:
-            if dtype != a.dtype:
-                budget = device_budget(spec, dtype, a.resident_fraction)
-                self.report["budget"]["ours"] = {
-                    "dtype": dtype,
-                    **asdict(budget),
-                    "human": format_size(budget.device_memory),
-                }
-                log(f"budget, ours ({dtype}): {describe_budget(budget)}")
-                problem = self.check_room("the weight arena + KV cache", "/dev/shm", shm_needed(spec, budget))
-                self.report["ours_error"] = problem
-            if not self.report.get("ours_error"):
-                bench = self.bench("ours", model_dir, budget, dtype, a.num_prompts, a.gen_len, self.timeout(300, 100))
+            extra = ("--micro-batch-size", str(hrm["micro_batch"]))  # the policy the HRM predicted for
+            timeout = self.timeout(240, 0 if "offload" in a.skip else 80)  # the offload phase's least
+            n = hrm["batch"]
+            bench = self.bench("ours", model_dir, budget.device_memory, dtype, n, a.gen_len, timeout, True, extra, True)
         self.report["ours_bench"] = bench
+        if built and "offload" not in a.skip:
+            self.report["offload"] = self.offload(model_dir, hrm["batch"], self.timeout(120, 5))
+        self.save()
 
-        offload = None
-        if built and not a.skip_offload:
-            result = self.json_path.parent / "gpu_check-offload.json"
-            result.unlink(missing_ok=True)
-            argv = [__file__, "_offload", "--model", str(model_dir), "--max-memory", str(offload_budget.device_memory)]
-            argv += ["--num-prompts", str(a.num_prompts), "--gen-len", str(a.gen_len), "--json", str(result)]
-            argv += ["--dtype", "float32" if a.dry_run else "bfloat16"]  # bf16 matmul is emulated on small CPUs
-            if self.finish(self.start("offload", argv, self.timeout(240, 0))) and result.is_file():
-                offload = json.loads(result.read_text())
-                offload["same_prompts"] = offload.pop("prompts_sha256") == self.report["workload"]["prompts_sha256"]
-        self.report["offload"] = offload
-        if built and dtype is not None and a.dry_run:  # the preflight's formats ran this flow on a toy alike
-            self.record("formats", ok=True, skipped="dry run: preflight-formats ran the same flow")
-        elif built and dtype is not None:  # last: the formats, on the checkpoint, in what time is left
-            run_formats(self, "formats", model_dir, budget, dtype, a.num_prompts, a.gen_len, self.timeout(240, 0), 128)
-        return self.conclude(bench, offload)
-
-    def preflight(self) -> str | None:
-        """The bench on the toy model, through the paths a first GPU run breaks; returns the dtype our
-        stack works in on this machine, or None.
-
-        Two runs per dtype: attention on the host with 8 micro-batches (the pinned, asynchronous
-        hand-offs; more micro-batches than channel slots), hot-expert residency every 2 decode steps
-        and the host synchronisations counted; then attention on the device over its own KV cache.
-        When the requested dtype fails the fallback is tried, so one fault (say, a dtype mismatch
-        between the device and the attention service) still leaves numbers to read, marked as such."""
-        a = self.args
-        toy_dir = self.work / "preflight"
-        if not self.finish(self.build(toy_dir, TOY, self.timeout(60, 300))):
+    def offload(self, model_dir: Path, n: int, timeout: float) -> dict[str, Any] | None:
+        a, b = self.args, self.report["budget"]["offload"]
+        result = self.collect / "offload.json"
+        result.unlink(missing_ok=True)
+        argv = [str(REPO / "bench" / "gpu_check.py"), "_offload", "--model", str(model_dir)]
+        argv += ["--max-memory", str(b["weights_bytes"]), "--total-memory", str(b["total_bytes"])]
+        argv += ["--num-prompts", str(n), "--gen-len", str(a.gen_len), "--json", str(result)]
+        # its load, out-of-memory halving and a few chunks of its batch: later chunks only repeat them
+        argv += ["--seconds", str(max(10.0, min(75.0, timeout - 20)))]
+        argv += ["--dtype", "float32" if a.dry_run else "bfloat16"]  # bf16 matmul is emulated on small CPUs
+        if not (self.finish(self.start("offload", argv, timeout)) and result.is_file()):
             return None
+        offload = json.loads(result.read_text())
+        offload["same_prompts"] = offload.pop("prompts_sha256") == self.report["workload"]["prompts_sha256"]
+        return offload
+
+    def preflight(self, toy_dir: Path) -> str | None:
+        """The bench on the toy model through the paths a first GPU run breaks (8 micro-batches: more
+        than the channel slots; hot-expert residency every 2 decode steps; host syncs counted); the
+        first dtype of the requested and the fallback one it works in, or None."""
+        a = self.args
         toy = ModelSpec.from_hf_config(mixtral_config(TOY, "bfloat16"))
         n, gen = preflight_sizes(a.dry_run)
         for dtype in [a.dtype] + ([a.fallback_dtype] if a.fallback_dtype not in ("none", a.dtype) else []):
             budget = device_budget(toy, dtype, a.resident_fraction)
             # ours only: its baseline (b) runs in the `ours` phase; here it would cost device time for nothing
-            skip = ("--skip-references", "--skip-overlap-off")
-            pipeline = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", *skip)
+            flags = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", "--skip-overlap-off")
             name = f"preflight-{dtype}"
-            result = self.bench(name, toy_dir, budget, dtype, n, gen, self.timeout(120, 240), True, pipeline)
+            result = self.bench(name, toy_dir, budget.device_memory, dtype, n, gen, self.timeout(90, 200), True, flags)
             if result is None:
                 continue
             self.report.setdefault("preflight", {})[name] = preflight_facts(result)
-            on_device = replace(budget, device_memory=budget.device_memory + PREFLIGHT_KV)
-            attention = ("--micro-batches", "8", "--attention-placement", "gpu", *skip)
-            attention += ("--device-kv-memory", str(PREFLIGHT_KV))
-            name = f"preflight-device-attention-{dtype}"
-            result = self.bench(name, toy_dir, on_device, dtype, n, gen, self.timeout(120, 240), True, attention)
-            self.report["preflight"][name] = preflight_facts(result) if result else {"ok": False}
-            formats = f"preflight-formats-{dtype}"
-            run_formats(self, formats, toy_dir, budget, dtype, n, gen, self.timeout(150, 240), group_size=32)
-            ranks = f"preflight-tensor-parallel-{dtype}"
-            run_tensor_parallel(self, ranks, toy_dir, budget, dtype, n, gen, self.timeout(120, 240))
             if dtype != a.dtype:
-                self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours ran in {dtype}"
+                self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours runs in {dtype}"
                 log(f"WARNING: {self.report['dtype_fallback']}")
             return dtype
         return None
 
-    def cuda_tests(self) -> None:
-        """The unit tests that need a GPU (the copy engine, the CUDA hand-off path, sync counts),
-        when pytest is importable (bash ../shared/gpu-check/wheels.sh ... pytest pluggy iniconfig)."""
+    # ---- the optional phases ---------------------------------------------------------------------
+    def optional_phases(self, model_dir: Path) -> list[OptionalPhase]:
+        a = self.args
+        toy_dir = self.work / "toy"
+        toy = ModelSpec.from_hf_config(mixtral_config(TOY, "bfloat16"))
+        dtype = (self.report.get("budget") or {}).get("ours", {}).get("dtype", a.dtype)
+        budget = device_budget(toy, dtype, a.resident_fraction)
+        n, gen = preflight_sizes(a.dry_run)
+        on_checkpoint = a.formats_on == "checkpoint"
+        formats_model, group = (model_dir, 128) if on_checkpoint else (toy_dir, 32)  # 32: the toy's narrow widths
+        formats_n = self.report["hrm"]["batch"] if on_checkpoint else n
+
+        def formats(timeout: float) -> None:
+            chosen = DRY_RUN_FORMATS if a.dry_run else FORMATS
+            run_formats(self, "formats", formats_model, dtype, formats_n, gen, timeout, group, chosen)
+
+        def device_attention(timeout: float) -> None:
+            flags = ("--micro-batches", "8", "--attention-placement", "gpu", "--skip-overlap-off")
+            flags += ("--device-kv-memory", str(PREFLIGHT_KV))
+            memory = budget.device_memory + PREFLIGHT_KV
+            result = self.bench("device-attention", toy_dir, memory, dtype, n, gen, timeout, True, flags)
+            if result is not None:
+                self.report["device-attention"] = preflight_facts(result)
+
+        def ranks(timeout: float) -> None:
+            run_tensor_parallel(self, "tensor-parallel", toy_dir, budget, dtype, n, gen, timeout)
+
+        return [
+            OptionalPhase("cuda-tests", 60, 150, self.cuda_tests),
+            OptionalPhase("formats", 240 if on_checkpoint else 75, 300 if on_checkpoint else 150, formats),
+            OptionalPhase("tensor-parallel", 45, 90, ranks),
+            OptionalPhase("device-attention", 35, 60, device_attention),
+        ]
+
+    def cuda_tests(self, timeout: float) -> None:
+        """The unit tests that need a GPU (the copy engine, the CUDA hand-off path, sync counts)."""
         if importlib.util.find_spec("pytest") is None:
-            self.record("cuda-tests", ok=False, skipped="pytest is not installed (fetch its wheels, see gpu_check.sh)")
+            self.record("cuda-tests", ok=None, skipped="pytest is not installed (bash bench/gpu_wheels.sh fetches it)")
             return
         # a dry run only collects them: without a GPU their CUDA cases skip, and the suite runs the others
         only = ["--collect-only"] if self.args.dry_run else []
-        argv = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CUDA_TESTS, *only]
-        self.finish(self.start("cuda-tests", argv, self.timeout(150, 200)))
+        tests = [t for t in CUDA_TESTS if (REPO / t.split("::")[0]).is_file()]
+        argv = ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests, *only]
+        # the image's own pytest plugins were built for its pytest, not the carried one: load none
+        self.finish(self.start("cuda-tests", argv, timeout, env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}))
 
+    # ---- the report ------------------------------------------------------------------------------
     def fail(self, message: str) -> int:
         log(f"FAILED: {message}")
         self.report["status"] = "failed"
         self.report["error"] = message
+        self.report["summary"] = [f"FAILED: {message}"]
         self.save()
-        print(json.dumps(self.report, indent=2, default=str))
+        write_archive(self.out, self.collect, self.work)
         return 2
 
-    def conclude(self, bench: dict[str, Any] | None, offload: dict[str, Any] | None) -> int:
-        ratios: dict[str, Any] = {}
-        if bench is not None:
-            ours = bench["ours"]["generated_tokens_per_second"]
-            ratios["ours_over_overlap_off"] = ours / bench["overlap_off"]["generated_tokens_per_second"]
-            if offload is not None:
-                ratios["ours_over_offload"] = ours / offload["generated_tokens_per_second"]
-        self.report["ratios"] = {
-            name: {"value": value, "target": TARGETS[name], "met": value >= TARGETS[name]}
-            for name, value in ratios.items()
-        }
-        complete = len(ratios) == len(TARGETS)
-        self.report["status"] = "ok" if complete else "partial"
+    def conclude(self, final: bool = False, status: str | None = None) -> int:
+        """Ratios, the prediction beside the measurement, the summary: printed and written."""
+        self.report["ratios"] = ratios(self.report)
+        self.report["predicted_vs_measured"] = predicted_vs_measured(self.report)
+        complete = len(self.report["ratios"]) == 2
+        self.report["status"] = status or (("ok" if complete else "partial") if final else "main comparison done")
+        self.report["summary"] = summary_lines(self.report)
         self.save()
-        print(json.dumps(self.report, indent=2, default=str))
-
-        def row(label: str, result: dict[str, Any] | None, note: str) -> str:
-            tps = f"{result['generated_tokens_per_second']:10.1f}" if result else f"{'-':>10}"
-            return f"{label:28} {tps}  {note}".rstrip()
-
-        budget = self.report["budget"]["ours"]
-        lines = [
-            f"budget {budget['human']}: {budget['resident_experts']} of {budget['total_experts']} experts resident;"
-            f" ours in {budget['dtype']}",
-            *([f"WARNING: {self.report['dtype_fallback']}"] if "dtype_fallback" in self.report else []),
-            f"{'':28} {'tok/s':>10}",
-        ]
-        if bench is not None:
-            lines.append(row("ours", bench["ours"], f"(decode {bench['ours']['decode_tokens_per_second']:.1f})"))
-            lines.append(row("(b) ours, overlap off", bench["overlap_off"], ""))
-            if "transformers" in bench:
-                lines.append(row("(a) transformers, CPU fp32", bench["transformers"], ""))
-        else:
-            lines.append(row("ours", None, f"({self.report.get('ours_error') or 'see phases.ours'})"))
-        note = f"(batch {offload['batch_size']})" if offload else "(see phases.offload)"
-        lines.append(row("accelerate offload", offload, note))
-        lines += [
-            f"ours / {name.removeprefix('ours_over_')}: {r['value']:.2f} (target >= {r['target']:g}: "
-            f"{'met' if r['met'] else 'NOT met'})"
-            for name, r in self.report["ratios"].items()
-        ]
-        log("summary (also in " + str(self.json_path) + "):\n" + "\n".join(lines))
+        what = f"summary ({status})" if status else "summary" if final else "summary of the main comparison"
+        log(f"{what} (also in {self.out / 'gpu_check.json'}):\n" + "\n".join(self.report["summary"]))
+        if final or status:
+            self.report["outputs"] = {"archive": write_archive(self.out, self.collect, self.work)}
+            self.report["outputs"]["problems"] = out_dir_problems(self.out)
+            self.save()
         return 0 if complete else 1
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--num-prompts", type=int, default=None, help="batch for every system (default 64; dry run 4)")
-    p.add_argument("--gen-len", type=int, default=None, help="tokens generated per prompt (default 32; dry run 4)")
-    p.add_argument(
-        "--resident-fraction", type=float, default=0.2, help="share of the experts the budget keeps resident"
-    )
-    p.add_argument("--dtype", default=None, help="our arena's dtype (default bfloat16; dry run float32)")
-    p.add_argument("--fallback-dtype", default="float32", help="dtype to try when the preflight fails ('none': off)")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
-    p.add_argument("--micro-batches", type=int, default=None, help="force this many micro-batches (n_ub)")
-    p.add_argument("--seed", type=int, default=0, help="the checkpoint's weights")
-    p.add_argument(
-        "--work-dir",
-        default=None,
-        help="checkpoints, arena copy, logs (default: a new private directory under the temp dir; a given "
-        "one is created 0700 and refused if another user could write to it)",
-    )
-    p.add_argument("--json", type=Path, default=Path("gpu_check.json"), help="the report (logs go next to it)")
-    p.add_argument("--deadline", type=float, default=440.0, help="seconds for everything; phases share them")
-    p.add_argument(
-        "--preflight",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="toy-model runs first (auto: on; in a dry run they exercise the same paths on the CPU)",
-    )
-    p.add_argument("--skip-offload", action="store_true", help="leave out the accelerate offload baseline")
-    p.add_argument("--with-transformers", action="store_true", help="also bench's baseline (a) (CPU, fp32: slow)")
-    p.add_argument("--dry-run", action="store_true", help="the toy model on the CPU: checks the flow, not speed")
-    a = p.parse_args(argv)
-    a.device = "cpu" if a.dry_run else "cuda"
-    a.num_prompts = a.num_prompts or (4 if a.dry_run else 64)
-    a.gen_len = a.gen_len or (4 if a.dry_run else 32)
-    a.dtype = a.dtype or ("float32" if a.dry_run else "bfloat16")
-    a.preflight = a.preflight in ("on", "auto")
-    return a
+def predict_only(a: argparse.Namespace) -> int:
+    """The prediction the docs' table shows, for the check's model and budget, without a GPU."""
+    spec = ModelSpec.from_hf_config(mixtral_config(TOY if a.dry_run else PRESET, "bfloat16"))
+    budget = device_budget(spec, a.dtype, a.resident_fraction)
+    print(describe_budget(budget))
+    print("\n".join(prediction_table(hrm_prediction(spec, budget, a.dtype, a.batch_cap, a.gen_len, a.profile))))
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM as SIGINT: stop the phases, keep what was measured
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    from bench.gpucheck.workers import WORKERS
+
     if argv and argv[0] in WORKERS:
         return WORKERS[argv[0]](argv[1:])
-    check = GpuCheck(parse_args(argv))
-    check.json_path.parent.mkdir(parents=True, exist_ok=True)
+    args = parse_args(argv, __doc__)
+    if args.predict_only:
+        return predict_only(args)
+    check = GpuCheck(args)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return check.run()
     except KeyboardInterrupt:  # the outer timeout in gpu_check.sh: stop the phases, keep what was measured
-        log("interrupted: stopping the running phases")
-        check.stop_all()
-        check.report["status"] = "interrupted"
-        check.save()
+        log("interrupted: stopping the running phases, writing what was measured")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one interruption is enough: let the report be written
+        check.stop_all(grace=5.0)
+        check.conclude(status="interrupted")
         return 130
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

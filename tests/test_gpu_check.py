@@ -1,63 +1,179 @@
-"""bench/gpu_check.py, the H200 check, kept runnable: its whole flow (the GPU unit tests, the preflight
-through the paths a first GPU run breaks, build, ours vs (b) through `moe-lightning bench`, the
-transformers-offload baseline, the report) on the toy model on the CPU (--dry-run). The speeds mean
-nothing here; that every phase runs and reports does."""
+"""bench/gpu_check.py, the H200 check, kept runnable and within its lease (issue 26): its whole flow
+(the HRM's pick and prediction, the toy preflight, ours vs (b) through `moe-lightning bench`, the
+transformers-offload baseline, then the optional phases: the GPU unit tests, the expert formats, two
+tensor-parallel ranks, attention on the device) on the toy model on the CPU (--dry-run), and what
+the device tool brings back of its output folder. The speeds mean nothing here; that every phase
+runs and reports, in that order, within the limits, does."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import tarfile
+import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.gpucheck.optional import OptionalPhase, run_optional  # noqa: E402
+from bench.gpucheck.outputs import ARCHIVE_NAME, MAX_DEPTH, MAX_FILES, REPORT_NAME, out_dir_problems  # noqa: E402
+
+MAIN = ("hrm", "build-toy", "preflight-float32", "ours", "offload")
+OPTIONAL = ("cuda-tests", "formats", "tensor-parallel", "device-attention")
 
 
-def test_dry_run_runs_every_phase_and_writes_the_report(tmp_path: Path) -> None:
-    report_path = tmp_path / "out" / "gpu_check.json"
+def test_dry_run_runs_every_phase_within_the_lease_limits(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "bench/gpu_check.py", "--dry-run", "--json", str(report_path), "--work-dir", str(tmp_path)],
+        [sys.executable, "bench/gpu_check.py", "--dry-run", "--out", str(out), "--work-dir", str(tmp_path / "work")],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=600,
     )
+    wall = time.monotonic() - t0
     assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(report_path.read_text())
+    # what comes back from $OUT: one report, one archive, nothing too deep or oddly named
+    assert sorted(p.name for p in out.rglob("*")) == sorted([REPORT_NAME, ARCHIVE_NAME])
+    assert out_dir_problems(out) == []
+    report = json.loads((out / REPORT_NAME).read_text())
     assert report["status"] == "ok" and report["dry_run"]
-    assert {name: p["ok"] for name, p in report["phases"].items()} == {
-        "cuda-tests": True,  # the CPU cases of the same files run; the CUDA ones skip
-        "build-preflight": True,
-        "preflight-float32": True,
-        "preflight-device-attention-float32": True,
-        "preflight-formats-float32": True,
-        "preflight-tensor-parallel-float32": True,
-        "build-toy": True,
-        "ours": True,
-        "offload": True,
-        "formats": True,
-    }
-    runs = report["preflight-formats-float32"]  # the expert formats, experts streamed ("formats" in a
-    assert set(runs) == {"none", "int8", "int4", "int4_over_none"}  # dry run: the same flow, skipped)
-    assert runs["int4"]["expert_bytes_per_step"] < runs["int8"]["expert_bytes_per_step"]
-    assert runs["int8"]["expert_bytes_per_step"] < runs["none"]["expert_bytes_per_step"]
-    assert runs["int4_over_none"]["target"] == 2.0
-    assert report["phases"]["formats"]["skipped"].startswith("dry run")
-    ranks = report["preflight-tensor-parallel-float32"]  # 2 ranks on the one device, gloo
+    limits = report["limits"]
+    assert limits == {"script_seconds": 360, "deadline_seconds": 300.0, "out_files": MAX_FILES, "out_depth": MAX_DEPTH}
+    assert report["elapsed_seconds"] <= limits["deadline_seconds"] and wall <= limits["deadline_seconds"] + 30
+    assert report["outputs"]["problems"] == [] and report["outputs"]["archive"]["left_out"] == []
+
+    # every phase ran, the main comparison before the optional ones, its summary printed in between
+    phases = report["phases"]
+    assert {name: p["ok"] for name, p in phases.items()} == dict.fromkeys((*MAIN, *OPTIONAL), True)
+    assert max(list(phases).index(n) for n in MAIN) < min(list(phases).index(n) for n in OPTIONAL)
+    first_summary = r.stderr.index("summary of the main comparison")
+    assert first_summary < r.stderr.index("cuda-tests: started") < r.stderr.rindex("] summary (also in")
+    assert report["summary"] and "ours / overlap_off" in r.stderr
+
+    # the HRM's pick is what ran, and its prediction sits next to the measurement
+    hrm = report["hrm"]
+    assert 1 <= hrm["batch"] <= hrm["batch_cap"] == 4 and hrm["table"]
+    assert report["workload"]["prompts"] == hrm["batch"]
+    ours = report["ours_bench"]["ours"]
+    assert ours["micro_batches"] == hrm["micro_batches"] and ours["generated_tokens_per_second"] > 0
+    assert report["ours_bench"]["overlap_off"]["generated_tokens_per_second"] > 0
+    pvm = report["predicted_vs_measured"]
+    assert pvm["ours_decode_tokens_per_second"]["predicted"] == hrm["ours"]["decode_tokens_per_second"]
+    assert pvm["ours_decode_tokens_per_second"]["measured"] == ours["decode_tokens_per_second"]
+    assert pvm["ours_over_overlap_off_decode"]["predicted"] == hrm["ratios"]["ours_over_overlap_off"]
+    assert set(report["ratios"]) == {"ours_over_overlap_off", "ours_over_offload"}
+    assert {r["target"] for r in report["ratios"].values()} == {3.0, 10.0}
+
+    offload = report["offload"]
+    assert offload["same_prompts"] and offload["prompts_run"] == hrm["batch"]
+    assert offload["generated_tokens"] == hrm["batch"] * 4
+
+    # the optional phases' numbers
+    runs = report["formats"]  # experts streamed, each format at a quarter of its own pages
+    assert set(runs) == {"none", "int4", "int4_over_none"} and runs["int4_over_none"]["target"] == 2.0
+    assert runs["int4"]["expert_bytes_per_step"] < runs["none"]["expert_bytes_per_step"]
+    ranks = report["tensor-parallel"]  # 2 ranks on the one device, gloo
     assert [r["rank"] for r in ranks["per_rank"]["ranks"]] == [0, 1] and ranks["decode_tokens_per_second"] > 0
-    preflight = json.loads((tmp_path / "out" / "gpu_check-preflight-float32.json").read_text())
-    assert preflight["ours"] and "overlap_off" not in preflight  # --skip-overlap-off: (b) runs in `ours`
-    two_ranks = json.loads((tmp_path / "out" / "gpu_check-preflight-tensor-parallel-float32.json").read_text())
-    assert two_ranks["ours"] and "overlap_off" not in two_ranks  # the phase files ours only
     pipeline = report["preflight"]["preflight-float32"]
     assert pipeline["micro_batches"] == 8 and pipeline["residency_changes"] >= 1
     assert pipeline["cuda_syncs_per_decode_step"] is None  # counted on CUDA only
-    assert report["preflight"]["preflight-device-attention-float32"]["policy"]["attention"] == "gpu"
+    assert report["device-attention"]["policy"]["attention"] == "gpu"
     assert report["environment"]["import_errors"] == []
     budget = report["budget"]["ours"]
     assert budget["resident_experts"] >= 0.2 * budget["total_experts"]  # the budget rule: at least 20 %
-    assert report["ours_bench"]["ours"]["generated_tokens_per_second"] > 0
-    assert report["ours_bench"]["overlap_off"]["generated_tokens_per_second"] > 0
-    assert report["offload"]["same_prompts"] and report["offload"]["generated_tokens"] == 4 * 4
-    assert set(report["ratios"]) == {"ours_over_overlap_off", "ours_over_offload"}
-    assert "ours / overlap_off" in r.stderr and (tmp_path / "out" / "gpu_check-logs").is_dir()
+
+    # the archive: log tails (phases and services), the bench JSONs, our Chrome trace
+    with tarfile.open(out / ARCHIVE_NAME) as tar:
+        names = set(tar.getnames())
+    assert {"gpu_check-logs/ours-trace.json", "gpu_check-logs/ours.json", "gpu_check-logs/logs/ours.log"} <= names
+    assert any(n.startswith("gpu_check-logs/logs/ours-overlap-gpu_expert") for n in names)
+    preflight = json.loads(_member(out / ARCHIVE_NAME, "gpu_check-logs/preflight-float32.json"))
+    assert preflight["ours"] and "overlap_off" not in preflight  # --skip-overlap-off: (b) runs in `ours`
+
+
+def _member(archive: Path, name: str) -> str:
+    with tarfile.open(archive) as tar:
+        f = tar.extractfile(name)
+        assert f is not None
+        return f.read().decode()
+
+
+class _Check:
+    def __init__(self, left: float) -> None:
+        self._left = left
+        self.phases: dict[str, dict[str, Any]] = {}
+
+    def left(self) -> float:
+        return self._left
+
+    def record(self, name: str, **fields: Any) -> None:
+        self.phases.setdefault(name, {}).update(fields)
+
+
+def test_optional_phases_are_skipped_when_time_runs_short_and_a_failure_stops_none() -> None:
+    check, ran = _Check(left=100.0), []
+
+    def run(name: str) -> Any:
+        def go(timeout: float) -> None:
+            ran.append((name, timeout))
+            if name == "broken":
+                raise RuntimeError("no GPU today")
+            check._left -= 50
+
+        return go
+
+    plan = [("broken", 10, 20), ("a", 30, 60), ("b", 30, 60), ("c", 10, 60), ("d", 1, 9)]  # name, needs, cap
+    phases = [OptionalPhase(n, needs, cap, run(n)) for n, needs, cap in plan]
+    run_optional(check, phases, skip={"d"})
+    # 10 s are kept for the report: broken raises (recorded); a gets its cap; b the 40 s left; c none
+    assert ran == [("broken", 20), ("a", 60), ("b", 40)]
+    assert check.phases["broken"]["ok"] is False and "no GPU today" in check.phases["broken"]["error"]
+    assert check.phases["c"] == {"ok": None, "skipped": "0 s left before the deadline, it needs 10 s"}
+    assert check.phases["d"] == {"ok": None, "skipped": "--skip"}
+
+
+def test_out_dir_problems_names_what_would_not_come_back(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b" / "c").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "ok.json").write_text("{}")  # two folders down: comes back
+    (tmp_path / "a" / "b" / "c" / "deep.log").write_text("x")
+    (tmp_path / "bad name.txt").write_text("x")
+    for i in range(7):
+        (tmp_path / f"f{i}.log").write_text("x")
+    problems = out_dir_problems(tmp_path)
+    assert any(p.startswith("10 files") for p in problems)
+    assert any("deep.log: 3 folders deep" in p for p in problems)
+    assert any(p.startswith("bad name.txt") for p in problems)
+    assert not any("ok.json" in p for p in problems)
+
+
+def test_an_interruption_writes_the_report_and_the_archive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.gpu_check as gpu_check
+
+    def interrupted(self: gpu_check.GpuCheck) -> int:
+        self.record("ours", ok=None, command="moe-lightning bench ...")
+        (self.logs / "ours.log").write_text("ours (overlap on)...\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_check.GpuCheck, "run", interrupted)
+    out = tmp_path / "out"
+    assert gpu_check.main(["--dry-run", "--out", str(out), "--work-dir", str(tmp_path / "work")]) == 130
+    report = json.loads((out / REPORT_NAME).read_text())
+    assert report["status"] == "interrupted" and report["phases"]["ours"]["command"]
+    assert _member(out / ARCHIVE_NAME, "gpu_check-logs/logs/ours.log") == "ours (overlap on)...\n"
+    assert out_dir_problems(out) == []
+
+
+def test_predict_only_prints_the_hrm_pick_for_the_check_without_a_gpu() -> None:
+    r = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--predict-only"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "HRM pick on h200: N=1024 in 32 micro-batches of 32" in r.stdout  # docs/cgopipe-and-benchmarks.md
+    assert "binds: link" in r.stdout and "ours / (b) = " in r.stdout and "ours / offload >= " in r.stdout

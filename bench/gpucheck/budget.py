@@ -9,10 +9,11 @@ from typing import Any
 from moe_lightning.flags import format_size
 from moe_lightning.spec import ModelSpec
 
-# Besides the weight arena, /dev/shm holds cpu_attention's KV cache (run_batch asks for 4 GiB) and the
-# two hand-off channels (4 slots each of the services' default 8192 tokens per hand-off).
-KV_CACHE_BYTES = 4 << 30
+# Besides the weight arena, /dev/shm holds cpu_attention's KV cache (run_batch sizes it from the batch:
+# moe_lightning.benchmark.kv_cache_bytes) and the two hand-off channels (4 slots each of the services'
+# default 8192 tokens per hand-off).
 HANDOFF_SLOTS, HANDOFF_TOKENS = 4, 8192
+CHECK_PROMPTS, CHECK_GEN = 64, 32  # the check's default workload (gpu_check.py --num-prompts, --gen-len)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,21 +65,39 @@ def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budg
     raise AssertionError("unreachable: the whole model fits at slots == total")
 
 
-def shm_needed(spec: ModelSpec, budget: Budget) -> int:
+def kv_needed(spec: ModelSpec, prompts: int = CHECK_PROMPTS, gen: int = CHECK_GEN, kv_dtype: str = "bfloat16") -> int:
+    """The KV cache run_batch gives the check's workload (`moe-lightning bench --workload mtbench`'s
+    prompts; cpu_attention's KV in the arena's dtype): the same function, the same number."""
+    from moe_lightning.benchmark import kv_cache_bytes, mtbench_lengths
+
+    return kv_cache_bytes(spec, mtbench_lengths(prompts), gen, kv_dtype)
+
+
+def shm_needed(
+    spec: ModelSpec, budget: Budget, prompts: int = CHECK_PROMPTS, gen: int = CHECK_GEN, kv_dtype: str = "bfloat16"
+) -> int:
     """Bytes one stack keeps in /dev/shm (the stacks of a bench run one after the other)."""
     from moe_lightning.handoff import handoff_slot_bytes
 
     channels = HANDOFF_SLOTS * sum(handoff_slot_bytes(spec, HANDOFF_TOKENS, kind) for kind in ("qkv", "attn"))
-    return budget.arena_bytes + KV_CACHE_BYTES + channels + (256 << 20)  # + slack for small segments
+    kv = kv_needed(spec, prompts, gen, kv_dtype)
+    return budget.arena_bytes + kv + channels + (256 << 20)  # + slack for small segments
 
 
-def layers_that_fit(preset: dict[str, Any], dtype: str, resident_fraction: float, shm_free: int) -> int:
+def layers_that_fit(
+    preset: dict[str, Any],
+    dtype: str,
+    resident_fraction: float,
+    shm_free: int,
+    prompts: int = CHECK_PROMPTS,
+    gen: int = CHECK_GEN,
+) -> int:
     """The most layers of `preset` (a config) whose arena, KV cache and channels fit in /dev/shm."""
     from moe_lightning.demo_model import mixtral_config
 
     for layers in range(preset["num_hidden_layers"], 0, -1):
         spec = ModelSpec.from_hf_config(mixtral_config({**preset, "num_hidden_layers": layers}, "bfloat16"))
-        if shm_needed(spec, device_budget(spec, dtype, resident_fraction)) <= shm_free:
+        if shm_needed(spec, device_budget(spec, dtype, resident_fraction), prompts, gen, dtype) <= shm_free:
             return layers
     return 0
 

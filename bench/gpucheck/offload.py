@@ -19,13 +19,17 @@ def _dtype_kwarg() -> str:
 
 
 def _generate_chunks(
-    model: Any, prompts: list[list[int]], gen_len: int, batch: int, device: torch.device
-) -> tuple[float, int, int]:
-    """Greedy generate over `prompts` in chunks of `batch`, left padded per chunk; returns (seconds,
-    generated tokens, padded prompt tokens)."""
-    generated = padded = 0
-    wall = 0.0
+    model: Any, prompts: list[list[int]], gen_len: int, batch: int, device: torch.device, deadline: float
+) -> tuple[float, int, int, int]:
+    """Greedy generate over `prompts` in chunks of `batch`, left padded per chunk, until the prompts
+    run out or the next chunk would end past `deadline` (perf_counter; one chunk always runs: its
+    throughput is the baseline's, the chunks after it only repeat it); returns (seconds, generated
+    tokens, padded prompt tokens, prompts run)."""
+    generated = padded = ran = 0
+    wall = last = 0.0
     for start in range(0, len(prompts), batch):
+        if ran and time.perf_counter() + last > deadline:
+            break
         chunk = prompts[start : start + batch]
         ids, mask = left_pad(chunk, device)
         width = ids.shape[1]
@@ -41,29 +45,45 @@ def _generate_chunks(
             )
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        wall += time.perf_counter() - t0
+        last = time.perf_counter() - t0
+        wall += last
         generated += (out.shape[1] - width) * len(chunk)
         padded += width * len(chunk)
+        ran += len(chunk)
         del out
-    return wall, generated, padded
+    return wall, generated, padded, ran
 
 
 def transformers_offload_generate(
-    model_dir: Path, prompts: list[list[int]], gen_len: int, max_memory_bytes: int, dtype: torch.dtype = torch.bfloat16
+    model_dir: Path,
+    prompts: list[list[int]],
+    gen_len: int,
+    max_memory_bytes: int,
+    dtype: torch.dtype = torch.bfloat16,
+    total_memory_bytes: int | None = None,
+    deadline: float = float("inf"),
 ) -> dict[str, Any]:
     """transformers' generate with accelerate offloading: the layers that do not fit in
-    `max_memory_bytes` of GPU 0 stay in host memory and are copied in at every forward pass (how one
-    runs a model larger than the GPU with transformers). sdpa, greedy, exactly `gen_len` new tokens.
+    `max_memory_bytes` of GPU 0 (accelerate's weight placement) stay in host memory and are copied in
+    at every forward pass (how one runs a model larger than the GPU with transformers). sdpa, greedy,
+    exactly `gen_len` new tokens.
 
-    The KV cache must live on the GPU, so the batch is the largest that fits: the whole set first,
-    halved on CUDA out-of-memory, the prompts then run in chunks of that size (timed from scratch).
-    Without CUDA (--dry-run) the model loads on the CPU and the budget is not applied.
+    `total_memory_bytes` caps everything it allocates on the GPU (weights, the layer being copied in,
+    KV cache, activations: the caching allocator's per-process fraction), as our stack's
+    --device-memory caps ours. The KV cache lives on the GPU, so the batch is the largest that fits:
+    the whole set first, halved on CUDA out-of-memory, the prompts then run in chunks of that size
+    (timed from scratch) until `deadline` (a perf_counter time; at least one chunk runs). Without
+    CUDA (--dry-run) the model loads on the CPU and no budget applies.
     """
     from transformers import AutoModelForCausalLM
 
     cuda = torch.cuda.is_available()
     kwargs: dict[str, Any] = {_dtype_kwarg(): dtype, "attn_implementation": "sdpa"}
+    fraction = None
     if cuda:
+        if total_memory_bytes:  # before the weights load: they count against it too
+            fraction = min(1.0, total_memory_bytes / torch.cuda.get_device_properties(0).total_memory)
+            torch.cuda.set_per_process_memory_fraction(fraction, 0)
         kwargs.update(device_map="auto", max_memory={0: max_memory_bytes, "cpu": "100GiB"})
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
@@ -83,7 +103,7 @@ def transformers_offload_generate(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            wall, generated, padded = _generate_chunks(model, prompts, gen_len, batch, device)
+            wall, generated, padded, ran = _generate_chunks(model, prompts, gen_len, batch, device, deadline)
             break
         except torch.cuda.OutOfMemoryError:
             if batch == 1:
@@ -97,10 +117,14 @@ def transformers_offload_generate(
         "generated_tokens": generated,
         "batch_size": batch,
         "chunks": -(-len(prompts) // batch),
+        "chunks_run": -(-ran // batch),
+        "prompts_run": ran,  # the first ones of the same prompts: a chunk's throughput is the baseline's
         "oom_retries": ooms,
         "padded_prompt_tokens": padded,
         "load_seconds": load_seconds,
-        "max_memory_bytes": max_memory_bytes if cuda else None,
+        "max_memory_bytes": max_memory_bytes if cuda else None,  # accelerate's weight placement
+        "total_memory_bytes": total_memory_bytes if fraction else None,  # everything on the GPU
+        "memory_fraction": fraction,
         "peak_gpu_memory_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
         "placement_bytes": placement,  # on GPU 0 ("0") vs offloaded ("cpu")
         "dtype": str(dtype).removeprefix("torch."),

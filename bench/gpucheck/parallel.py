@@ -5,7 +5,6 @@ slices, the gathers and scatters of the hand-off, and the all-reduces; what does
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +14,8 @@ ONE_GPU_ENV = {"MOE_LIGHTNING_TP_BACKEND": "gloo", "MOE_LIGHTNING_TP_SAME_DEVICE
 def run_tensor_parallel(
     check: Any, name: str, model: Path, budget: Any, dtype: str, prompts: int, gen_len: int, timeout: float
 ) -> None:
-    """Runs the phase through `check.bench` (a GpuCheck) and files its numbers under `name`."""
-    half = replace(budget, device_memory=budget.device_memory // 2)
+    """Runs the phase through `check.bench` (a PhaseRunner) and files its numbers under `name`."""
+    half = budget.device_memory // 2
     saved = dict(check.env)
     check.env.update(ONE_GPU_ENV)
     try:
@@ -33,7 +32,7 @@ def run_tensor_parallel(
     check.report[name] = {
         **{k: ours.get(k) for k in keep},
         "per_rank": result.get("tensor_parallel"),
-        "device_memory_per_rank": half.device_memory,
+        "device_memory_per_rank": half,
         "backend": "gloo, both ranks on one GPU",
     }
     check.save()

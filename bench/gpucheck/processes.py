@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpucheck import log
+from bench.gpucheck.outputs import write_report
 
 REPO = Path(__file__).resolve().parent.parent.parent
+SCRIPT = REPO / "bench" / "gpu_check.py"  # the phases' subprocesses run its workers (_build, _bench, ...)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -98,29 +100,38 @@ class Phase:
 
 class PhaseRunner:
     """Runs phases as subprocesses under one deadline, records each in the JSON report (rewritten
-    after every phase) and keeps the tails of their logs and of their services' logs."""
+    whole after every phase, so a run cut short still leaves every figure measured so far) and keeps
+    the tails of their logs and of their services' logs in the work dir, for the archive."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.json_path: Path = args.json
-        self.logs = self.json_path.parent / "gpu_check-logs"
         from moe_lightning.private_paths import private_dir
 
+        self.args = args
         # never a fixed path under /tmp: another user could have made it first and planted files in it
         self.work = private_dir(Path(args.work_dir) if args.work_dir else None, prefix="moe-lightning-gpu-check-")
-        self.deadline = time.monotonic() + args.deadline
+        self.out: Path = args.out or self.work / "out"  # a folder of its own: its limits are checked
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.collect = self.work / "collect"  # what the archive holds: log tails, bench JSONs, the trace
+        self.logs = self.collect / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.deadline
         self.env = {
             **os.environ,
             # the services are started as `python -m services.<name>`: the repository must be importable
             "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
             "HF_HUB_OFFLINE": "1",  # no network on the GPU machine: never wait on a hub lookup
-            "PYTHONUNBUFFERED": "1",
+            "PYTHONUNBUFFERED": "1",  # a phase cut off still shows how far it got
         }
         self.running: list[Phase] = []
         self.report: dict[str, Any] = {"status": "running", "dry_run": args.dry_run, "phases": {}}
 
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
     def save(self) -> None:
-        self.json_path.write_text(json.dumps(self.report, indent=2, default=str))
+        self.report["elapsed_seconds"] = round(time.monotonic() - self.t0, 1)
+        write_report(self.out, self.report)
 
     def record(self, name: str, **fields: Any) -> None:
         self.report["phases"].setdefault(name, {}).update(fields)
@@ -128,13 +139,19 @@ class PhaseRunner:
 
     def timeout(self, cap: float, reserve: float) -> float:
         """At most `cap`, leaving `reserve` seconds of the deadline for the phases after this one."""
-        return min(cap, self.deadline - time.monotonic() - reserve)
+        return min(cap, self.left() - reserve)
 
     def start(
-        self, name: str, argv: list[str], timeout: float, stack: bool = False, fail_fast: bool = False
+        self,
+        name: str,
+        argv: list[str],
+        timeout: float,
+        stack: bool = False,
+        fail_fast: bool = False,
+        env: dict[str, str] | None = None,
     ) -> Phase | None:
         if timeout < 20:
-            self.record(name, ok=False, skipped=f"only {timeout:.0f} s left before the deadline")
+            self.record(name, ok=None, skipped=f"only {timeout:.0f} s left before the deadline")
             log(f"{name}: skipped, {timeout:.0f} s left before the deadline")
             return None
         path = self.work / "logs" / f"{name}.log"
@@ -142,7 +159,11 @@ class PhaseRunner:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             proc = subprocess.Popen(
-                [sys.executable, *argv], cwd=REPO, env=self.env, stdout=fd, stderr=subprocess.STDOUT
+                [sys.executable, "-u", *argv],
+                cwd=REPO,
+                env={**self.env, **(env or {})},
+                stdout=fd,
+                stderr=subprocess.STDOUT,
             )
         finally:
             os.close(fd)  # the child has its own copy
@@ -182,30 +203,34 @@ class PhaseRunner:
                     phase.fail_fast = False
             if reason:
                 log(f"{phase.name}: {reason}: stopping it")
-                self.stop(phase)
+                self.stop(phase, grace=min(30.0, max(5.0, self.left())))  # its clean-up, not the next phase's time
                 break
-            time.sleep(1.0)
+            time.sleep(0.5)
         self.running.remove(phase)
         phase.proc.wait()
         rc, seconds = phase.proc.returncode, (phase.ended or time.monotonic()) - phase.started
         ok = rc == 0 and reason is None
-        self.logs.mkdir(parents=True, exist_ok=True)
+        self.keep_tails(phase)
+        self.record(phase.name, ok=ok, rc=rc, seconds=round(seconds, 1), stopped=reason)
+        if ok:
+            log(f"{phase.name}: ok in {seconds:.1f} s")
+        else:
+            tail = phase.log_path.read_text(errors="replace").splitlines()[-15:]
+            self.record(phase.name, log_tail="\n".join(tail))
+            log(f"{phase.name}: FAILED (rc {rc}{f', {reason}' if reason else ''}) after {seconds:.1f} s; last lines:")
+            sys.stderr.write("".join(f"    {line}\n" for line in tail))
+        return ok
+
+    def keep_tails(self, phase: Phase) -> None:
+        """The last lines of the phase's log and of its services' logs, for the archive."""
         tail = phase.log_path.read_text(errors="replace").splitlines()[-300:]
         (self.logs / phase.log_path.name).write_text("\n".join(tail) + "\n")
         if phase.stack:
             for label, f in _service_logs(phase.proc.pid):
                 text = "\n".join(f.read_text(errors="replace").splitlines()[-200:])
                 (self.logs / f"{phase.name}-{label}-{f.name}").write_text(text + "\n")
-        self.record(phase.name, ok=ok, rc=rc, seconds=round(seconds, 1), stopped=reason)
-        if ok:
-            log(f"{phase.name}: ok in {seconds:.1f} s")
-        else:
-            self.record(phase.name, log_tail="\n".join(tail[-15:]))
-            log(f"{phase.name}: FAILED (rc {rc}{f', {reason}' if reason else ''}) after {seconds:.1f} s; last lines:")
-            sys.stderr.write("".join(f"    {line}\n" for line in tail[-15:]))
-        return ok
 
-    def stop(self, phase: Phase) -> None:
+    def stop(self, phase: Phase, grace: float = 30.0) -> None:
         """Kills the services below the phase first: the stack failed or ran out of time, so there is
         nothing to drain, and a graceful stop would wait out each service's grace period (~30 s of
         device time). Then SIGINT, so the bench's own clean-up runs, and SIGKILL if it lingers."""
@@ -216,7 +241,7 @@ class PhaseRunner:
                 pass
         phase.proc.send_signal(signal.SIGINT)
         try:
-            phase.proc.wait(30)
+            phase.proc.wait(grace)
         except subprocess.TimeoutExpired:
             phase.proc.kill()
             phase.proc.wait()
@@ -226,7 +251,56 @@ class PhaseRunner:
         if swept:
             log(f"{phase.name}: swept {len(swept)} leftover shared-memory segments")
 
-    def stop_all(self) -> None:
+    def stop_all(self, grace: float = 30.0) -> None:
         for phase in list(self.running):
-            self.stop(phase)
+            self.stop(phase, grace)
             self.running.remove(phase)
+            try:
+                self.keep_tails(phase)
+                self.record(phase.name, ok=False, stopped="interrupted")
+            except OSError:  # the tails are a courtesy: what was measured is saved either way
+                pass
+
+    # ---- the two kinds of phase that need more than an argv ------------------------------------
+    def build(self, out: Path, preset: str | dict[str, Any], timeout: float) -> Phase | None:
+        """A checkpoint in bf16 (Mixtral's own dtype), generated on the device under test."""
+        text = preset if isinstance(preset, str) else json.dumps(preset)
+        argv = [str(SCRIPT), "_build", "--out", str(out), "--preset", text, "--dtype", "bfloat16"]
+        argv += ["--device", self.args.device, "--seed", str(self.args.seed)]
+        return self.start(f"build-{out.name}", argv, timeout)
+
+    def bench(
+        self,
+        name: str,
+        model: Path,
+        device_memory: int | str,
+        dtype: str,
+        prompts: int,
+        gen_len: int,
+        timeout: float,
+        fail_fast: bool = False,
+        extra: tuple[str, ...] = (),
+        trace: bool = False,
+    ) -> dict[str, Any] | None:
+        """`moe-lightning bench` with gpu_expert on the device and the arena in `dtype`; its JSON
+        (kept in the work dir for the archive; the caller folds its numbers into the report).
+        `extra`: more bench flags; `trace`: keep our run's Chrome trace too."""
+        result = self.collect / f"{name}.json"
+        result.unlink(missing_ok=True)
+        args = ["--model", str(model), "--workload", "mtbench", "--num-prompts", str(prompts)]
+        args += ["--gen-len", str(gen_len), "--device-memory", str(device_memory), "--json", str(result)]
+        args += ["--trace", str(self.collect / f"{name}-trace.json")] if trace else []
+        args += [] if self.args.with_transformers else ["--skip-transformers"]
+        # the reference runs (whole model resident, experts computed on the host in bf16 on the CPU)
+        # would not fit the time budget; ours vs (b) and vs offload are what the check is for
+        args += ["--skip-references"]
+        # the paper's configuration: non-resident experts stream to the GPU (CGOPipe is what is checked)
+        args += ["--experts-placement", "gpu", *extra]
+        device = ["--device", self.args.device, "--dtype", dtype]
+        command = " ".join(["moe-lightning", "bench", *args])
+        self.record(name, command=f"{command}  # gpu_expert --device {self.args.device}, weight_store --dtype {dtype}")
+        phase = self.start(
+            name, [str(SCRIPT), "_bench", *device, "--", *args], timeout, stack=True, fail_fast=fail_fast
+        )
+        ok = self.finish(phase)
+        return json.loads(result.read_text()) if ok and result.is_file() else None

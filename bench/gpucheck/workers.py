@@ -82,20 +82,34 @@ def _bench_main(argv: list[str]) -> int:
 
 
 def _offload_main(argv: list[str]) -> int:
+    started = time.perf_counter()
     p = argparse.ArgumentParser(prog="gpu_check.py _offload")
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--max-memory", type=int, required=True)
+    p.add_argument("--max-memory", type=int, required=True, help="accelerate's weight placement on GPU 0")
+    p.add_argument("--total-memory", type=int, default=None, help="everything it allocates on GPU 0")
     p.add_argument("--num-prompts", type=int, required=True)
     p.add_argument("--gen-len", type=int, required=True)
     p.add_argument("--dtype", required=True)
+    p.add_argument("--seconds", type=float, default=float("inf"), help="start no chunk that would end later")
     p.add_argument("--json", type=Path, required=True)
     a = p.parse_args(argv)
     spec = ModelSpec.from_pretrained(a.model)
     prompts = bench_prompts(a.model, spec.vocab_size, a.num_prompts)
-    result = transformers_offload_generate(a.model, prompts, a.gen_len, a.max_memory, getattr(torch, a.dtype))
+    result = transformers_offload_generate(
+        a.model,
+        prompts,
+        a.gen_len,
+        a.max_memory,
+        getattr(torch, a.dtype),
+        total_memory_bytes=a.total_memory,
+        deadline=started + a.seconds,
+    )
     result["prompts_sha256"] = prompts_digest(prompts)
     a.json.write_text(json.dumps(result, indent=2))
-    log(f"offload: {result['generated_tokens_per_second']:.1f} tok/s at batch {result['batch_size']}")
+    log(
+        f"offload: {result['generated_tokens_per_second']:.1f} tok/s at batch {result['batch_size']}"
+        f" ({result['prompts_run']} of {len(prompts)} prompts run)"
+    )
     return 0
 
 

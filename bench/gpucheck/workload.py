@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 
 def bench_prompts(model: Path, vocab: int, n: int) -> list[list[int]]:
@@ -18,3 +19,17 @@ def bench_prompts(model: Path, vocab: int, n: int) -> list[list[int]]:
 
 def prompts_digest(prompts: list[list[int]]) -> str:
     return hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]
+
+
+def describe_workload(model: Path, vocab: int, n: int, gen_len: int) -> dict[str, Any]:
+    """What the report says of the prompts: their count, lengths and digest (every system's must match)."""
+    prompts = bench_prompts(model, vocab, n)
+    lengths = [len(p) for p in prompts]
+    return {
+        "kind": "mtbench",
+        "prompts": n,
+        "gen_len": gen_len,
+        "average_prompt_tokens": sum(lengths) / n,
+        "longest_prompt_tokens": max(lengths),
+        "prompts_sha256": prompts_digest(prompts),
+    }
