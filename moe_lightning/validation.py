@@ -26,6 +26,13 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # one stop string; bounds the text held back from a stream and the matcher's tables
 MAX_STOP_TOTAL_CHARS = 1024  # all of a request's stop strings together
 MAX_REQUEST_ID_CHARS = 256  # it is echoed in every response and log line of the request
+# Text is refused unread past --max-prefill-tokens x this many UTF-8 bytes: no tokenizer turns more text
+# into that few tokens in practice (English and code average about 4 bytes a token, CJK 3 or less; the
+# longest whitespace and punctuation runs of common vocabularies are 16), and encoding text costs time
+# that grows faster than its length while holding the GIL (8 MiB took 21 s), so it must not start.
+MAX_TEXT_BYTES_PER_TOKEN = 8
+# what one input carries besides its prompt: request_id, stop strings, sampling fields
+INPUT_OVERHEAD_BYTES = 4096
 # Response size estimate (protobuf wire bytes): per request, the fields besides token ids, text and
 # logprobs (request_id aside; usage, timings, finish reason, tags and lengths); per generated token,
 # its text (a typical 4 bytes: a token's longest text would refuse ordinary batches) and, with k
@@ -71,6 +78,51 @@ class RequestLimits:
             kv_tokens,
             block_size,
             max_response_bytes,
+        )
+
+
+def max_text_bytes(max_prompt_tokens: int) -> int:
+    """The longest prompt text (UTF-8 bytes) a server accepting `max_prompt_tokens` tokens reads."""
+    return max_prompt_tokens * MAX_TEXT_BYTES_PER_TOKEN
+
+
+def check_text_size(text: str, max_prompt_tokens: int | None) -> None:
+    """Refuses text no legal prompt could be, before anything reads it (len() is O(1); a character is at
+    least one byte, so only text under the bound in characters is measured in bytes)."""
+    if max_prompt_tokens is None:
+        return
+    limit = max_text_bytes(max_prompt_tokens)
+    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
+        raise InvalidRequestError(
+            f"prompt text is longer than any accepted prompt: at most {limit} bytes of UTF-8 "
+            f"({max_prompt_tokens} tokens, --max-prefill-tokens, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a token); "
+            "send a shorter prompt"
+        )
+
+
+def check_conversation_size(contents: Sequence[str], max_prompt_tokens: int | None) -> None:
+    """Refuses a conversation no legal prompt could be, before it is rendered or tokenized: each message's
+    content and all of them together within the text bound of one prompt, and no more messages than the
+    prompt has tokens (every template writes at least one token per message: its role marker)."""
+    if max_prompt_tokens is None:
+        return
+    if len(contents) > max_prompt_tokens:
+        raise InvalidRequestError(
+            f"the conversation has {len(contents)} messages; a prompt of at most {max_prompt_tokens} tokens "
+            "(--max-prefill-tokens) holds fewer: send fewer messages"
+        )
+    limit = max_text_bytes(max_prompt_tokens)
+    total = 0
+    for content in contents:
+        check_text_size(content, max_prompt_tokens)
+        total += len(content)
+        if total > limit:
+            break
+    if total > limit or sum(len(c.encode("utf-8", "surrogatepass")) for c in contents) > limit:
+        raise InvalidRequestError(
+            f"the conversation's messages are longer than any accepted prompt: at most {limit} bytes of UTF-8 "
+            f"in all ({max_prompt_tokens} tokens, --max-prefill-tokens, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a "
+            "token); send a shorter conversation"
         )
 
 

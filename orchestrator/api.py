@@ -26,25 +26,23 @@ from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Genera
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
 from moe_lightning.service.errors import NotReadyError, ResourceExhaustedError
-from moe_lightning.validation import RequestLimits, check_batch, prompt_ids, sampling_params, validate
+from moe_lightning.validation import (
+    INPUT_OVERHEAD_BYTES,
+    RequestLimits,
+    check_batch,
+    check_conversation_size,
+    check_text_size,
+    max_text_bytes,
+    prompt_ids,
+    sampling_params,
+    validate,
+)
 from orchestrator.scheduler import Scheduler, Ticket, TokenCallback
 from orchestrator.streams import generate_streams
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MAX_BATCH_PROMPTS = 1024
-# Text is refused unread past --max-prefill-tokens x this many UTF-8 bytes: no tokenizer turns more text
-# into that few tokens in practice (English and code average about 4 bytes a token, CJK 3 or less; the
-# longest whitespace and punctuation runs of common vocabularies are 16), and encoding text costs time
-# that grows faster than its length while holding the GIL (8 MiB took 21 s), so it must not start.
-MAX_TEXT_BYTES_PER_TOKEN = 8
-# what one input carries besides its prompt: request_id, stop strings, sampling fields
-INPUT_OVERHEAD_BYTES = 4096
 MIN_RECEIVE_BYTES = 4 << 20
-
-
-def max_text_bytes(max_prompt_tokens: int) -> int:
-    """The longest prompt text (UTF-8 bytes) a server accepting `max_prompt_tokens` tokens reads."""
-    return max_prompt_tokens * MAX_TEXT_BYTES_PER_TOKEN
 
 
 def max_receive_bytes(max_prompt_tokens: int) -> int:
@@ -52,20 +50,6 @@ def max_receive_bytes(max_prompt_tokens: int) -> int:
     legal prompt (text or token ids: an id takes at most 5 bytes, text 8 a token) and its other fields."""
     per_input = max(max_text_bytes(max_prompt_tokens), 5 * max_prompt_tokens) + INPUT_OVERHEAD_BYTES
     return max(MIN_RECEIVE_BYTES, MAX_BATCH_PROMPTS * per_input)
-
-
-def check_text_size(text: str, max_prompt_tokens: int | None) -> None:
-    """Refuses text no legal prompt could be, before anything reads it (len() is O(1); a character is at
-    least one byte, so only text under the bound in characters is measured in bytes)."""
-    if max_prompt_tokens is None:
-        return
-    limit = max_text_bytes(max_prompt_tokens)
-    if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
-        raise InvalidRequestError(
-            f"prompt text is longer than any accepted prompt: at most {limit} bytes of UTF-8 "
-            f"({max_prompt_tokens} tokens, --max-prefill-tokens, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a token); "
-            "send a shorter prompt"
-        )
 
 
 FINISH_TO_PB = {
@@ -162,8 +146,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         if not m.messages:
             raise InvalidRequestError("messages is empty: give at least one message")
-        for msg in m.messages:
-            check_text_size(msg.content, limits.max_prompt_tokens)
+        check_conversation_size([msg.content for msg in m.messages], limits.max_prompt_tokens)
         try:
             messages = [ChatMessage(msg.role, msg.content) for msg in m.messages]
             return self.chat_template.prompt_ids(tokenizer, messages)

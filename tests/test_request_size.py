@@ -25,7 +25,8 @@ from moe_lightning.service.names import GENERATION as API
 from moe_lightning.service.upstream import health_status, open_channel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
-from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes, max_text_bytes
+from moe_lightning.validation import max_text_bytes
+from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes
 from orchestrator.backend import KVCapacity
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 
