@@ -47,7 +47,7 @@ $(DEMO_MODEL)/config.json: | $(VENV)/.installed
 demo-model: $(DEMO_MODEL)/config.json
 
 demo: install demo-model
-	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) \
+	$(BIN)/moe-lightning run --model $(DEMO_MODEL) --input $(DEMO_PROMPTS) --output $(DEMO_OUT) --overwrite \
 		--max-new-tokens $(DEMO_TOKENS) --ignore-eos --cache-dir models/arena-cache --show 3 \
 		--quantize $(DEMO_QUANTIZE) --quantize-group-size $(DEMO_GROUP_SIZE)
 

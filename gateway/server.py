@@ -8,11 +8,16 @@ import asyncio
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 import uvicorn
+from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.app import Settings, create_app
+from gateway.errors import ApiError, bad_request, from_http
 from gateway.upstream import Upstream
 from moe_lightning.flags import EnvDefaultsParser
 from moe_lightning.service.auth import is_loopback
@@ -36,7 +41,26 @@ def build_parser() -> EnvDefaultsParser:
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients name (default: the model's directory name)"
     )
-    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413 (chunked ones too)"
+    )
+    p.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds for a request's whole body to arrive; then 408"
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request's line and headers to arrive (from the connection's start or the "
+        "request's first byte); then 408 and the connection closed",
+    )
+    p.add_argument("--max-header-bytes", type=int, default=64 << 10, help="a longer request line + headers gets 431")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=1024,
+        help="connections served at once; a request on one beyond them gets 503",
+    )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the API at start")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
@@ -50,24 +74,141 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with what it lacks in front of the ASGI app, which sees a request
+    only once its headers are in:
+
+    - a deadline on each request's line and headers (`header_timeout` s, from the connection's start
+      or from the first byte of a request after the last; 408, then closed). uvicorn's only timeout
+      is keep-alive's between requests, and every byte resets it: a client that sent nothing, or a
+      byte every few seconds, held its connection as long as it liked;
+    - a bound on their size (`max_header_bytes`; 431): llhttp keeps no limit of its own, and one
+      200 MB header was buffered whole;
+    - at most `max_connections` served at once, as uvicorn's limit_concurrency counts them, with the
+      503 in OpenAI's shape (uvicorn's is plain text), as are its 400 for what is not HTTP.
+
+    A subclass made per configuration (`protocol_class`) holds the three limits."""
+
+    header_timeout: float = 10.0
+    max_header_bytes: int = 64 << 10
+    max_connections: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._awaiting_head = True  # between requests, or within a request's line and headers
+        self._head_bytes = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # a client that connects and sends nothing
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._awaiting_head:
+            # a request's first bytes: its headers' clock starts (idle keep-alive until then is
+            # uvicorn's own timeout, which this data just cancelled)
+            if self._deadline is None:
+                self._arm()
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._awaiting_head and self._head_bytes > self.max_header_bytes and not self.transport.is_closing():
+            if self.cycle is not None and not self.cycle.response_complete:
+                # a pipelined head while the last answer still goes out: read no more until it is done
+                # (uvicorn resumes reading then, and this check answers)
+                self.flow.pause_reading()
+            else:
+                message = f"the request line and headers are over {self.max_header_bytes} bytes"
+                self._refuse(from_http(431, message, "headers_too_large"))
+
+    def on_headers_complete(self) -> None:
+        self._disarm()
+        self._awaiting_head, self._head_bytes = False, 0
+        busy = self.max_connections is not None and (
+            len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections
+        )
+        if not busy:
+            return super().on_headers_complete()
+        # uvicorn answers the request it has no room for with the app on self.app, for this request
+        app, self.app = self.app, _busy
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._awaiting_head = True  # what comes next on this connection is the next request's head
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(bad_request(f"not an HTTP/1.1 request: {msg}"))
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        if self.transport.is_closing() or not self._awaiting_head:
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # the next request's first bytes came while the last one's answer still goes out: its
+            # headers may wait for that answer (the connection is busy, not idle)
+            self._arm()
+            return
+        message = f"the request's headers did not arrive within {self.header_timeout:g} s"
+        self._refuse(from_http(408, message, "request_timeout"))
+
+    def _refuse(self, error: ApiError) -> None:
+        self._disarm()
+        self.transport.write(error.raw(self.server_state.default_headers))
+        self.transport.close()
+
+
+async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
+    """The answer to a request beyond --max-connections (then the connection closes)."""
+    headers = {"Connection": "close", "Retry-After": "1"}
+    error = from_http(503, "the server has as many connections as it serves at once: retry shortly", headers=headers)
+    await error.response()(scope, receive, send)
+
+
+def protocol_class(header_timeout: float, max_header_bytes: int, max_connections: int | None) -> type[GuardedProtocol]:
+    """GuardedProtocol with these limits (uvicorn makes a protocol per connection from a class)."""
+    limits = dict(header_timeout=header_timeout, max_header_bytes=max_header_bytes, max_connections=max_connections)
+    return type("GatewayProtocol", (GuardedProtocol,), limits)
+
+
+def uvicorn_config(app: FastAPI, args: argparse.Namespace, host: str, port: int) -> uvicorn.Config:
+    """How the gateway serves `app`, with the limits `args` sets (build_parser's flags)."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_class(args.header_timeout, args.max_header_bytes, args.max_connections),
+        ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
+        ssl_keyfile=str(args.tls_key) if args.tls_key else None,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=10,
+    )
+
+
 async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
     log = structlog.get_logger()
     upstream = Upstream(args.api, args.api_tls_ca, args.auth_token)
     try:
         info = await upstream.model_info(args.start_timeout)
         name = args.served_model_name or Path(info.model_path).name or info.architecture
-        settings = Settings(name, info.max_position_embeddings, args.auth_token, args.max_body_bytes)
-        config = uvicorn.Config(
-            create_app(settings, upstream),
-            host=host,
-            port=port,
-            ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
-            ssl_keyfile=str(args.tls_key) if args.tls_key else None,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=10,
-        )
-        server = uvicorn.Server(config)
+        settings = Settings(name, info.max_position_embeddings, args.auth_token, args.max_body_bytes, args.body_timeout)
+        server = uvicorn.Server(uvicorn_config(create_app(settings, upstream), args, host, port))
         log.info("serving", address=f"{host}:{port}", api=args.api, model=name, tls=bool(args.tls_cert))
         await server.serve()
     finally:

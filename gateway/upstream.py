@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.mux import Mux, MuxStream
+from gateway.schema import MAX_BATCH_PROMPTS
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
@@ -28,12 +29,22 @@ class Upstream:
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.mux = Mux(self.stub, self.metadata)
+        # a request's prompts x n at most (its inputs are one BatchGenerate); the server's own, read
+        # at start (model_info), until then the orchestrator's constant
+        self.max_batch_prompts = MAX_BATCH_PROMPTS
 
     async def generate_all(self, inputs: list[generation_pb2.GenerationInput]) -> list[generation_pb2.GenerationOutput]:
-        """One Generate per input, all at once (cancelling this cancels every call). Unary, not a
-        stream on the shared call: the orchestrator then does no per-token work for it."""
-        calls = [self.stub.Generate(generation_pb2.GenerateRequest(input=m), metadata=self.metadata) for m in inputs]
-        return [r.output for r in await asyncio.gather(*calls)]
+        """A request's inputs in one call: Generate for one, BatchGenerate for more (so a list is one
+        call however long, and cancelling it cancels every input; one unary call per input made a
+        list of thousands as many concurrent calls). Unary, not a stream on the shared call: the
+        orchestrator then does no per-token work for it."""
+        if len(inputs) == 1:
+            r = await self.stub.Generate(generation_pb2.GenerateRequest(input=inputs[0]), metadata=self.metadata)
+            return [r.output]
+        batch = await self.stub.BatchGenerate(
+            generation_pb2.BatchGenerateRequest(inputs=inputs), metadata=self.metadata
+        )
+        return list(batch.outputs)
 
     def stream(self, m: generation_pb2.GenerationInput) -> MuxStream:
         """A started stream, read and cancelled as a GenerateStream call is, on the shared
@@ -48,13 +59,17 @@ class Upstream:
         return r.status == health_pb2.HealthCheckResponse.SERVING
 
     async def model_info(self, timeout: float) -> common_pb2.ModelInfo:
-        """Waits until the API answers (the stack may still be starting)."""
+        """Waits until the API answers (the stack may still be starting); reads its limits too."""
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             try:
                 r = await self.stub.GetModelInfo(
                     generation_pb2.GetModelInfoRequest(), metadata=self.metadata, timeout=5
                 )
+                meta = await self.stub.GetServerMetadata(
+                    generation_pb2.GetServerMetadataRequest(), metadata=self.metadata, timeout=5
+                )
+                self.max_batch_prompts = meta.max_batch_prompts or MAX_BATCH_PROMPTS  # 0: a server that does not say
                 return r.model
             except grpc.aio.AioRpcError:
                 if asyncio.get_running_loop().time() > deadline:

@@ -4,10 +4,16 @@ One module for every process that turns chat messages into a prompt (the gRPC AP
 OpenAI-compatible gateway), so the same conversation always becomes the same token ids, and those
 are the ids the model was fine-tuned on: the environment, filters, globals and variables below
 mirror `transformers.utils.chat_template_utils` (read there, written anew here).
+
+A template is the checkpoint's code, downloaded with it: beyond the sandbox, a render here can be
+bounded in output (`max_bytes`: streamed, and a string or list repeated past the bound is refused
+before it is built), and the server renders in processes it can kill (moe_lightning.template_renderer)
+for the time and memory a render may take. No error meant for a client names a server path.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+import jinja2.runtime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
@@ -29,8 +36,23 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 
 
+# a number a template computes with ** may have at most this many bits (no chat needs more than a few)
+MAX_POWER_BITS = 1 << 16
+# what the templates cannot do here: the environment has no loader, so they would fail at every render
+_LOADS = {
+    jinja2.nodes.Include: "include",
+    jinja2.nodes.Import: "import",
+    jinja2.nodes.FromImport: "from ... import",
+    jinja2.nodes.Extends: "extends",
+}
+
+
 class ChatTemplateError(ValueError):
     """A chat request or template that cannot be rendered; the message is meant for the client."""
+
+
+class RenderLimitError(ChatTemplateError):
+    """A render stopped at one of its bounds (output size, a repeated value, a number's size)."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +124,46 @@ class _GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
+# the bound of the render running in this thread (None: unbounded), read by the intercepted operators
+_render_limit: contextvars.ContextVar[int | None] = contextvars.ContextVar("chat_template_limit", default=None)
+
+
+def _too_large(what: str, size: int, limit: int) -> RenderLimitError:
+    return RenderLimitError(
+        f"the chat template {what} of {size} characters or items, more than the {limit} bytes a rendered "
+        "prompt may have: it cannot render this conversation"
+    )
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The immutable sandbox transformers relies on, with `*` and `**` checked before they run: one
+    `'x' * 10**9` is a single C call that neither streaming nor a time limit can stop in time.
+    Intercepted operators are also not folded at compile time (jinja2.nodes.BinExpr.as_const), so a
+    constant one cannot run at start-up, outside any bound. Results are those of the plain operators."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        limit = _render_limit.get()
+        if limit is not None:
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, str | list | tuple) and isinstance(times, int) and len(seq) * times > limit:
+                        raise _too_large("repeats a value to one", len(seq) * times, limit)
+            elif isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+                bits = right * abs(left).bit_length()
+                if bits > MAX_POWER_BITS:
+                    raise RenderLimitError(
+                        f"the chat template computes a number of about {bits} bits; at most {MAX_POWER_BITS} "
+                        "are allowed: it cannot render this conversation"
+                    )
+        return super().call_binop(context, operator, left, right)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     # Templates come from downloaded checkpoints: the immutable sandbox is what transformers relies on
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
     )
     env.filters["tojson"] = _tojson
@@ -119,6 +177,21 @@ def _compile(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
+def _parse(source: str, origin: str) -> None:
+    """Parses (nothing of the template runs: compiling evaluates its constant expressions, filters
+    included, so that is left to the first render, or to a renderer process that can be killed):
+    a syntax error, or a template that loads others, is refused now, naming `origin`."""
+    try:
+        ast = _environment().parse(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateError(f"{origin}: chat template syntax error on line {exc.lineno}: {exc.message}") from exc
+    for node in ast.find_all(tuple(_LOADS)):
+        raise ChatTemplateError(
+            f"{origin}: chat templates may not include, import or extend other templates "
+            f"(line {node.lineno}: {{% {_LOADS[type(node)]} %}}); put what it loads in the template itself"
+        )
+
+
 def _token_text(value: Any) -> str | None:
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
     if isinstance(value, dict):
@@ -130,14 +203,23 @@ class ChatTemplate:
     def __init__(
         self, source: str, bos_token: str | None = None, eos_token: str | None = None, origin: str = "chat template"
     ) -> None:
-        """Compiles now, so a broken template fails at start-up naming `origin`, not on the first request."""
+        """Parses now, so a broken template fails at start-up naming `origin`, not on the first request
+        (`origin` is for the server's log and start-up errors: no message sent to a client names it).
+        Compiled on first use, or by compile()."""
         self.source, self.bos_token, self.eos_token, self.origin = source, bos_token, eos_token, origin
-        try:
-            self._template = _compile(source)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(
-                f"{origin}: chat template syntax error on line {exc.lineno}: {exc.message}"
-            ) from exc
+        _parse(source, origin)
+        self._template: jinja2.Template | None = None
+
+    def compile(self) -> None:
+        """Compiles now (a renderer process does, under its limits). A syntax error only the compiler
+        finds (a block defined twice) is a ChatTemplateError naming `origin`."""
+        if self._template is None:
+            try:
+                self._template = _compile(self.source)
+            except jinja2.TemplateSyntaxError as exc:
+                raise ChatTemplateError(
+                    f"{self.origin}: chat template syntax error on line {exc.lineno}: {exc.message}"
+                ) from exc
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, override: Path | None = None) -> ChatTemplate | None:
@@ -158,8 +240,14 @@ class ChatTemplate:
             return None
         return cls(source, origin=f"{model_dir / TOKENIZER_CONFIG_FILE}: chat_template", **tokens)
 
-    def render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text, as `apply_chat_template(messages, tokenize=False)` returns it."""
+    def render(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, max_bytes: int | None = None
+    ) -> str:
+        """The prompt text, as `apply_chat_template(messages, tokenize=False)` returns it.
+
+        With `max_bytes`, a render whose text passes that many UTF-8 bytes is stopped as soon as it
+        does (the output is streamed), and a `*` that would build a longer string or list is refused
+        before it runs: RenderLimitError. Time and memory are bounded only in a renderer process."""
         if not messages:
             raise ChatTemplateError("a chat needs at least one message")
         for m in messages:
@@ -176,18 +264,61 @@ class ChatTemplate:
         for name in ("bos_token", "eos_token"):
             if getattr(self, name) is not None:
                 context[name] = getattr(self, name)
+        self.compile()
+        assert self._template is not None
+        token = _render_limit.set(max_bytes)
         try:
-            return self._template.render(**context)
+            if max_bytes is None:
+                return self._template.render(**context)
+            return _bounded(self._template.generate(**context), max_bytes)
+        except ChatTemplateError:
+            raise  # raise_exception's message (the template's own words, as transformers shows it), or a bound
         except jinja2.TemplateError as exc:
-            raise ChatTemplateError(f"{self.origin}: cannot render the chat: {exc}") from exc
+            raise ChatTemplateError(f"the chat template cannot render this conversation: {exc}") from exc
+        except RecursionError:
+            raise ChatTemplateError("the chat template recursed too deeply on this conversation") from None
+        except MemoryError:
+            raise ChatTemplateError("the chat template ran out of memory on this conversation") from None
+        except Exception as exc:  # the template's bug (a TypeError in its expressions): not the server's
+            raise ChatTemplateError(
+                f"the chat template failed on this conversation: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            _render_limit.reset(token)
 
     def prompt_ids(
-        self, tokenizer: TextTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+        self,
+        tokenizer: TextTokenizer,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        max_bytes: int | None = None,
     ) -> list[int]:
         """The rendered chat's token ids, tokenized without special tokens as
         `apply_chat_template(tokenize=True)` does: the template writes the BOS itself where the model
         wants one, and the tokenizer's own would make a second."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt), add_special_tokens=False)
+        return tokenizer.encode(self.render(messages, add_generation_prompt, max_bytes), add_special_tokens=False)
+
+
+def _output_too_large(max_bytes: int) -> RenderLimitError:
+    return RenderLimitError(
+        f"the chat template rendered this conversation to more than {max_bytes} bytes of text, more than any "
+        "accepted prompt: send a shorter conversation"
+    )
+
+
+def _bounded(pieces: Any, max_bytes: int) -> str:
+    """The streamed render joined, stopped once it passes `max_bytes` (a character is 1 to 4 bytes:
+    the text is measured in bytes only where its characters do not decide)."""
+    parts, chars = [], 0
+    for piece in pieces:
+        chars += len(piece)
+        if chars > max_bytes:
+            raise _output_too_large(max_bytes)
+        parts.append(piece)
+    text = "".join(parts)
+    if 4 * chars > max_bytes and len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+        raise _output_too_large(max_bytes)
+    return text
 
 
 def _read_text(path: Path) -> str:

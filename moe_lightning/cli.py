@@ -10,6 +10,7 @@ import grpc
 
 from moe_lightning.commands import bench, demo_model, generate, plan, profile, run_job, timeline, up
 from moe_lightning.flags import EnvDefaultsParser
+from moe_lightning.service.logs import guard_standard_streams
 
 COMMANDS = {
     "make-demo-model": demo_model,
@@ -49,6 +50,8 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # a reader that left (`up | head -1`) costs the output, not the stack or the job
+    guard_standard_streams()
     try:
         return COMMANDS[args.command].run(args)
     except grpc.RpcError as exc:

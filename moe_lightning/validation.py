@@ -31,6 +31,11 @@ MAX_REQUEST_ID_CHARS = 256  # it is echoed in every response and log line of the
 # longest whitespace and punctuation runs of common vocabularies are 16), and encoding text costs time
 # that grows faster than its length while holding the GIL (8 MiB took 21 s), so it must not start.
 MAX_TEXT_BYTES_PER_TOKEN = 8
+PREFILL_BOUND = "--max-prefill-tokens"  # the orchestrator's bound on a prompt; the gateway's is the context
+CONTEXT_BOUND = "the model's context"
+# inputs of one BatchGenerate (GetServerMetadata.max_batch_prompts); the gateway bounds a request's
+# prompts x n choices by it too, streamed or not, so that no body fans out without a bound
+MAX_BATCH_PROMPTS = 1024
 # what one input carries besides its prompt: request_id, stop strings, sampling fields
 INPUT_OVERHEAD_BYTES = 4096
 # Response size estimate (protobuf wire bytes): per request, the fields besides token ids, text and
@@ -86,21 +91,22 @@ def max_text_bytes(max_prompt_tokens: int) -> int:
     return max_prompt_tokens * MAX_TEXT_BYTES_PER_TOKEN
 
 
-def check_text_size(text: str, max_prompt_tokens: int | None) -> None:
+def check_text_size(text: str, max_prompt_tokens: int | None, bound: str = PREFILL_BOUND) -> None:
     """Refuses text no legal prompt could be, before anything reads it (len() is O(1); a character is at
-    least one byte, so only text under the bound in characters is measured in bytes)."""
+    least one byte, so only text under the bound in characters is measured in bytes). `bound` names where
+    `max_prompt_tokens` comes from, for the message."""
     if max_prompt_tokens is None:
         return
     limit = max_text_bytes(max_prompt_tokens)
     if len(text) > limit or len(text.encode("utf-8", "surrogatepass")) > limit:
         raise InvalidRequestError(
             f"prompt text is longer than any accepted prompt: at most {limit} bytes of UTF-8 "
-            f"({max_prompt_tokens} tokens, --max-prefill-tokens, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a token); "
+            f"({max_prompt_tokens} tokens, {bound}, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a token); "
             "send a shorter prompt"
         )
 
 
-def check_conversation_size(contents: Sequence[str], max_prompt_tokens: int | None) -> None:
+def check_conversation_size(contents: Sequence[str], max_prompt_tokens: int | None, bound: str = PREFILL_BOUND) -> None:
     """Refuses a conversation no legal prompt could be, before it is rendered or tokenized: each message's
     content and all of them together within the text bound of one prompt, and no more messages than the
     prompt has tokens (every template writes at least one token per message: its role marker)."""
@@ -109,20 +115,30 @@ def check_conversation_size(contents: Sequence[str], max_prompt_tokens: int | No
     if len(contents) > max_prompt_tokens:
         raise InvalidRequestError(
             f"the conversation has {len(contents)} messages; a prompt of at most {max_prompt_tokens} tokens "
-            "(--max-prefill-tokens) holds fewer: send fewer messages"
+            f"({bound}) holds fewer: send fewer messages"
         )
     limit = max_text_bytes(max_prompt_tokens)
     total = 0
     for content in contents:
-        check_text_size(content, max_prompt_tokens)
+        check_text_size(content, max_prompt_tokens, bound)
         total += len(content)
         if total > limit:
             break
     if total > limit or sum(len(c.encode("utf-8", "surrogatepass")) for c in contents) > limit:
         raise InvalidRequestError(
             f"the conversation's messages are longer than any accepted prompt: at most {limit} bytes of UTF-8 "
-            f"in all ({max_prompt_tokens} tokens, --max-prefill-tokens, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a "
+            f"in all ({max_prompt_tokens} tokens, {bound}, x {MAX_TEXT_BYTES_PER_TOKEN} bytes a "
             "token); send a shorter conversation"
+        )
+
+
+def check_prompt_length(n: int, limits: RequestLimits) -> None:
+    """Refuses a prompt of `n` tokens over --max-prefill-tokens. The API calls it on the count of the
+    ids a client sent (len() of a protobuf repeated field is O(1)) before they become a list and are
+    scanned: 26 M ids, within the receive limit, cost 3 s and 640 MB to refuse after that."""
+    if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
+        raise InvalidRequestError(
+            f"prompt has {n} tokens; this server accepts at most {limits.max_prompt_tokens} (--max-prefill-tokens)"
         )
 
 
@@ -230,10 +246,7 @@ def validate(request: GenerationRequest, limits: RequestLimits) -> None:
     _check_stops(request.stop)
     if request.stop and not limits.has_tokenizer:
         raise InvalidRequestError(STOP_NEEDS_TOKENIZER)
-    if limits.max_prompt_tokens is not None and n > limits.max_prompt_tokens:
-        raise InvalidRequestError(
-            f"prompt has {n} tokens; this server accepts at most {limits.max_prompt_tokens} (--max-prefill-tokens)"
-        )
+    check_prompt_length(n, limits)
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
             f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"

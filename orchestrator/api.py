@@ -6,13 +6,19 @@ the ticket's done callback, which schedules the waiter's wake-up on the loop
 (`call_soon_threadsafe`), and feeds a stream through an asyncio.Queue the same way. A call that the
 client cancels, or whose deadline passes, has its handler task cancelled, and that cancels the
 ticket. So `--max-queue`, not a thread count, bounds the work that waits (docs/reliability.md).
+
+A `messages` prompt is rendered by the model's chat template in a renderer process
+(moe_lightning.template_renderer), bounded in time and output; a call with one holds one of a few
+render slots, taken on the loop before it gets a worker thread, so renders, however slow, never hold
+more than that many of the workers and text prompts keep theirs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -26,11 +32,14 @@ from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, Genera
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
 from moe_lightning.service.errors import NotReadyError, ResourceExhaustedError
+from moe_lightning.template_renderer import DEFAULT_TIMEOUT, RENDERERS, TemplateRenderer
 from moe_lightning.validation import (
     INPUT_OVERHEAD_BYTES,
+    MAX_BATCH_PROMPTS,
     RequestLimits,
     check_batch,
     check_conversation_size,
+    check_prompt_length,
     check_text_size,
     max_text_bytes,
     prompt_ids,
@@ -41,13 +50,14 @@ from orchestrator.scheduler import Scheduler, Ticket, TokenCallback
 from orchestrator.streams import generate_streams
 
 DEFAULT_MAX_NEW_TOKENS = 64
-MAX_BATCH_PROMPTS = 1024
 MIN_RECEIVE_BYTES = 4 << 20
 
 
 def max_receive_bytes(max_prompt_tokens: int) -> int:
     """The public API's receive limit: a BatchGenerate of MAX_BATCH_PROMPTS inputs, each at the longest
-    legal prompt (text or token ids: an id takes at most 5 bytes, text 8 a token) and its other fields."""
+    legal prompt (text or token ids: an id takes at most 5 bytes, text 8 a token) and its other fields.
+    gRPC has one limit for every method, so one Generate may carry that much; what a single prompt
+    can be is checked on arrival, before any of it is copied (to_request)."""
     per_input = max(max_text_bytes(max_prompt_tokens), 5 * max_prompt_tokens) + INPUT_OVERHEAD_BYTES
     return max(MIN_RECEIVE_BYTES, MAX_BATCH_PROMPTS * per_input)
 
@@ -88,6 +98,20 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class _Contents(Sequence[str]):
+    """The messages' contents, read one at a time: check_conversation_size stops at the first over the
+    bound, so a conversation of many large messages is refused without copying them all out."""
+
+    def __init__(self, messages: Sequence[generation_pb2.ChatMessage]) -> None:
+        self._messages = messages
+
+    def __len__(self) -> int:
+        return len(self._messages)
+
+    def __getitem__(self, i: int) -> str:  # type: ignore[override]
+        return self._messages[i].content
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, device: str = "", workers: int = 8, stream_interval: int = 1) -> None:
         self.scheduler: Scheduler | None = None
@@ -96,8 +120,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_path = ""
         self.kv_cache_dtype = ""  # of the KV cache attention reads (set once the policy placed it)
         self.chat_template: ChatTemplate | None = None  # renders a `messages` prompt (docs/openai.md)
+        # its renderer processes (server.py starts them); without, chats render in process, bounded in size only
+        self.renderer: TemplateRenderer | None = None
         # checks and tokenisation: a bounded prompt (check_text_size) takes milliseconds
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="orchestrator-tokenize")
+        self._workers = max(1, workers)
+        self._render_slots: asyncio.Semaphore | None = None  # made on the loop, at the first chat
 
     def _sched(self) -> Scheduler:
         if self.scheduler is None:
@@ -105,13 +133,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.scheduler
 
     # ---- conversion ----------------------------------------------------------------------------
-    def to_request(self, m: generation_pb2.GenerationInput, limits: RequestLimits) -> GenerationRequest:
-        """The domain request, checked against every limit: the scheduler trusts what it is given."""
+    def to_request(
+        self, m: generation_pb2.GenerationInput, limits: RequestLimits, cancel: threading.Event | None = None
+    ) -> GenerationRequest:
+        """The domain request, checked against every limit: the scheduler trusts what it is given.
+        `cancel` set: the client left, and a render in progress for it stops."""
         which = m.WhichOneof("prompt")
         if which == "text":
             check_text_size(m.text, limits.max_prompt_tokens)
+        elif which == "token_ids":
+            check_prompt_length(len(m.token_ids.ids), limits)  # O(1): before the ids become a list
         if which == "messages":
-            prompt = self._chat_prompt(m.messages, limits)
+            prompt = self._chat_prompt(m.messages, limits, cancel)
         else:
             prompt = prompt_ids(
                 m.text if which == "text" else None,
@@ -136,7 +169,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         validate(request, limits)
         return request
 
-    def _chat_prompt(self, m: generation_pb2.ChatMessages, limits: RequestLimits) -> list[int]:
+    def _chat_prompt(
+        self, m: generation_pb2.ChatMessages, limits: RequestLimits, cancel: threading.Event | None = None
+    ) -> list[int]:
         """A conversation through the model's chat template, the one rendering both APIs share."""
         tokenizer = self._sched().tokenizer
         if self.chat_template is None or tokenizer is None:
@@ -146,12 +181,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             )
         if not m.messages:
             raise InvalidRequestError("messages is empty: give at least one message")
-        check_conversation_size([msg.content for msg in m.messages], limits.max_prompt_tokens)
+        check_conversation_size(_Contents(m.messages), limits.max_prompt_tokens)
+        max_bytes = None if limits.max_prompt_tokens is None else max_text_bytes(limits.max_prompt_tokens)
         try:
             messages = [ChatMessage(msg.role, msg.content) for msg in m.messages]
-            return self.chat_template.prompt_ids(tokenizer, messages)
+            if self.renderer is not None:
+                text = self.renderer.render(messages, cancel=cancel)
+            else:
+                text = self.chat_template.render(messages, max_bytes=max_bytes)
         except ChatTemplateError as exc:
             raise InvalidRequestError(str(exc)) from None
+        # a template can make a long text of a short chat: bounded as any text before it is tokenized
+        check_text_size(text, limits.max_prompt_tokens)
+        # without the tokenizer's special tokens, as transformers does (ChatTemplate.prompt_ids)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def _render_slot(self) -> asyncio.Semaphore:
+        """One of the few render slots (as many as renderer processes, at most half the workers), waited
+        for no longer than a render may take: a call that cannot have one then is refused as busy."""
+        renderer = self.renderer
+        timeout = renderer.timeout if renderer is not None else DEFAULT_TIMEOUT
+        if self._render_slots is None:
+            processes = renderer.processes if renderer is not None else RENDERERS
+            self._render_slots = asyncio.Semaphore(min(processes, max(1, self._workers // 2)))
+        slots = self._render_slots
+        try:
+            async with asyncio.timeout(timeout):
+                await slots.acquire()
+        except TimeoutError:
+            raise ResourceExhaustedError(
+                f"every chat template renderer has been busy for {timeout:g} s (renders of up to {timeout:g} s "
+                "each): retry shortly"
+            ) from None
+        return slots
 
     def logprobs_pb(self, logprobs: list[TokenLogprobs]) -> list[common_pb2.TokenLogprobs]:
         """With each token's text when there is a tokenizer (the OpenAI API shows tokens as text)."""
@@ -189,13 +251,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[None]] = [loop.create_future() for _ in inputs]
         sched = self._sched()
+        cancel = threading.Event()  # set when the client leaves: its render, if any, stops
 
         def work() -> list[Ticket]:  # a worker thread: validation, tokenisation, queueing
             limits = sched.limits()
             requests = []
             for i, m in enumerate(inputs):  # validate all before queueing any
                 try:
-                    requests.append(self.to_request(m, limits))
+                    requests.append(self.to_request(m, limits, cancel))
                 except (InvalidRequestError, ResourceExhaustedError) as exc:
                     if not batch:
                         raise
@@ -215,10 +278,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise
             return tickets
 
-        job = loop.run_in_executor(self._pool, work)
+        slots = await self._render_slot() if any(m.WhichOneof("prompt") == "messages" for m in inputs) else None
+        try:
+            job = loop.run_in_executor(self._pool, work)
+        except BaseException:
+            if slots is not None:
+                slots.release()
+            raise
+        if slots is not None:
+            job.add_done_callback(lambda _: slots.release())  # when the work ends, not when the client leaves
         try:
             return sched, await asyncio.shield(job), futs
         except asyncio.CancelledError:  # the client left while its request was being checked
+            cancel.set()
 
             def drop(j: asyncio.Future[list[Ticket]]) -> None:
                 if not j.cancelled() and j.exception() is None:

@@ -41,6 +41,17 @@ DECODE_BATCH = Histogram(
 BATCH_IN_FORCE = Gauge("moe_lightning_max_batch_size", "Largest running batch in force (sequences)")
 MICRO_BATCH_IN_FORCE = Gauge("moe_lightning_micro_batch_size", "Micro-batch size in force (sequences)")
 MAX_QUEUE = Gauge("moe_lightning_max_queue_requests", "Requests that may wait before RESOURCE_EXHAUSTED (--max-queue)")
+# The public API's calls in their handlers, and its bound (--max-concurrent-rpcs): one more is refused at
+# once, RESOURCE_EXHAUSTED, counted here by reason as well as in moe_lightning_rpc_handled_total
+RPCS_IN_PROGRESS = Gauge("moe_lightning_rpcs_in_progress", "Public API calls in progress (health and reflection aside)")
+MAX_CONCURRENT_RPCS = Gauge(
+    "moe_lightning_max_concurrent_rpcs", "Calls taken at once before RESOURCE_EXHAUSTED (--max-concurrent-rpcs)"
+)
+RPC_REFUSED = Counter(
+    "moe_lightning_rpc_refused_total",
+    "Calls refused before their handler ran (RESOURCE_EXHAUSTED), by reason",
+    ["reason"],
+)
 
 
 def publish_config(config: SchedulerConfig) -> None:

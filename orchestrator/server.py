@@ -15,10 +15,13 @@ from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.hrm.measurements import profile_from
 from moe_lightning.placement import Side
-from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
+from moe_lightning.service.aio_runtime import AioConcurrencyLimit, AioServiceRuntime, serve_aio
 from moe_lightning.service.names import GENERATION
 from moe_lightning.spec import ModelSpec
+from moe_lightning.template_renderer import DEFAULT_TIMEOUT, TemplateRenderer
 from moe_lightning.tokenizer import TextTokenizer
+from moe_lightning.validation import max_text_bytes
+from orchestrator import metrics
 from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes
 from orchestrator.backend import Backend, Capacity
 from orchestrator.debug import DebugPages
@@ -45,6 +48,13 @@ def build_parser() -> EnvDefaultsParser:
         default=None,
         help="a Jinja chat template file for `messages` prompts (default: the one in the model's "
         "tokenizer_config.json, if any)",
+    )
+    p.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="seconds a chat template may take to render one conversation before the request is refused "
+        "(INVALID_ARGUMENT) and its renderer process killed",
     )
     add_batch_flags(p)
     p.add_argument(
@@ -87,6 +97,15 @@ def build_parser() -> EnvDefaultsParser:
         "calls, and one more call queued)",
     )
     p.add_argument(
+        "--max-concurrent-rpcs",
+        type=positive_int,
+        default=None,
+        help="calls of the public API in progress at once (health and reflection aside) before one more is "
+        "refused with RESOURCE_EXHAUSTED, counted in moe_lightning_rpc_refused_total (default: every request "
+        "the server may hold as a call of its own, the largest batch it may plan plus --max-queue, so it "
+        "refuses no call the queue would take; a list of prompts is one BatchGenerate call)",
+    )
+    p.add_argument(
         "--max-prefill-tokens",
         type=int,
         default=8192,
@@ -116,6 +135,13 @@ def default_max_queue(max_batch_size: int | None) -> int:
     calls of c prompts in flight, at most N + 2c - 1 requests: with c up to one BatchGenerate's limit
     this default never refuses it, for any batch the planner may choose or the operator fixed."""
     return max(PlannerConfig().batch_cap, max_batch_size or 0) + 2 * MAX_BATCH_PROMPTS
+
+
+def default_max_concurrent_rpcs(max_batch_size: int | None, max_queue: int | None) -> int:
+    """Every request this server may hold (the largest batch it may plan, and the queue) as a call of
+    its own: calls past it could only be refused by the queue, after they were read and tokenised."""
+    queue = max_queue if max_queue is not None else default_max_queue(max_batch_size)
+    return max(PlannerConfig().batch_cap, max_batch_size or 0) + queue
 
 
 def _check_handoff_limits(args: argparse.Namespace, max_tokens: int) -> None:
@@ -162,6 +188,15 @@ def _start(
     if tokenizer is not None:
         tokenizer.check_fits(backend.spec.vocab_size, args.tokenizer or backend.model_path)
     servicer.chat_template = ChatTemplate.from_model_dir(Path(args.tokenizer or backend.model_path), args.chat_template)
+    if servicer.chat_template is not None:  # rendered in killable processes, probed now (template_renderer.py)
+        renderer = TemplateRenderer(
+            servicer.chat_template,
+            max_bytes=max_text_bytes(args.max_prefill_tokens),
+            timeout=args.chat_template_timeout,
+        )
+        runtime.on_drain(renderer.close)  # first: a stop (or a failed start) kills renders in flight
+        renderer.start()
+        servicer.renderer = renderer
     _check_handoff_limits(args, capacity.max_handoff_tokens)
     attention, experts = _placements(args, capacity, backend.spec)
     planner = Planner(
@@ -232,6 +267,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     backend = Backend(args.weight_store, args.gpu_expert, args.cpu_attention)
     servicer = GenerationServicer(workers=args.rpc_threads, stream_interval=args.stream_interval)
     pages = DebugPages(backend)
+    limit = args.max_concurrent_rpcs or default_max_concurrent_rpcs(args.max_batch_size, args.max_queue)
+    metrics.MAX_CONCURRENT_RPCS.set(limit)
+    concurrency = AioConcurrencyLimit(
+        limit, "--max-concurrent-rpcs", metrics.RPC_REFUSED.labels("concurrency").inc, metrics.RPCS_IN_PROGRESS
+    )
     return serve_aio(
         args,
         "orchestrator",
@@ -243,6 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what a legal request can need, not 64 MiB: a bigger message is refused unread (RESOURCE_EXHAUSTED)
         max_receive_bytes=max_receive_bytes(args.max_prefill_tokens),
         pages=pages.routes(),  # /debug/...: the pipeline picture, live (orchestrator/debug.py)
+        concurrency=concurrency,
     )
 
 

@@ -4,7 +4,11 @@ of the models we serve (tests/data/chat_templates, sources in its models.json)."
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import pytest
@@ -277,3 +281,212 @@ def test_non_text_parts_are_refused(content: list) -> None:
 def test_malformed_content(content: object) -> None:
     with pytest.raises(ChatTemplateError):
         ChatMessage.from_openai({"role": "user", "content": content})
+
+
+# -- bounds: a template is the checkpoint's code (issue 27, item 4) ---------------------------------
+
+USER = [ChatMessage("user", "hi")]
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "{% include 'other.jinja' %}",
+        "{% import 'macros.jinja' as m %}",
+        "{% from 'm.jinja' import x %}",
+        "{% extends 'base.jinja' %}",
+    ],
+)
+def test_templates_that_load_others_are_refused_at_load(tmp_path: Path, statement: str) -> None:
+    d = write_config(tmp_path, chat_template="{{ bos_token }}\n" + statement)
+    with pytest.raises(ChatTemplateError) as info:
+        ChatTemplate.from_model_dir(d)
+    assert str(info.value).startswith(
+        f"{d / 'tokenizer_config.json'}: chat_template: chat templates may not include, import or extend other "
+        "templates (line 2: {% "
+    )
+
+
+def test_loading_runs_none_of_the_template() -> None:
+    # compiling evaluates constant expressions, filters included: 100 MB and seconds, in the server, at
+    # start-up; it is left to the first render (in a renderer process, under its limits)
+    t0 = time.monotonic()
+    ChatTemplate("{{ 'x' | center(10**8) }}{{ 'y' * 10**8 }}")
+    assert time.monotonic() - t0 < 0.2
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [
+        ("{{ nope.attr }}", "the chat template cannot render this conversation: 'nope' is undefined"),
+        ("{{ ''.__class__.__mro__ }}", "the chat template cannot render this conversation: access to attribute"),
+        ("{{ 1 + 'a' }}", "the chat template failed on this conversation: TypeError: "),
+        ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "the chat template recursed too deeply"),
+    ],
+)
+def test_render_errors_are_the_clients_and_name_no_server_path(source: str, words: str) -> None:
+    origin = "/srv/models/private-checkpoint/chat_template.jinja"
+    with pytest.raises(ChatTemplateError) as info:
+        ChatTemplate(source, origin=origin).render(USER)
+    assert str(info.value).startswith(words)
+    assert "/srv" not in str(info.value) and "private-checkpoint" not in str(info.value)
+
+
+def test_a_render_is_cut_at_its_size_bound_as_it_streams() -> None:
+    t = ChatTemplate("{% for i in range(20000) %}{{ 'y' * 1000 }}{% endfor %}")  # 20 MB
+    t0 = time.monotonic()
+    with pytest.raises(
+        ChatTemplateError, match="^the chat template rendered this conversation to more than 65536 bytes"
+    ):
+        t.render(USER, max_bytes=65536)
+    assert time.monotonic() - t0 < 0.5
+    wide = ChatTemplate("{{ 'é' * 40 }}")  # 40 characters, 80 bytes: the bound is in bytes
+    assert wide.render(USER, max_bytes=80) == "é" * 40
+    with pytest.raises(ChatTemplateError, match="more than 79 bytes"):
+        wide.render(USER, max_bytes=79)
+
+
+def test_a_huge_repeat_or_power_is_refused_before_it_is_computed() -> None:
+    t0 = time.monotonic()
+    for source, words in (
+        ("{{ 'x' * 10**8 }}", "repeats a value to one of 100000000 characters or items, more than the 65536 bytes"),
+        ("{{ (10**7 * [0]) | length }}", "repeats a value to one of 10000000 characters or items"),
+        ("{{ 3 ** 1000000 }}", "computes a number of about 2000000 bits"),
+    ):
+        with pytest.raises(ChatTemplateError, match=words):
+            ChatTemplate(source).render(USER, max_bytes=65536)
+    assert time.monotonic() - t0 < 0.5
+    # within the bound, and without one, the operators are Python's (transformers' renders)
+    assert ChatTemplate("{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ [1] * 2 }}").render(USER, max_bytes=100) == "ababab1024[1, 1]"
+    assert ChatTemplate("{{ 'ab' * 100 }}").render(USER) == "ab" * 100
+
+
+# -- the renderer processes (moe_lightning.template_renderer) ----------------------------------------
+
+BRANCHED = (
+    "{% if messages[0].content == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+    "{% endfor %}{% elif messages[0].content == 'memory' %}{{ 'x'.center(10**10) }}"
+    "{% else %}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def renderer() -> Iterator[Any]:
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    r = TemplateRenderer(ChatTemplate(BRANCHED, origin="/srv/models/x/t.jinja"), max_bytes=65536, timeout=1.0)
+    r.start()
+    yield r
+    r.close()
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_renderer_processes_match_transformers(setups: dict[str, Setup], name: str) -> None:
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    s = setups[name]
+    r = TemplateRenderer(s.template, max_bytes=1 << 20, processes=1)
+    r.start()
+    try:
+        for chat, add in [(c, a) for c in sorted(CHATS) for a in (True, False)]:
+            dicts = as_dicts(CHATS[chat])
+            if (name, chat) in REFUSED:
+                with pytest.raises(jinja2.TemplateError) as theirs:
+                    s.hf.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add)
+                with pytest.raises(ChatTemplateError) as ours:
+                    r.render(as_messages(CHATS[chat]), add)
+                assert str(ours.value) == str(theirs.value)
+                continue
+            want = s.hf.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add)
+            assert r.render(as_messages(CHATS[chat]), add) == want
+    finally:
+        r.close()
+
+
+def test_a_looping_render_is_killed_at_its_time_limit(renderer: Any) -> None:
+    pids = renderer.pids()
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="^the chat template took longer than 1 s to render this conversation$"):
+        renderer.render([ChatMessage("user", "loop")])
+    assert 0.9 < time.monotonic() - t0 < 2.0
+    gone = [p for p in pids if p not in renderer.pids()]
+    assert len(gone) == 1 and not Path(f"/proc/{gone[0]}").exists()  # killed and reaped
+    assert renderer.render([ChatMessage("user", "hi")]) == "[user] hi\n"  # the other, or its replacement
+
+
+def test_a_memory_bomb_gets_an_error_not_the_hosts_memory(renderer: Any) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="^the chat template ran out of memory on this conversation$"):
+        renderer.render([ChatMessage("user", "memory")])  # 10 GB in one C call, over RLIMIT_AS
+    assert time.monotonic() - t0 < 1.0
+    assert renderer.render([ChatMessage("user", "hi")]) == "[user] hi\n"
+
+
+def test_a_cancelled_render_is_killed(renderer: Any) -> None:
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="cancelled"):
+        renderer.render([ChatMessage("user", "loop")], cancel=cancel)
+    assert time.monotonic() - t0 < 0.6
+
+
+def test_the_renderer_costs_about_a_millisecond(renderer: Any) -> None:
+    chat = as_messages(CHATS["multi-turn"])
+    in_process = ChatTemplate(BRANCHED)
+    assert renderer.render(chat) == in_process.render(chat)
+    timings = {}
+    for name, render in (("in process", in_process.render), ("renderer", renderer.render)):
+        t0 = time.perf_counter()
+        for _ in range(300):
+            render(chat)
+        timings[name] = (time.perf_counter() - t0) / 300
+    print(f"render: {timings['in process'] * 1e6:.0f} us in process, {timings['renderer'] * 1e6:.0f} us in a renderer")
+    assert timings["renderer"] - timings["in process"] < 0.005  # ~0.15 ms measured (2 loaded cores)
+
+
+def test_close_ends_renders_in_flight_at_once() -> None:
+    from moe_lightning.service.errors import ShuttingDownError
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    r = TemplateRenderer(ChatTemplate(BRANCHED), max_bytes=65536, timeout=30.0)
+    r.start()
+    pids = r.pids()
+    errors: list[BaseException] = []
+
+    def render() -> None:
+        try:
+            r.render([ChatMessage("user", "loop")])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=render) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    r.close()
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - t0 < 1.0 and len(errors) == 2
+    assert all(isinstance(e, ShuttingDownError) for e in errors), errors
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [
+        ("{{ raise_exception('no chat here') }}", "no chat here"),
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "took longer than 0.5 s"),
+        ("{{ 'x' * 10**9 }}", "repeats a value"),
+        ("{% block a %}{% endblock %}{% block a %}{% endblock %}", "syntax error"),  # found by the compiler
+    ],
+)
+def test_a_template_that_fails_a_one_message_chat_fails_at_start(source: str, words: str) -> None:
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    r = TemplateRenderer(ChatTemplate(source, origin="/models/m/chat_template.jinja"), max_bytes=65536, timeout=0.5)
+    with pytest.raises(ChatTemplateError) as info:
+        r.start()
+    assert str(info.value).startswith("/models/m/chat_template.jinja: ") and words in str(info.value)
+    assert r.pids() == []

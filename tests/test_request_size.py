@@ -14,8 +14,10 @@ from typing import Any
 import grpc
 import pytest
 from fake_backend import FakeBackend
+from wire import token_ids_input
 
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.chat_template import ChatTemplate
 from moe_lightning.client import Prompt
 from moe_lightning.demo_model import build_tokenizer
 from moe_lightning.launcher import Stack
@@ -122,3 +124,35 @@ def test_a_message_over_the_receive_limit_is_refused_unread(stack: Stack) -> Non
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert health_status(ch, API, timeout=5) == 1
     ch.close()
+
+
+def _token_ids_input(n: int) -> generation_pb2.GenerationInput:
+    """A GenerationInput of `n` token ids, parsed from its wire form as the server gets it."""
+    return generation_pb2.GenerationInput.FromString(token_ids_input(n))
+
+
+def test_token_ids_are_counted_before_they_are_copied(servicer: GenerationServicer) -> None:
+    # issue 27, item 8: 26 M ids (26 MB, within a default server's receive limit) were made a list and
+    # scanned against the vocabulary before the length check: 3.2 s and +640 MB
+    m = _token_ids_input(26_000_000)
+    limits = servicer._sched().limits()
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequestError) as info:
+        servicer.to_request(m, limits)
+    assert time.monotonic() - t0 < 0.1
+    assert str(info.value) == "prompt has 26000000 tokens; this server accepts at most 40 (--max-prefill-tokens)"
+    assert servicer.to_request(_token_ids_input(40), limits).prompt_ids == [1] * 40
+
+
+def test_a_rendered_chat_is_bounded_before_it_is_tokenised(servicer: GenerationServicer) -> None:
+    # issue 27, item 3: a template can multiply its input; the rendered text is bounded as any text is
+    servicer.chat_template = ChatTemplate(
+        "{% for m in messages %}{% for i in range(100) %}{{ m.content }}{% endfor %}{% endfor %}"
+    )
+    request = generation_pb2.GenerateRequest(
+        input=Prompt(messages=[{"role": "user", "content": "Kabeno tisar"}]).to_pb()
+    )
+    with pytest.raises(
+        InvalidRequestError, match="^the chat template rendered this conversation to more than 320 bytes"
+    ):
+        asyncio.run(servicer.Generate(request, CONTEXT))

@@ -123,24 +123,22 @@ def test_run_job_against_running_stack(up: UpProcess, tmp_path: Path, tiny_model
     assert [row["completion_tokens"] for row in rows] == [5, 7, 4, 3]  # per-row max_new_tokens, else the flag
     assert rows[1]["prompt_tokens"] == 4 and rows[0]["prompt_tokens"] == len(tok.encode("The sea is"))
     assert all(row["finish_reason"] == "length" and row["latency_seconds"] > 0 for row in rows)
-    # the same job again: greedy rows identical, the seeded row reproducible
-    r2 = cli(
-        "run",
-        "--addr",
-        up.addr,
-        "--input",
-        str(src),
-        "--output",
-        str(tmp_path / "again.parquet"),
-        "--max-new-tokens",
-        "4",
-        "--ignore-eos",
-        "--no-progress",
-    )
+    # the same job again into the same file: refused before it runs, then done with --overwrite (the
+    # greedy rows identical, the seeded row reproducible); a symbolic link there is never written through
+    job = ["run", "--addr", up.addr, "--input", str(src), "--max-new-tokens", "4", "--ignore-eos", "--no-progress"]
+    refused = cli(*job, "--output", str(out))
+    assert refused.returncode == 2, refused.stderr
+    assert f"refusing to write the output {out}: it exists (pass --overwrite" in refused.stderr
+    assert pq.read_table(out).to_pylist() == rows
+    link, victim = tmp_path / "link.parquet", tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    link.symlink_to(victim)
+    r2 = cli(*job, "--output", str(link), "--overwrite")
+    assert r2.returncode == 2 and "it is a symbolic link" in r2.stderr and victim.read_bytes() == b"precious"
+    r2 = cli(*job, "--output", str(out), "--overwrite")
     assert r2.returncode == 0, r2.stderr
-    assert [x["token_ids"] for x in pq.read_table(tmp_path / "again.parquet").to_pylist()] == [
-        row["token_ids"] for row in rows
-    ]
+    assert [x["token_ids"] for x in pq.read_table(out).to_pylist()] == [row["token_ids"] for row in rows]
+    assert sorted(os.listdir(tmp_path)) == ["in.parquet", "link.parquet", "out.parquet", "victim"]  # no temp left
 
 
 def test_sigterm_stops_everything_and_leaves_no_segment(up: UpProcess) -> None:

@@ -17,7 +17,16 @@ from dataclasses import asdict
 from typing import Any
 
 from moe_lightning.cluster.node import NodeStack
-from moe_lightning.cluster.parts import Part, check_output, check_plan, done_parts, input_files, output_dir, split
+from moe_lightning.cluster.parts import (
+    Part,
+    check_output,
+    check_plan,
+    done_parts,
+    input_files,
+    output_dir,
+    split,
+    write_file,
+)
 
 PARTS_PER_ACTOR = 2  # in flight per node: the next part's requests queue while the last finishes
 COOL_DOWN = 15.0  # seconds a node whose part failed gets no new part: its stack is restarting
@@ -55,7 +64,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     fs_in, files = input_files(args.input_spec)
-    fs_out, out = output_dir(args.output_spec)
+    fs_out, out = output_dir(args.output_spec)  # checked before Ray or any stack starts
     ray.init(address=args.ray, log_to_driver=False)
     import ray.data
 
@@ -124,8 +133,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
         ray.shutdown()
     checked = check_output(fs_out, out, parts)
     summary = _summary(stats, checked, time.perf_counter() - t0, len(actors), attempts)
-    with fs_out.open_output_stream(f"{out}/_job.json") as f:
-        f.write(json.dumps(summary, indent=2).encode())
+    write_file(fs_out, f"{out}/_job.json", lambda f: f.write(json.dumps(summary, indent=2).encode()))
     _print(summary)
     return 0
 

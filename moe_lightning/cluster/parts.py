@@ -8,7 +8,10 @@ input, files in sorted order and rows in file order) to the end, where the outpu
 against the input: every key once.
 
 Paths go through pyarrow's filesystems, so an input may be on any filesystem pyarrow knows (local,
-S3, GCS, HDFS); every node must see the output path (a shared filesystem, docs/cluster.md)."""
+S3, GCS, HDFS); every node must see the output path (a shared filesystem, docs/cluster.md). On the
+local filesystem every file of the output (parts, `_parts.json`, `_job.json`) is written as any
+output of ours is (output_files.py: never through a link, never another user's file), in a directory
+of ours that others cannot add files to."""
 
 from __future__ import annotations
 
@@ -16,13 +19,16 @@ import itertools
 import json
 import os
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
+
+from moe_lightning.output_files import check_output_dir, output_file
 
 SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
 KEY = "row_key"
@@ -119,27 +125,52 @@ def check_plan(fs: pafs.FileSystem, out: str, part_rows: int, rows: int) -> None
                 "--part-rows to resume it, or another --output"
             )
         return
-    with fs.open_output_stream(path) as f:
-        f.write(json.dumps(want).encode())
+    write_file(fs, path, lambda f: f.write(json.dumps(want).encode()))
+
+
+def _local(fs: pafs.FileSystem) -> bool:
+    return isinstance(fs, pafs.LocalFileSystem)
 
 
 def output_dir(spec: str) -> tuple[pafs.FileSystem, str]:
+    """The output directory, created if missing; a local one is checked (check_output_dir) before
+    and after: the driver calls this before anything starts, each node before it writes a part."""
     fs, path = filesystem(spec)
+    if _local(fs):
+        check_output_dir(Path(path))
     fs.create_dir(path, recursive=True)
+    if _local(fs):
+        check_output_dir(Path(path))
     return fs, path
 
 
 def done_parts(fs: pafs.FileSystem, out: str) -> set[str]:
+    """The parts in the output. A local symbolic link under a part's name is not one (pyarrow follows
+    it): that part is written again, and its write refuses the link, naming it."""
     infos = fs.get_file_info(pafs.FileSelector(out, allow_not_found=True))
-    return {Path(i.path).name for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")}
+    names = {Path(i.path).name for i in infos if i.type == pafs.FileType.File and i.path.endswith(".parquet")}
+    if _local(fs):
+        names = {n for n in names if not os.path.islink(os.path.join(out, n))}
+    return names
+
+
+def write_file(fs: pafs.FileSystem, path: str, write: Callable[[IO[bytes]], Any]) -> None:
+    """Atomically: a reader (or a resumed run) sees the whole file or none of it. Locally through
+    output_files (a file of ours there is replaced: a retried part is the same rows again, `_job.json`
+    is each run's); elsewhere a temporary name, then a move."""
+    if _local(fs):
+        with output_file(Path(path), overwrite=True) as f:
+            write(f)
+        return
+    head, name = path.rsplit("/", 1)
+    tmp = f"{head}/.{name}.{uuid.uuid4().hex}.tmp"
+    with fs.open_output_stream(tmp) as f:
+        write(f)
+    fs.move(tmp, path)
 
 
 def write_part(fs: pafs.FileSystem, out: str, part: Part, table: pa.Table) -> None:
-    """Atomically: a reader (or a resumed run) sees the whole part or none of it."""
-    tmp = f"{out}/.{part.name}.{uuid.uuid4().hex}.tmp"
-    with fs.open_output_stream(tmp) as f:
-        pq.write_table(table, f)
-    fs.move(tmp, f"{out}/{part.name}")
+    write_file(fs, f"{out}/{part.name}", lambda f: pq.write_table(table, f))
 
 
 def check_output(fs: pafs.FileSystem, out: str, parts: list[Part]) -> dict[str, Any]:

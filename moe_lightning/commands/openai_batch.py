@@ -19,8 +19,9 @@ from pydantic import ValidationError
 
 from gateway import responses
 from gateway.errors import ApiError, bad_request, from_grpc
-from gateway.schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
+from gateway.schema import MAX_BATCH_PROMPTS, ChatCompletionRequest, CompletionRequest, UnsupportedField
 from moe_lightning.api.generation.v1 import generation_pb2
+from moe_lightning.output_files import output_file
 
 ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,
@@ -83,6 +84,20 @@ def _parse(raw: str, n: int) -> BatchLine:
     return line
 
 
+def chunk_lines(lines: list[BatchLine], chunk_size: int, max_inputs: int) -> list[list[BatchLine]]:
+    """At most `chunk_size` lines and `max_inputs` inputs (prompts x n) a chunk: a BatchGenerate over the
+    server's max_batch_prompts is refused whole, and would then be retried line by line."""
+    chunks: list[list[BatchLine]] = []
+    size = 0
+    for line in lines:
+        if not chunks or len(chunks[-1]) >= chunk_size or size + len(line.inputs) > max_inputs:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(line)
+        size += len(line.inputs)
+    return chunks
+
+
 def run_batch(
     lines: list[BatchLine],
     stub: Any,
@@ -90,6 +105,7 @@ def run_batch(
     chunk_size: int,
     in_flight: int,
     on_done: Callable[[int], None],
+    max_inputs: int = MAX_BATCH_PROMPTS,
 ) -> None:
     """Every line's inputs through BatchGenerate, `chunk_size` lines per call and `in_flight` calls at
     once; a call the server refuses as a whole is retried line by line, so each line gets its own error."""
@@ -114,7 +130,7 @@ def run_batch(
             line.outputs, outs = outs[: len(line.inputs)], outs[len(line.inputs) :]
         on_done(len(chunk))
 
-    chunks = [todo[i : i + chunk_size] for i in range(0, len(todo), chunk_size)]
+    chunks = chunk_lines(todo, chunk_size, max_inputs)
     with ThreadPoolExecutor(max_workers=max(1, in_flight)) as pool:
         list(pool.map(one, chunks))
 
@@ -135,8 +151,9 @@ def result_line(line: BatchLine, model: str) -> dict[str, Any]:
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": response, "error": None}
 
 
-def write_results(lines: list[BatchLine], model: str, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
+def write_results(lines: list[BatchLine], model: str, path: Path, overwrite: bool = False) -> None:
+    """The results file, written as every output of a job is (output_files.py: whole or not at all,
+    never through a symbolic link or into another user's file; an own file only with `overwrite`)."""
+    with output_file(path, overwrite) as f:
         for line in lines:
-            f.write(json.dumps(result_line(line, model), separators=(",", ":")) + "\n")
+            f.write((json.dumps(result_line(line, model), separators=(",", ":")) + "\n").encode())

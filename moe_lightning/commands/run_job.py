@@ -14,6 +14,8 @@ from typing import Any
 from moe_lightning.commands.common import add_client_flags, add_sampling_flags, add_stack_flags
 
 ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
+INT32 = (-(2**31), 2**31 - 1)  # max_new_tokens, top_k and token ids are int32 fields of GenerationInput
+UINT64 = (0, 2**64 - 1)  # the seed
 
 
 def add_parser(sub: Any, name: str) -> None:
@@ -29,6 +31,12 @@ def add_parser(sub: Any, name: str) -> None:
         help="prompts.parquet or prompts.jsonl (a 'prompt' or 'prompt_ids' column), or an OpenAI Batch .jsonl",
     )
     p.add_argument("--output", required=True, type=Path, help="results .parquet (an OpenAI Batch input: .jsonl)")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output file of yours (refused otherwise, before the job starts; a symbolic "
+        "link or another user's file is refused always). Not with --ray: its output directory is resumed",
+    )
     add_sampling_flags(p)
     p.add_argument("--chunk-size", type=int, default=64, help="prompts per BatchGenerate call")
     p.add_argument(
@@ -72,7 +80,68 @@ def read_prompts(path: Path) -> Any:
     return table
 
 
+class RowError(ValueError):
+    """A field of an input row that is not what it must be; the message names the row."""
+
+
+def _as_int(value: Any, name: str, i: int, bounds: tuple[int, int] = INT32) -> int:
+    # exact conversions only: int("abc") would raise without naming the row, int(2.5) or
+    # bool("false") would silently run another job than the one asked for
+    if isinstance(value, bool):
+        raise RowError(f"row {i}: {name} must be an integer, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise RowError(f"row {i}: {name} must be an integer, got {value!r}") from None
+    if not isinstance(value, int):
+        raise RowError(f"row {i}: {name} must be an integer, got {value!r}")
+    if not bounds[0] <= value <= bounds[1]:
+        raise RowError(f"row {i}: {name} {value} is out of range [{bounds[0]}, {bounds[1]}]")
+    return value
+
+
+def _as_float(value: Any, name: str, i: int) -> float:
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise RowError(f"row {i}: {name} must be a number, got {value!r}")
+
+
+def _as_bool(value: Any, name: str, i: int) -> bool:
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise RowError(f"row {i}: {name} must be true or false, got {value!r}")
+
+
+def _as_stop(value: Any, i: int) -> list[str]:
+    if isinstance(value, str):  # one stop string, as the OpenAI API takes it (list() would split it into letters)
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value):
+        return list(value)
+    raise RowError(f"row {i}: stop must be a string or a list of strings, got {value!r}")
+
+
+def _as_token_ids(ids: Any, i: int) -> list[int]:
+    # a token id given as text ("12") is refused, not converted: a list of strings is most likely
+    # a prompt split by mistake
+    if not isinstance(ids, (list, tuple)):
+        raise RowError(f"row {i}: prompt_ids must be a list of integers, got {ids!r}")
+    for t in ids:
+        if isinstance(t, str):
+            raise RowError(f"row {i}: prompt_ids must be a list of integers, got {t!r} in it")
+    return [_as_int(t, "prompt_ids", i) for t in ids]
+
+
 def row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any:
+    """Row `i` of the input as a Prompt: its own fields where it has them, else the flags'. A field of
+    the wrong type is a RowError naming the row and the value, before anything is generated."""
     from moe_lightning.client import Prompt
 
     def pick(name: str) -> Any:
@@ -83,17 +152,21 @@ def row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any
 
     text, ids = row.get("prompt"), row.get("prompt_ids")
     if text is None and ids is None:
-        raise ValueError(f"row {i} has neither prompt nor prompt_ids")
+        raise RowError(f"row {i} has neither prompt nor prompt_ids")
+    token_ids = _as_token_ids(ids, i) if ids is not None else None
+    if token_ids is None and not isinstance(text, str):
+        raise RowError(f"row {i}: prompt must be a string, got {text!r}")
+    seed = pick("seed")
     return Prompt(
-        text=text if ids is None else None,
-        token_ids=[int(t) for t in ids] if ids is not None else None,
-        max_new_tokens=int(pick("max_new_tokens")),
-        temperature=float(pick("temperature")),
-        top_k=int(pick("top_k")),
-        top_p=float(pick("top_p")),
-        seed=None if pick("seed") is None else int(pick("seed")),
-        stop=list(pick("stop") or []),
-        ignore_eos=bool(pick("ignore_eos")),
+        text=text if token_ids is None else None,
+        token_ids=token_ids,
+        max_new_tokens=_as_int(pick("max_new_tokens"), "max_new_tokens", i),
+        temperature=_as_float(pick("temperature"), "temperature", i),
+        top_k=_as_int(pick("top_k"), "top_k", i),
+        top_p=_as_float(pick("top_p"), "top_p", i),
+        seed=None if seed is None else _as_int(seed, "seed", i, UINT64),
+        stop=_as_stop(pick("stop") or [], i),
+        ignore_eos=_as_bool(pick("ignore_eos"), "ignore_eos", i),
         request_id=f"row-{i}",
     )
 
@@ -101,11 +174,17 @@ def row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.commands import openai_batch
     from moe_lightning.flags import link_flag_error
+    from moe_lightning.output_files import check_output_file
 
     error = link_flag_error(args.device, getattr(args, "link_bandwidth", None))
     if error:  # before anything starts (gpu_expert would refuse it only seconds into start-up)
         raise ValueError(error)
     if args.ray is not None:
+        if args.overwrite:
+            raise ValueError(
+                "--overwrite is for one output file; a --ray output directory is resumed "
+                "(give another --output to start afresh)"
+            )
         try:
             from moe_lightning.cluster.driver import run_on_ray
         except ImportError as exc:
@@ -118,11 +197,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"an OpenAI Batch input is answered in the OpenAI Batch output: --output *.jsonl, not {args.output}"
             )
+        check_output_file(args.output, args.overwrite)  # before the job, not after an hour of it
         lines = openai_batch.read_batch(args.input)
 
         def submit(addr: str) -> int:
             return _submit_openai(args, addr, lines)
     else:
+        check_output_file(args.output, args.overwrite)  # before the job, not after an hour of it
         table = read_prompts(args.input)
         prompts = [row_prompt(r, args, i) for i, r in enumerate(table.to_pylist())]
 
@@ -182,7 +263,7 @@ def _submit_openai(args: argparse.Namespace, addr: str, lines: list[Any]) -> int
         model = Path(client.model_info().model.model_path).name
         metadata = client._metadata or ()
         openai_batch.run_batch(lines, client.stub, metadata, args.chunk_size, max(1, args.in_flight or 4), bar.update)
-    openai_batch.write_results(lines, model, args.output)
+    openai_batch.write_results(lines, model, args.output, args.overwrite)
     failed = sum(line.error is not None for line in lines)
     sys.stderr.write(
         f"{len(lines)} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; wrote {args.output}\n"
@@ -190,9 +271,20 @@ def _submit_openai(args: argparse.Namespace, addr: str, lines: list[Any]) -> int
     return 0
 
 
+def write_table(table: Any, path: Path, overwrite: bool = False) -> None:
+    """The job's Parquet output, written as every output of a job is (output_files.py: whole or not at
+    all, never through a symbolic link or into another user's file; an own file only with `overwrite`),
+    the path checked again now and just before the file appears."""
+    import pyarrow.parquet as pq
+
+    from moe_lightning.output_files import output_file
+
+    with output_file(path, overwrite) as f:
+        pq.write_table(table, f)
+
+
 def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any]) -> int:
     import pyarrow as pa
-    import pyarrow.parquet as pq
     from tqdm import tqdm
 
     from moe_lightning.client import BatchError
@@ -217,8 +309,7 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
         if name in out.column_names:
             out = out.drop_columns([name])
         out = out.append_column(name, pa.array(col) if not isinstance(col, pa.Array) else col)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(out, args.output)
+    write_table(out, args.output, args.overwrite)
     for row, r in list(zip(table.to_pylist(), done, strict=True))[: args.show]:
         prompt = row.get("prompt") if row.get("prompt") is not None else row.get("prompt_ids")
         sys.stdout.write(f"> {prompt!s:.70}\n  {r.text!r:.200}\n")

@@ -6,13 +6,14 @@ The life is runtime.py's: live (health "" SERVING, the service NOT_SERVING) befo
 worker thread, ready after; SIGTERM flips health to NOT_SERVING, runs the drain hooks (in a thread:
 they may wait for in-flight work, which the event loop keeps serving), stops the server within the
 grace period, then runs the clean-up hooks. The interceptors are the aio twins of errors.py's error
-mapping and auth.py's bearer token.
+mapping and auth.py's bearer token, and AioConcurrencyLimit: a server's own bound on the calls in
+progress, past which a call is refused RESOURCE_EXHAUSTED, named and counted (grpc core's silent
+backlog cancellation, which used to be that bound, is raised out of its way: pending_call_options).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -24,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from moe_lightning.service.auth import EXEMPT_PREFIXES
+from moe_lightning.service.auth import EXEMPT_PREFIXES, bearer_matches
 from moe_lightning.service.errors import _lenient, _Undecodable, rejection
 from moe_lightning.service.metrics import SERVING as SERVING_GAUGE
 from moe_lightning.service.metrics import count_rpc
@@ -63,6 +64,9 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                     response = await inner(request, context)
                 except Exception as exc:
                     await _abort(context, exc, method)
+                except asyncio.CancelledError:  # the client left or its deadline passed: counted too
+                    count_rpc(method, "CANCELLED")
+                    raise
                 count_rpc(method, "OK")
                 return response
 
@@ -94,6 +98,9 @@ async def _mapped(responses: AsyncIterator[Any], context: grpc.aio.ServicerConte
             yield msg
     except Exception as exc:
         await _abort(context, exc, method)
+    except asyncio.CancelledError:
+        count_rpc(method, "CANCELLED")
+        raise
     count_rpc(method, "OK")
 
 
@@ -112,6 +119,109 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(*rejection(exc, method))
 
 
+# grpc core's own backlog protection (grpc.server.max_pending_requests, default 1000, and
+# max_pending_requests_hard_limit, default 3000): a call that arrived but that the application has not
+# yet asked for (the aio server asks for one at a time, from its event loop, so a burst waits there) is
+# dropped at random once 1000 wait, every one past 3000, as CANCELLED, a status no client can tell
+# from its own cancel, unseen by any interceptor and so uncounted. 3,000 Generate calls at once lost
+# 650-750 of them so, far below --max-queue. Raised far beyond any concurrency limit a server states,
+# so that what a client meets past that limit is its RESOURCE_EXHAUSTED, named and counted.
+MIN_PENDING_CALLS = 1 << 16
+
+
+def pending_call_options(max_concurrent_rpcs: int | None) -> list[tuple[str, int]]:
+    """The core's backlog bounds for a server that refuses calls past `max_concurrent_rpcs` itself."""
+    bound = max(MIN_PENDING_CALLS, 4 * (max_concurrent_rpcs or 0))
+    return [("grpc.server.max_pending_requests", bound), ("grpc.server.max_pending_requests_hard_limit", bound)]
+
+
+class AioConcurrencyLimit(grpc.aio.ServerInterceptor):
+    """At most `limit` calls in their handlers at once (health and reflection aside); one more is
+    answered RESOURCE_EXHAUSTED at once, with a message naming the limit and `flag`, and counted
+    (moe_lightning_rpc_handled_total and `refused`), rather than waiting for work that cannot start.
+    The handlers all run on the server's one event loop, so a plain count is exact."""
+
+    def __init__(
+        self, limit: int, flag: str, refused: Callable[[], None] | None = None, gauge: Any | None = None
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"{flag} must be 1 or more, got {limit}")
+        self.limit, self.flag = limit, flag
+        self.active = 0
+        self._refused = refused
+        self._gauge = gauge  # a prometheus Gauge of the calls in their handlers, if given
+
+    def _enter(self) -> bool:
+        if self.active >= self.limit:
+            return False
+        self.active += 1
+        if self._gauge is not None:
+            self._gauge.set(self.active)
+        return True
+
+    def _leave(self) -> None:
+        self.active -= 1
+        if self._gauge is not None:
+            self._gauge.set(self.active)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        count_rpc(method, grpc.StatusCode.RESOURCE_EXHAUSTED.name)
+        if self._refused is not None:
+            self._refused()
+        await context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"{self.active} calls are in progress, the most this server takes at once ({self.flag} "
+            f"{self.limit}); retry later, or send a list of prompts as one BatchGenerate",
+        )
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(EXEMPT_PREFIXES):
+            return handler  # health must answer most of all when the server is busiest
+        method = details.method
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if not self._enter():
+                    await self._refuse(context, method)
+                try:
+                    return await inner(request, context)
+                finally:
+                    self._leave()
+
+            return handler._replace(unary_unary=unary)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if not self._enter():
+                    await self._refuse(context, method)
+                try:
+                    async for msg in inner_stream(request, context):
+                        yield msg
+                finally:
+                    self._leave()
+
+            return handler._replace(unary_stream=stream)
+        if handler.stream_stream is not None:
+            inner_bidi = handler.stream_stream
+
+            async def bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                if not self._enter():
+                    await self._refuse(context, method)
+                try:
+                    async for msg in inner_bidi(requests, context):
+                        yield msg
+                finally:
+                    self._leave()
+
+            return handler._replace(stream_stream=bidi)
+        return handler
+
+
 class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """auth.py's BearerTokenInterceptor for the aio server: every call but health and reflection needs
     `authorization: Bearer <token>`; unary and streaming handlers alike are denied without it."""
@@ -119,13 +229,12 @@ class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         if not token:
             raise ValueError("the auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     def _ok(self, metadata: Any) -> bool:
         for key, value in metadata or ():
             if key == "authorization":
-                got = value if isinstance(value, bytes) else value.encode()
-                return hmac.compare_digest(got, self._expected)
+                return bearer_matches(value, self._token)  # `bearer` and `BEARER` too (RFC 7235)
         return False
 
     async def intercept_service(
@@ -167,6 +276,7 @@ class AioServiceRuntime(ServiceHooks):
         max_receive_bytes: int,
         pages: Mapping[str, Route] | None = None,
         pages_token: str | None = None,
+        max_concurrent_rpcs: int | None = None,
     ) -> None:
         super().__init__()
         self.name = name
@@ -175,7 +285,7 @@ class AioServiceRuntime(ServiceHooks):
         self.loop = asyncio.get_running_loop()
         self.server = grpc.aio.server(
             interceptors=(*interceptors, AioErrorMappingInterceptor()),
-            options=server_options(max_receive_bytes),
+            options=[*server_options(max_receive_bytes), *pending_call_options(max_concurrent_rpcs)],
         )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -246,11 +356,18 @@ def serve_aio(
     grace_seconds: float = 10.0,
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     pages: Mapping[str, Route] | None = None,
+    concurrency: AioConcurrencyLimit | None = None,
 ) -> int:
     """runtime.serve's contract on an asyncio server; `build` runs in a worker thread. `pages`: served on
-    the metrics port beside /metrics (beyond loopback only with the API's token, metrics_http.py)."""
+    the metrics port beside /metrics (beyond loopback only with the API's token, metrics_http.py);
+    `concurrency`: the calls it takes at once (after the token check: a caller without one is refused
+    as UNAUTHENTICATED however busy the server is)."""
     log, credentials, _ = prepare_process(args, owner, service)  # the public API checks no internal secret
-    interceptors = (AioBearerTokenInterceptor(args.auth_token),) if getattr(args, "auth_token", None) else ()
+    interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (
+        (AioBearerTokenInterceptor(args.auth_token),) if getattr(args, "auth_token", None) else ()
+    )
+    if concurrency is not None:
+        interceptors = (*interceptors, concurrency)
 
     async def life() -> int:
         runtime = AioServiceRuntime(
@@ -264,6 +381,7 @@ def serve_aio(
             max_receive_bytes,
             pages,
             getattr(args, "auth_token", None),
+            concurrency.limit if concurrency is not None else None,
         )
         runtime.add_service(add_fn, servicer, service)
         await runtime.start()

@@ -49,17 +49,28 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return handler._replace(**{kind: deny})  # type: ignore[attr-defined]
 
 
+def bearer_matches(value: str | bytes, token: str) -> bool:
+    """Whether `value`, an Authorization header or metadata value, carries `token` under the Bearer
+    scheme. The scheme's name is case-insensitive (RFC 7235 section 2.1: `bearer` and `BEARER` are
+    `Bearer`); the token is compared exactly, in constant time."""
+    raw = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
+    scheme, _, credentials = raw.strip().partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(credentials.lstrip(b" "), token.encode())
+
+
 class _MetadataTokenInterceptor(grpc.ServerInterceptor):
     """Requires metadata `key` to equal `expected` on every call but health and reflection."""
 
     def __init__(self, key: str, expected: str, message: str) -> None:
         self._key, self._expected, self._message = key, expected.encode(), message
 
+    def _matches(self, got: bytes) -> bool:
+        return hmac.compare_digest(got, self._expected)
+
     def _ok(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> bool:
         for key, value in metadata or ():
             if key == self._key:
-                got = value if isinstance(value, bytes) else value.encode()
-                return hmac.compare_digest(got, self._expected)
+                return self._matches(value if isinstance(value, bytes) else value.encode())
         return False
 
     def intercept_service(self, continuation: Callable[..., Any], details: grpc.HandlerCallDetails) -> Any:
@@ -70,7 +81,8 @@ class _MetadataTokenInterceptor(grpc.ServerInterceptor):
 
 
 class BearerTokenInterceptor(_MetadataTokenInterceptor):
-    """Requires `authorization: Bearer <token>` metadata on every call but health and reflection."""
+    """Requires `authorization: Bearer <token>` metadata on every call but health and reflection (the
+    scheme in any case, as HTTP's: `bearer_matches`)."""
 
     def __init__(self, token: str) -> None:
         if not token:
@@ -80,6 +92,10 @@ class BearerTokenInterceptor(_MetadataTokenInterceptor):
             f"Bearer {token}",
             "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'",
         )
+        self._token = token
+
+    def _matches(self, got: bytes) -> bool:
+        return bearer_matches(got, self._token)
 
 
 class InternalTokenInterceptor(_MetadataTokenInterceptor):

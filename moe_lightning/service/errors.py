@@ -9,8 +9,6 @@ from typing import Any
 import grpc
 import structlog
 
-from moe_lightning.service.metrics import count_rpc
-
 
 class ServiceError(Exception):
     code = grpc.StatusCode.INTERNAL
@@ -56,6 +54,15 @@ class UnavailableError(ServiceError):
 
 class ShuttingDownError(UnavailableError):
     pass
+
+
+def count_rpc(method: str, code: str) -> None:
+    # imported when a server counts, not when a client imports the error types: the gateway (which
+    # imports them through moe_lightning.validation) must not export a service's gauges, and a
+    # `moe_lightning_serving 0` there would page as a service that is down
+    from moe_lightning.service.metrics import count_rpc as count
+
+    count(method, code)
 
 
 # Domain errors by module and class name, not imported here: their modules import torch, which the

@@ -18,7 +18,6 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from moe_lightning.service.errors import ErrorMappingInterceptor
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
@@ -46,15 +45,14 @@ def bind(
 ) -> tuple[int, int | None]:
     """Binds a gRPC server (threaded or asyncio) to `address`, over TLS when given `credentials`, and
     starts the Prometheus port, with `pages` of the service's own beside /metrics (metrics_http.py:
-    beyond loopback they need `pages_token`); returns (the gRPC port, the metrics port or None)."""
+    beyond loopback they need `pages_token`); returns (the gRPC port, the metrics port or None).
+    Pages or not, the port is metrics_http's server, not prometheus_client's start_http_server: that
+    one gives every connection a thread with no timeout, so slow clients could hold them all."""
     port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if metrics_port is None:
         return port, None
-    if pages:
-        _, bound = start_metrics_server(metrics_host, metrics_port, pages, pages_token)
-        return port, bound
-    http, _ = start_http_server(metrics_port, addr=metrics_host)
-    return port, http.server_port
+    _, bound = start_metrics_server(metrics_host, metrics_port, pages or {}, pages_token)
+    return port, bound
 
 
 class ServiceHooks:
