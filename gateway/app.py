@@ -37,6 +37,7 @@ from moe_lightning.service.auth import bearer_matches
 
 REQUESTS = Counter("moe_lightning_gateway_requests_total", "HTTP requests by route and status", ["route", "status"])
 T = TypeVar("T")
+FIELD_ERRORS = ("unknown_field", "unsupported_field")  # gateway/schema.py's refusals of a field
 
 
 @dataclass
@@ -64,6 +65,9 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
             reason = (first.get("ctx") or {}).get("error", "invalid JSON")
             return bad_request(f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})").response()
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        fields = [e["msg"] for e in exc.errors() if e.get("type") in FIELD_ERRORS]
+        if len(fields) > 1:  # every field it does not take, named at once: one round trip to fix them all
+            return bad_request("; ".join(fields), param).response()
         return bad_request(f"{param or 'body'}: {first.get('msg', 'invalid request')}", param).response()
 
     @app.exception_handler(HTTPException)
@@ -112,7 +116,7 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         if body.stream:
             return _stream(upstream, settings, rid, inputs, body, chat=False, top=body.logprobs)
         clock = Clock()
-        outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs)))
+        outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs, body.n)))
         clock.observe()
         return JSONResponse(responses.completion(rid, settings.model_name, outputs, body.n, logprobs))
 
@@ -124,7 +128,8 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         if body.stream:
             return _stream(upstream, settings, rid, inputs, body, chat=True, top=top)
         clock = Clock()
-        outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs)))
+        # a chat is one prompt: its n choices are all its inputs
+        outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs, len(inputs))))
         clock.observe()
         return JSONResponse(responses.chat_completion(rid, settings.model_name, outputs, top))
 

@@ -82,9 +82,10 @@ def _phrase(status: int) -> str:
         return "Error"
 
 
-def from_grpc(exc: grpc.aio.AioRpcError) -> ApiError:
+def from_grpc(exc: grpc.aio.AioRpcError, message: str | None = None) -> ApiError:
+    """`message`: the client's words for the call's details, when they differ (gateway/upstream.py)."""
     status, kind = STATUS.get(exc.code(), (500, "internal_error"))
-    return ApiError(status, exc.details() or exc.code().name, kind, code=exc.code().name.lower())
+    return ApiError(status, message or exc.details() or exc.code().name, kind, code=exc.code().name.lower())
 
 
 def from_http(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> ApiError:

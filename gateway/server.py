@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,12 +17,25 @@ from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.app import Settings, create_app
+from gateway.app import REQUESTS, Settings, create_app
 from gateway.errors import ApiError, bad_request, from_http
 from gateway.upstream import Upstream
 from moe_lightning.flags import EnvDefaultsParser
 from moe_lightning.service.auth import is_loopback
 from moe_lightning.service.logs import configure_logging
+
+OPEN_PER_SERVED = 4  # open connections per request --max-connections serves
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its message: "invalid int value"
+    return parse
 
 
 def build_parser() -> EnvDefaultsParser:
@@ -42,24 +56,33 @@ def build_parser() -> EnvDefaultsParser:
         "--served-model-name", default=None, help="the model id clients name (default: the model's directory name)"
     )
     p.add_argument(
-        "--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413 (chunked ones too)"
+        "--max-body-bytes",
+        type=_positive(int),
+        default=8 << 20,
+        help="larger request bodies get 413 (chunked ones too)",
     )
     p.add_argument(
-        "--body-timeout", type=float, default=60.0, help="seconds for a request's whole body to arrive; then 408"
+        "--body-timeout",
+        type=_positive(float),
+        default=60.0,
+        help="seconds for a request's whole body to arrive; then 408",
     )
     p.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive(float),
         default=10.0,
         help="seconds for a request's line and headers to arrive (from the connection's start or the "
         "request's first byte); then 408 and the connection closed",
     )
-    p.add_argument("--max-header-bytes", type=int, default=64 << 10, help="a longer request line + headers gets 431")
+    p.add_argument(
+        "--max-header-bytes", type=_positive(int), default=64 << 10, help="a longer request line + headers gets 431"
+    )
     p.add_argument(
         "--max-connections",
-        type=int,
+        type=_positive(int),
         default=1024,
-        help="connections served at once; a request on one beyond them gets 503",
+        help="requests served at once (a request beyond them gets 503); connections open, idle or sending "
+        f"their headers, at most {OPEN_PER_SERVED} times as many (a new one beyond is closed at once)",
     )
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the API at start")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error")
@@ -84,8 +107,12 @@ class GuardedProtocol(HttpToolsProtocol):
       byte every few seconds, held its connection as long as it liked;
     - a bound on their size (`max_header_bytes`; 431): llhttp keeps no limit of its own, and one
       200 MB header was buffered whole;
-    - at most `max_connections` served at once, as uvicorn's limit_concurrency counts them, with the
-      503 in OpenAI's shape (uvicorn's is plain text), as are its 400 for what is not HTTP.
+    - at most `max_connections` requests in progress at once (503 in OpenAI's shape; uvicorn's
+      limit_concurrency answers plain text, and counts connections that have not sent their headers
+      yet, so a client trickling headers on that many sockets would shut everyone else out), and at
+      most OPEN_PER_SERVED times as many connections open, idle or in their headers, before a new one
+      is closed at once (each is held `header_timeout` s at most: what bounds descriptors);
+    - uvicorn's 400 for what is not HTTP in OpenAI's shape too.
 
     A subclass made per configuration (`protocol_class`) holds the three limits."""
 
@@ -101,6 +128,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        if self.max_connections is not None and len(self.connections) > OPEN_PER_SERVED * self.max_connections:
+            self._refuse(_too_many())
+            return
         self._arm()  # a client that connects and sends nothing
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -127,9 +157,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._disarm()
         self._awaiting_head, self._head_bytes = False, 0
-        busy = self.max_connections is not None and (
-            len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections
-        )
+        busy = self.max_connections is not None and len(self.tasks) >= self.max_connections
         if not busy:
             return super().on_headers_complete()
         # uvicorn answers the request it has no room for with the app on self.app, for this request
@@ -168,16 +196,23 @@ class GuardedProtocol(HttpToolsProtocol):
         self._refuse(from_http(408, message, "request_timeout"))
 
     def _refuse(self, error: ApiError) -> None:
+        """An answer of the protocol's own, before any route runs: counted as _Guard counts the app's."""
         self._disarm()
         self.transport.write(error.raw(self.server_state.default_headers))
         self.transport.close()
+        REQUESTS.labels("other", str(error.status)).inc()
+
+
+def _too_many() -> ApiError:
+    headers = {"Connection": "close", "Retry-After": "1"}
+    return from_http(503, "the server has as many requests as it serves at once: retry shortly", headers=headers)
 
 
 async def _busy(scope: Scope, receive: Receive, send: Send) -> None:
-    """The answer to a request beyond --max-connections (then the connection closes)."""
-    headers = {"Connection": "close", "Retry-After": "1"}
-    error = from_http(503, "the server has as many connections as it serves at once: retry shortly", headers=headers)
-    await error.response()(scope, receive, send)
+    """The answer to a request beyond --max-connections (then the connection closes); _Guard does not
+    see it, so it is counted here."""
+    REQUESTS.labels("other", "503").inc()
+    await _too_many().response()(scope, receive, send)
 
 
 def protocol_class(header_timeout: float, max_header_bytes: int, max_connections: int | None) -> type[GuardedProtocol]:
@@ -225,9 +260,20 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def _raise_open_files(wanted: int) -> None:
+    """The soft limit on descriptors up to what --max-connections may open (the hard limit at most):
+    at the common soft limit of 1024, connections held in their headers would run the process out of
+    descriptors before any limit of ours answered."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     log = configure_logging("gateway", args.log_level, args.log_json or None)
+    _raise_open_files(OPEN_PER_SERVED * args.max_connections + 256)  # + the gRPC channel, logs, ...
     host, port = split_address(args.address)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")

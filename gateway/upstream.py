@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.errors import from_grpc
 from gateway.mux import Mux, MuxStream
 from gateway.schema import MAX_BATCH_PROMPTS
 from moe_lightning.api.common.v1 import common_pb2
@@ -16,6 +18,19 @@ from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 from moe_lightning.service.names import GENERATION
 
 OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+BATCH_ROW = re.compile(r"input (\d+): (.*)", re.DOTALL)
+
+
+def batch_row_name(details: str, inputs: int, choices: int) -> str:
+    """BatchGenerate names a refused row by its index among the inputs (`input 7: ...`), which are a
+    request's prompts x n choices here: the client sees the prompt's index, or none for one prompt."""
+    m = BATCH_ROW.fullmatch(details)
+    if m is None:
+        return details
+    row, rest = int(m.group(1)), m.group(2)
+    return f"prompt {row // choices}: {rest}" if inputs > choices else rest
 
 
 class Upstream:
@@ -33,17 +48,23 @@ class Upstream:
         # at start (model_info), until then the orchestrator's constant
         self.max_batch_prompts = MAX_BATCH_PROMPTS
 
-    async def generate_all(self, inputs: list[generation_pb2.GenerationInput]) -> list[generation_pb2.GenerationOutput]:
+    async def generate_all(
+        self, inputs: list[generation_pb2.GenerationInput], choices: int = 1
+    ) -> list[generation_pb2.GenerationOutput]:
         """A request's inputs in one call: Generate for one, BatchGenerate for more (so a list is one
         call however long, and cancelling it cancels every input; one unary call per input made a
         list of thousands as many concurrent calls). Unary, not a stream on the shared call: the
-        orchestrator then does no per-token work for it."""
+        orchestrator then does no per-token work for it. `choices`: inputs per prompt (n), to name
+        the prompt of a refusal in the client's terms."""
         if len(inputs) == 1:
             r = await self.stub.Generate(generation_pb2.GenerateRequest(input=inputs[0]), metadata=self.metadata)
             return [r.output]
-        batch = await self.stub.BatchGenerate(
-            generation_pb2.BatchGenerateRequest(inputs=inputs), metadata=self.metadata
-        )
+        try:
+            batch = await self.stub.BatchGenerate(
+                generation_pb2.BatchGenerateRequest(inputs=inputs), metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise from_grpc(exc, batch_row_name(exc.details() or "", len(inputs), choices)) from None
         return list(batch.outputs)
 
     def stream(self, m: generation_pb2.GenerationInput) -> MuxStream:

@@ -293,10 +293,16 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         max_bytes: int | None = None,
     ) -> list[int]:
-        """The rendered chat's token ids, tokenized without special tokens as
-        `apply_chat_template(tokenize=True)` does: the template writes the BOS itself where the model
-        wants one, and the tokenizer's own would make a second."""
-        return tokenizer.encode(self.render(messages, add_generation_prompt, max_bytes), add_special_tokens=False)
+        """The rendered chat's token ids, as `apply_chat_template(tokenize=True)` gives them (rendered_ids)."""
+        return rendered_ids(tokenizer, self.render(messages, add_generation_prompt, max_bytes))
+
+
+def rendered_ids(tokenizer: TextTokenizer, text: str) -> list[int]:
+    """A rendered chat's token ids: tokenized without special tokens, as `apply_chat_template(tokenize=True)`
+    does, since the template writes the BOS itself where the model wants one and the tokenizer's own
+    would make a second. The one encoding of a chat: the server's (orchestrator.api, on a renderer
+    process's text) and prompt_ids', so the tests of prompt_ids against transformers hold for both."""
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _output_too_large(max_bytes: int) -> RenderLimitError:

@@ -21,6 +21,7 @@ for the client). The parent never unmarshals what a child sends.
 from __future__ import annotations
 
 import marshal
+import math
 import os
 import queue
 import select
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
@@ -42,9 +43,15 @@ MEMORY_PER_OUTPUT_BYTE = 32  # ... and for large prompt bounds, this many times 
 MAX_ERROR_CHARS = 2000  # an error's text (a template's raise_exception may quote the whole conversation)
 CANCEL_POLL_SECONDS = 0.05  # how soon a cancelled request's render is noticed
 PROBE = (ChatMessage("user", "Hello"),)  # rendered at start: a template that fails on it fails every chat
-# The environment a renderer gets: what the interpreter and strftime_now need, and not the server's
-# secrets (MOE_LIGHTNING_AUTH_TOKEN and the like) should a template ever get out of the sandbox
+# The environment a renderer gets: what the interpreter and strftime_now need. Defense in depth only:
+# a template that got out of the sandbox would not find the server's secrets (MOE_LIGHTNING_AUTH_TOKEN
+# and the like) in its own os.environ, but it runs as the server's user, so it could read whatever that
+# user can: the server's /proc/<pid>/environ and command line, the --tls-key file. Keeping those from
+# it would take another user (or namespaces); the jinja sandbox is the boundary
 CHILD_ENV = ("PATH", "PYTHONPATH", "LANG", "LANGUAGE", "TZ")
+# why a render's renderer was killed (on_killed; moe_lightning_chat_template_renders_killed_total). A
+# MemoryError is none of them: the renderer reports it and serves on (RLIMIT_AS fails the allocation)
+KILL_REASONS = ("timeout", "cancelled", "crashed")
 
 _OK, _ERROR = 0, 1
 _REPLY = struct.Struct(">BI")
@@ -134,7 +141,9 @@ class _Worker:
 class TemplateRenderer:
     """`processes` renderers of `template`, each render bounded by `timeout` seconds and `max_bytes`
     bytes of text. render() is called from worker threads (at most `processes` at once is what keeps
-    them from waiting: the API grants that many render slots); start() first, close() at shutdown."""
+    them from waiting: the API grants that many render slots); start() first, close() at shutdown.
+    `on_killed(reason)`, one of KILL_REASONS, for each render whose renderer was killed or died (the
+    server counts them); called on the rendering thread, so it must be quick and must not raise."""
 
     def __init__(
         self,
@@ -145,15 +154,16 @@ class TemplateRenderer:
         processes: int = RENDERERS,
         memory_bytes: int | None = None,
         start_timeout: float = START_TIMEOUT,
+        on_killed: Callable[[str], None] | None = None,
     ) -> None:
-        if not timeout > 0:
+        if not (timeout > 0 and math.isfinite(timeout)):  # the server refuses such a flag as it parses it
             raise ValueError(f"the chat template time limit must be positive (--chat-template-timeout): {timeout}")
         if processes < 1:
             raise ValueError(f"a chat template renderer needs at least one process, got {processes}")
         self.template, self.max_bytes, self.timeout, self.processes = template, max_bytes, timeout, processes
         self.memory_bytes = memory_budget(max_bytes) if memory_bytes is None else memory_bytes
         self.start_timeout = start_timeout
-        self.replaced = 0  # renderers killed and replaced (a timeout, a cancel, a crash)
+        self._on_killed = on_killed
         self._idle: queue.Queue[_Worker | None] = queue.Queue()
         self._all: set[_Worker] = set()
         self._lock = threading.Lock()
@@ -190,7 +200,9 @@ class TemplateRenderer:
             workers, self._all = list(self._all), set()
         for w in workers:
             w.signal()
-        while True:  # the idle ones are reaped here; a busy one by its thread, which now gets an error
+        # the idle ones are reaped here; a busy one by its thread, which now gets an error (_discard) or,
+        # had its reply come just before, hands it back to be reaped (_give_back)
+        while True:
             try:
                 idle = self._idle.get_nowait()
             except queue.Empty:
@@ -202,6 +214,11 @@ class TemplateRenderer:
     def pids(self) -> list[int]:
         with self._lock:
             return [w.proc.pid for w in self._all]
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
 
     def _spawn(self) -> _Worker:
         from moe_lightning.children import spawner, with_parent_death
@@ -243,15 +260,27 @@ class TemplateRenderer:
             self._discard(w, replace=False)
             raise ChatTemplateError(f"{self.template.origin}: {data.decode('utf-8', 'replace')}")
 
-    def _discard(self, w: _Worker, replace: bool = True) -> None:
+    def _discard(self, w: _Worker, replace: bool = True, killed: str | None = None) -> None:
+        """Kills and reaps `w`; replaces it unless closed. `killed`: the render it was killed for (not
+        counted once closed: close() killed it, not the render)."""
         with self._lock:
             self._all.discard(w)
             closed = self._closed
-            if replace and not closed:
-                self.replaced += 1
         w.kill()
+        if killed is not None and not closed and self._on_killed is not None:
+            self._on_killed(killed)
         if replace and not closed:
             threading.Thread(target=self._replace, name="chat-template-renderer-start", daemon=True).start()
+
+    def _give_back(self, w: _Worker) -> None:
+        """`w` back on the idle queue after a render, or, once closed, killed and reaped: close() drains
+        the queue after it sets _closed (under the lock), so one put back after that would never be reaped."""
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._idle.put(w)
+        if closed:
+            w.kill()  # close() signalled it; this reaps it and closes its pipes
 
     def _replace(self) -> None:
         delay = 0.5
@@ -309,28 +338,29 @@ class TemplateRenderer:
                 w.send(payload)
                 status, data = w.receive(start + self.timeout, cancel, self.max_bytes + 4 * MAX_ERROR_CHARS + 16)
             except _Died as exc:
-                self._discard(w)
-                if self._closed:
+                early = attempt == 0 and time.monotonic() - start < 0.1  # it was dead before this render began
+                self._discard(w, killed=None if early else "crashed")
+                if self.closed:
                     from moe_lightning.service.errors import ShuttingDownError
 
                     raise ShuttingDownError("the server is stopping") from None
-                if attempt == 0 and time.monotonic() - start < 0.1:  # it was dead before this render began
+                if early:
                     continue
                 self._log.warning("chat_template_renderer_died", template=self.template.origin, error=str(exc))
                 raise ChatTemplateError("the chat template's renderer crashed on this conversation") from None
             except _TimedOut:
-                self._discard(w)
+                self._discard(w, killed="timeout")
                 self._log.warning("chat_template_timeout", template=self.template.origin, seconds=self.timeout)
                 raise ChatTemplateError(
                     f"the chat template took longer than {self.timeout:g} s to render this conversation"
                 ) from None
             except _Cancelled:
-                self._discard(w)
+                self._discard(w, killed="cancelled")
                 raise ChatTemplateError("the request was cancelled while its chat was being rendered") from None
-            except BaseException:
+            except BaseException:  # the server's failure (an OSError on its pipe), not the render's: uncounted
                 self._discard(w)
                 raise
-            self._idle.put(w)
+            self._give_back(w)
             text = data.decode("utf-8", "surrogatepass")
             if status == _OK:
                 return text

@@ -8,18 +8,22 @@ client cancels, or whose deadline passes, has its handler task cancelled, and th
 ticket. So `--max-queue`, not a thread count, bounds the work that waits (docs/reliability.md).
 
 A `messages` prompt is rendered by the model's chat template in a renderer process
-(moe_lightning.template_renderer), bounded in time and output; a call with one holds one of a few
-render slots, taken on the loop before it gets a worker thread, so renders, however slow, never hold
-more than that many of the workers and text prompts keep theirs.
+(moe_lightning.template_renderer), bounded in time and output. Each render holds one of a few render
+slots, taken on the loop before the render gets a worker thread and given back when it ends, so
+renders, however slow, never hold more than that many of the workers and text prompts keep theirs;
+the checks and tokenisation around a render hold no slot (a call's rows run in order, in jobs split
+at each render: _submit_async).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import structlog
@@ -27,7 +31,7 @@ import structlog
 from moe_lightning import __version__
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
-from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, rendered_ids
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
@@ -70,6 +74,7 @@ FINISH_TO_PB = {
 
 
 Item = tuple[list[int], list[TokenLogprobs], str]
+_T = TypeVar("_T")
 
 
 def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: object) -> None:
@@ -99,8 +104,10 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 
 class _Contents(Sequence[str]):
-    """The messages' contents, read one at a time: check_conversation_size stops at the first over the
-    bound, so a conversation of many large messages is refused without copying them all out."""
+    """The messages' contents, read one at a time (each read copies one content out of the protobuf
+    message): check_conversation_size stops at the first past the bound, so a conversation of many
+    large messages is refused having copied little more than the bound. Only a conversation within it
+    is then copied in full, into ChatMessages (_conversation)."""
 
     def __init__(self, messages: Sequence[generation_pb2.ChatMessage]) -> None:
         self._messages = messages
@@ -134,17 +141,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- conversion ----------------------------------------------------------------------------
     def to_request(
-        self, m: generation_pb2.GenerationInput, limits: RequestLimits, cancel: threading.Event | None = None
+        self,
+        m: generation_pb2.GenerationInput,
+        limits: RequestLimits,
+        cancel: threading.Event | None = None,
+        rendered: str | None = None,
     ) -> GenerationRequest:
         """The domain request, checked against every limit: the scheduler trusts what it is given.
-        `cancel` set: the client left, and a render in progress for it stops."""
+        `cancel` set: the client left, and a render in progress for it stops. `rendered`: a `messages`
+        prompt's text, rendered already (as _submit_async does, under a render slot); without it the
+        conversation is rendered here."""
         which = m.WhichOneof("prompt")
         if which == "text":
             check_text_size(m.text, limits.max_prompt_tokens)
         elif which == "token_ids":
             check_prompt_length(len(m.token_ids.ids), limits)  # O(1): before the ids become a list
         if which == "messages":
-            prompt = self._chat_prompt(m.messages, limits, cancel)
+            prompt = (
+                self._chat_prompt(m.messages, limits, cancel) if rendered is None else self._chat_ids(rendered, limits)
+            )
         else:
             prompt = prompt_ids(
                 m.text if which == "text" else None,
@@ -172,9 +187,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def _chat_prompt(
         self, m: generation_pb2.ChatMessages, limits: RequestLimits, cancel: threading.Event | None = None
     ) -> list[int]:
-        """A conversation through the model's chat template, the one rendering both APIs share."""
-        tokenizer = self._sched().tokenizer
-        if self.chat_template is None or tokenizer is None:
+        """A conversation through the model's chat template, the one rendering both APIs share: checked
+        and read (_conversation), rendered (_render), tokenised (_chat_ids). _submit_async runs the
+        three apart, the render alone under a render slot."""
+        return self._chat_ids(self._render(self._conversation(m, limits), limits, cancel), limits)
+
+    def _conversation(self, m: generation_pb2.ChatMessages, limits: RequestLimits) -> list[ChatMessage]:
+        """The conversation to render, refused first if no prompt could hold it."""
+        if self.chat_template is None or self._sched().tokenizer is None:
             raise InvalidRequestError(
                 "this model has no chat template (none in its tokenizer_config.json, no --chat-template on the "
                 "server): send a text prompt instead of messages"
@@ -182,23 +202,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not m.messages:
             raise InvalidRequestError("messages is empty: give at least one message")
         check_conversation_size(_Contents(m.messages), limits.max_prompt_tokens)
-        max_bytes = None if limits.max_prompt_tokens is None else max_text_bytes(limits.max_prompt_tokens)
         try:
-            messages = [ChatMessage(msg.role, msg.content) for msg in m.messages]
+            return [ChatMessage(msg.role, msg.content) for msg in m.messages]
+        except ChatTemplateError as exc:  # a role no template takes
+            raise InvalidRequestError(str(exc)) from None
+
+    def _render(self, messages: list[ChatMessage], limits: RequestLimits, cancel: threading.Event | None = None) -> str:
+        """The template's text: in a renderer process (bounded in time, output and memory), or, without
+        one (in-process tests), here, bounded in output only."""
+        assert self.chat_template is not None  # _conversation refuses a chat without one
+        try:
             if self.renderer is not None:
-                text = self.renderer.render(messages, cancel=cancel)
-            else:
-                text = self.chat_template.render(messages, max_bytes=max_bytes)
+                return self.renderer.render(messages, cancel=cancel)
+            max_bytes = None if limits.max_prompt_tokens is None else max_text_bytes(limits.max_prompt_tokens)
+            return self.chat_template.render(messages, max_bytes=max_bytes)
         except ChatTemplateError as exc:
             raise InvalidRequestError(str(exc)) from None
+
+    def _chat_ids(self, text: str, limits: RequestLimits) -> list[int]:
         # a template can make a long text of a short chat: bounded as any text before it is tokenized
         check_text_size(text, limits.max_prompt_tokens)
-        # without the tokenizer's special tokens, as transformers does (ChatTemplate.prompt_ids)
-        return tokenizer.encode(text, add_special_tokens=False)
+        tokenizer = self._sched().tokenizer
+        assert tokenizer is not None  # _conversation refuses a chat without one
+        return rendered_ids(tokenizer, text)  # ChatTemplate.prompt_ids' encoding, tested against transformers
 
     async def _render_slot(self) -> asyncio.Semaphore:
-        """One of the few render slots (as many as renderer processes, at most half the workers), waited
-        for no longer than a render may take: a call that cannot have one then is refused as busy."""
+        """One of the few render slots (as many as renderer processes, at most half the workers, at least
+        one), waited for no longer than a render may take: a render that cannot have one then is
+        refused as busy."""
         renderer = self.renderer
         timeout = renderer.timeout if renderer is not None else DEFAULT_TIMEOUT
         if self._render_slots is None:
@@ -248,21 +279,34 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         on_tokens: TokenCallback | None = None,
         batch: bool = False,
     ) -> tuple[Scheduler, list[Ticket], list[asyncio.Future[None]]]:
+        """Checks, tokenises and queues `inputs`, in order, on worker threads: all or none are queued.
+        The rows run as jobs split at each chat's render, which alone holds a render slot (its own job):
+        a chat among many text prompts holds none while they are tokenised, and a batch of chats takes a
+        slot per render, so other calls' renders interleave with its own."""
         loop = asyncio.get_running_loop()
         futs: list[asyncio.Future[None]] = [loop.create_future() for _ in inputs]
         sched = self._sched()
+        limits = sched.limits()
         cancel = threading.Event()  # set when the client leaves: its render, if any, stops
+        requests: list[GenerationRequest] = []
+        rendered: dict[int, str] = {}  # a chat's text, from its render until its row is converted
 
-        def work() -> list[Ticket]:  # a worker thread: validation, tokenisation, queueing
-            limits = sched.limits()
-            requests = []
-            for i, m in enumerate(inputs):  # validate all before queueing any
-                try:
-                    requests.append(self.to_request(m, limits, cancel))
-                except (InvalidRequestError, ResourceExhaustedError) as exc:
-                    if not batch:
-                        raise
-                    raise type(exc)(f"input {i}: {exc}") from None  # the index names the bad row
+        def convert(start: int, end: int) -> list[ChatMessage] | None:
+            """Rows start..end-1 become requests (a chat among them was rendered); row `end`, when it
+            is a chat, is checked and read for its render, which comes next."""
+            i = start
+            try:
+                for i in range(start, end):
+                    requests.append(self.to_request(inputs[i], limits, cancel, rendered.pop(i, None)))
+                i = end
+                return self._conversation(inputs[end].messages, limits) if end < len(inputs) else None
+            except (InvalidRequestError, ResourceExhaustedError) as exc:
+                if not batch:
+                    raise
+                raise type(exc)(f"input {i}: {exc}") from None  # the index names the bad row
+
+        def finish(start: int) -> list[Ticket]:  # the rows after the last render; then all are queued
+            convert(start, len(inputs))  # validate all before queueing any
             if batch:
                 check_batch(requests, limits)  # its one response message must be sendable
             tickets: list[Ticket] = []
@@ -278,26 +322,60 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 raise
             return tickets
 
-        slots = await self._render_slot() if any(m.WhichOneof("prompt") == "messages" for m in inputs) else None
+        start = 0
+        for i, m in enumerate(inputs):
+            if m.WhichOneof("prompt") != "messages":
+                continue
+            conversation = await self._in_pool(functools.partial(convert, start, i), cancel)
+            assert conversation is not None
+            try:
+                rendered[i] = await self._render_in_slot(conversation, limits, cancel)
+            except InvalidRequestError as exc:  # the template's refusal, or a bound it passed
+                if not batch:
+                    raise
+                raise InvalidRequestError(f"input {i}: {exc}") from None
+            start = i
+
+        def drop(j: asyncio.Future[list[Ticket]]) -> None:  # the client left: what was queued for it goes
+            if not j.cancelled() and j.exception() is None:
+                for t in j.result():
+                    sched.cancel(t)
+
+        return sched, await self._in_pool(functools.partial(finish, start), cancel, drop), futs
+
+    async def _in_pool(
+        self,
+        fn: Callable[[], _T],
+        cancel: threading.Event,
+        on_left: Callable[[asyncio.Future[_T]], None] | None = None,
+    ) -> _T:
+        """`fn` on a worker thread. A client that leaves meanwhile (CancelledError) sets `cancel` (a render
+        stops) but leaves the job to end on its thread; `on_left` then runs on its end."""
+        job = asyncio.get_running_loop().run_in_executor(self._pool, fn)
         try:
-            job = loop.run_in_executor(self._pool, work)
-        except BaseException:
-            if slots is not None:
-                slots.release()
-            raise
-        if slots is not None:
-            job.add_done_callback(lambda _: slots.release())  # when the work ends, not when the client leaves
-        try:
-            return sched, await asyncio.shield(job), futs
-        except asyncio.CancelledError:  # the client left while its request was being checked
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
             cancel.set()
+            if on_left is not None:
+                job.add_done_callback(on_left)
+            raise
 
-            def drop(j: asyncio.Future[list[Ticket]]) -> None:
-                if not j.cancelled() and j.exception() is None:
-                    for t in j.result():
-                        sched.cancel(t)
-
-            job.add_done_callback(drop)
+    async def _render_in_slot(
+        self, conversation: list[ChatMessage], limits: RequestLimits, cancel: threading.Event
+    ) -> str:
+        """The conversation's text, rendered on a worker thread under a render slot, held until the
+        render ends, even when the client leaves first (its thread is busy until the render stops)."""
+        slots = await self._render_slot()
+        try:
+            job = asyncio.get_running_loop().run_in_executor(self._pool, self._render, conversation, limits, cancel)
+        except BaseException:
+            slots.release()
+            raise
+        job.add_done_callback(lambda _: slots.release())
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            cancel.set()
             raise
 
     @staticmethod

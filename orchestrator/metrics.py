@@ -4,6 +4,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
+from moe_lightning.template_renderer import KILL_REASONS
 from orchestrator.batcher import SchedulerConfig
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -52,6 +53,16 @@ RPC_REFUSED = Counter(
     "Calls refused before their handler ran (RESOURCE_EXHAUSTED), by reason",
     ["reason"],
 )
+
+# Renders whose renderer process was killed: past --chat-template-timeout, their client gone, or the
+# renderer dead under them (a template that often times out shows here, not only in the latency)
+CHAT_TEMPLATE_RENDERS_KILLED = Counter(
+    "moe_lightning_chat_template_renders_killed_total",
+    "Chat template renders whose renderer process was killed or died, by reason (timeout, cancelled, crashed)",
+    ["reason"],
+)
+for _reason in KILL_REASONS:  # each series from the start, at 0, so a rate() sees its first kill
+    CHAT_TEMPLATE_RENDERS_KILLED.labels(_reason)
 
 
 def publish_config(config: SchedulerConfig) -> None:

@@ -4,6 +4,7 @@ driver that runs each step across gpu_expert and cpu_attention."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,13 +50,16 @@ def build_parser() -> EnvDefaultsParser:
         help="a Jinja chat template file for `messages` prompts (default: the one in the model's "
         "tokenizer_config.json, if any)",
     )
-    p.add_argument(
-        "--chat-template-timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT,
-        help="seconds a chat template may take to render one conversation before the request is refused "
-        "(INVALID_ARGUMENT) and its renderer process killed",
-    )
+    try:
+        p.add_argument(
+            "--chat-template-timeout",
+            type=_render_seconds,  # checked as it is parsed: not after the backend connected, nor only with a template
+            default=DEFAULT_TIMEOUT,
+            help="seconds a chat template may take to render one conversation before the request is refused "
+            "(INVALID_ARGUMENT) and its renderer process killed",
+        )
+    except argparse.ArgumentTypeError as exc:  # MOE_LIGHTNING_CHAT_TEMPLATE_TIMEOUT, typed as the flag is added
+        p.error(f"MOE_LIGHTNING_CHAT_TEMPLATE_TIMEOUT (--chat-template-timeout): {exc}")
     add_batch_flags(p)
     p.add_argument(
         "--expected-prompt-len",
@@ -130,6 +134,18 @@ def build_parser() -> EnvDefaultsParser:
     return p
 
 
+def _render_seconds(value: str) -> float:
+    """--chat-template-timeout: a finite number of seconds over 0 (0 would refuse every chat, and an
+    infinite one would let a looping template hold a renderer for good)."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def default_max_queue(max_batch_size: int | None) -> int:
     """A client filling the planned batch N (GenerationClient.batch_generate_all) keeps ceil(N/c) + 1
     calls of c prompts in flight, at most N + 2c - 1 requests: with c up to one BatchGenerate's limit
@@ -193,6 +209,7 @@ def _start(
             servicer.chat_template,
             max_bytes=max_text_bytes(args.max_prefill_tokens),
             timeout=args.chat_template_timeout,
+            on_killed=lambda reason: metrics.CHAT_TEMPLATE_RENDERS_KILLED.labels(reason).inc(),
         )
         runtime.on_drain(renderer.close)  # first: a stop (or a failed start) kills renders in flight
         renderer.start()

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import jinja2
@@ -16,8 +17,11 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, content_text
+from moe_lightning.client import Prompt
 from moe_lightning.demo_model import build_tokenizer, write_demo_model
 from moe_lightning.tokenizer import TextTokenizer
+from moe_lightning.validation import RequestLimits
+from orchestrator.api import GenerationServicer
 
 DATA = Path(__file__).parent / "data" / "chat_templates"
 MODELS = json.loads((DATA / "models.json").read_text())
@@ -39,6 +43,18 @@ def as_messages(chat: list[tuple[str, str]]) -> list[ChatMessage]:
 
 def as_dicts(chat: list[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"role": role, "content": content} for role, content in chat]
+
+
+def server_ids(
+    template: ChatTemplate, tokenizer: TextTokenizer, chat: list[tuple[str, str]], renderer: Any = None
+) -> list[int]:
+    """The token ids the gRPC API makes of a `messages` prompt: its own path (checks, the render in
+    process or in `renderer`, the encoding), with a stand-in scheduler that only lends the tokenizer."""
+    servicer = GenerationServicer(workers=1)
+    servicer.scheduler = SimpleNamespace(tokenizer=tokenizer)  # type: ignore[assignment]
+    servicer.chat_template, servicer.renderer = template, renderer
+    m = Prompt(messages=as_dicts(chat)).to_pb().messages
+    return servicer._chat_prompt(m, RequestLimits(vocab_size=1 << 20, max_context=1 << 20, max_prompt_tokens=8192))
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +101,8 @@ def test_matches_transformers(setups: dict[str, Setup], name: str, chat: str, ad
     assert s.template.render(messages, add_generation_prompt) == text
     ids = s.hf.apply_chat_template(dicts, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False)
     assert s.template.prompt_ids(s.ours, messages, add_generation_prompt) == ids
+    if add_generation_prompt:  # what the server renders (a prompt to answer), by the server's own path
+        assert server_ids(s.template, s.ours, CHATS[chat]) == ids
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b-instruct-v0.1", "mixtral-8x7b-instruct-v0.1-2023"])
@@ -370,11 +388,16 @@ BRANCHED = (
 )
 
 
+KILLED: list[str] = []  # the reasons the module's renderer gave for the renders it killed (on_killed)
+
+
 @pytest.fixture(scope="module")
 def renderer() -> Iterator[Any]:
     from moe_lightning.template_renderer import TemplateRenderer
 
-    r = TemplateRenderer(ChatTemplate(BRANCHED, origin="/srv/models/x/t.jinja"), max_bytes=65536, timeout=1.0)
+    r = TemplateRenderer(
+        ChatTemplate(BRANCHED, origin="/srv/models/x/t.jinja"), max_bytes=65536, timeout=1.0, on_killed=KILLED.append
+    )
     r.start()
     yield r
     r.close()
@@ -399,15 +422,20 @@ def test_the_renderer_processes_match_transformers(setups: dict[str, Setup], nam
                 continue
             want = s.hf.apply_chat_template(dicts, tokenize=False, add_generation_prompt=add)
             assert r.render(as_messages(CHATS[chat]), add) == want
+            if add:  # the server's path: this renderer's text, to ids as the server encodes it
+                ids = s.hf.apply_chat_template(dicts, tokenize=True, add_generation_prompt=True, return_dict=False)
+                assert server_ids(s.template, s.ours, CHATS[chat], renderer=r) == ids
     finally:
         r.close()
 
 
 def test_a_looping_render_is_killed_at_its_time_limit(renderer: Any) -> None:
     pids = renderer.pids()
+    KILLED.clear()
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="^the chat template took longer than 1 s to render this conversation$"):
         renderer.render([ChatMessage("user", "loop")])
+    assert KILLED == ["timeout"]  # moe_lightning_chat_template_renders_killed_total{reason="timeout"}
     assert 0.9 < time.monotonic() - t0 < 2.0
     gone = [p for p in pids if p not in renderer.pids()]
     assert len(gone) == 1 and not Path(f"/proc/{gone[0]}").exists()  # killed and reaped
@@ -425,10 +453,94 @@ def test_a_memory_bomb_gets_an_error_not_the_hosts_memory(renderer: Any) -> None
 def test_a_cancelled_render_is_killed(renderer: Any) -> None:
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
+    KILLED.clear()
     t0 = time.monotonic()
     with pytest.raises(ChatTemplateError, match="cancelled"):
         renderer.render([ChatMessage("user", "loop")], cancel=cancel)
     assert time.monotonic() - t0 < 0.6
+    assert KILLED == ["cancelled"]
+
+
+def test_a_memory_error_kills_no_renderer(renderer: Any) -> None:
+    # MemoryError is the render's, reported by the renderer that lives on: no renderer is killed for it
+    KILLED.clear()
+    pids = renderer.pids()
+    with pytest.raises(ChatTemplateError, match="ran out of memory"):
+        renderer.render([ChatMessage("user", "memory")])
+    assert KILLED == [] and set(pids) <= set(renderer.pids())  # (a replacement may have joined them)
+
+
+def test_a_renderer_that_dies_mid_render_is_counted_as_crashed(renderer: Any) -> None:
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    KILLED.clear()
+    r = TemplateRenderer(ChatTemplate(BRANCHED), max_bytes=65536, timeout=5.0, processes=1, on_killed=KILLED.append)
+    r.start()
+    try:
+        (w,) = r._all
+        send = w.send
+
+        def send_then_die(payload: bytes) -> None:
+            send(payload)
+            time.sleep(0.2)  # past the retry window: this render was under way when its renderer died
+            w.proc.kill()
+
+        w.send = send_then_die
+        with pytest.raises(ChatTemplateError, match="renderer crashed"):
+            r.render([ChatMessage("user", "loop")])
+        assert KILLED == ["crashed"]
+    finally:
+        r.close()
+
+
+def test_a_render_that_ends_as_close_runs_leaves_no_process() -> None:
+    # the render's reply arrives, then close() kills every renderer and drains the idle ones, then the
+    # render hands its renderer back: that one must be reaped, not left on the idle queue (a zombie
+    # and two pipes, after shutdown)
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    r = TemplateRenderer(ChatTemplate(BRANCHED), max_bytes=65536, processes=1)
+    r.start()
+    (w,) = r._all
+    receive = w.receive
+
+    def receive_then_close(*args: Any) -> tuple[int, bytes]:
+        reply = receive(*args)
+        r.close()
+        return reply
+
+    w.receive = receive_then_close
+    assert r.render([ChatMessage("user", "hi")]) == "[user] hi\n"  # its reply came before the close
+    assert w.proc.returncode is not None  # reaped: no zombie left in /proc
+    assert not Path(f"/proc/{w.proc.pid}").exists()
+    assert w.proc.stdin is not None and w.proc.stdin.closed and w.proc.stdout is not None and w.proc.stdout.closed
+    r.close()  # idempotent, and nothing was left on the idle queue for it
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_bad_chat_template_timeout_is_refused_at_parse_time(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from orchestrator.server import build_parser
+
+    base = ["--weight-store", "w", "--gpu-expert", "g", "--cpu-attention", "c"]
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([*base, "--chat-template-timeout", value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--chat-template-timeout" in err and "a positive number of seconds" in err, err
+    assert build_parser().parse_args([*base, "--chat-template-timeout", "0.5"]).chat_template_timeout == 0.5
+
+
+def test_a_bad_chat_template_timeout_from_the_environment_is_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from orchestrator.server import build_parser
+
+    monkeypatch.setenv("MOE_LIGHTNING_CHAT_TEMPLATE_TIMEOUT", "0")
+    with pytest.raises(SystemExit) as info:
+        build_parser()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "MOE_LIGHTNING_CHAT_TEMPLATE_TIMEOUT" in err and "a positive number of seconds" in err, err
 
 
 def test_the_renderer_costs_about_a_millisecond(renderer: Any) -> None:

@@ -27,9 +27,11 @@ import pytest
 import structlog
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 
 from gateway import server as gateway_server
 from gateway.app import Settings, create_app
+from gateway.server import OPEN_PER_SERVED
 from gateway.upstream import Upstream
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.launcher import Stack
@@ -438,18 +440,44 @@ def test_the_services_metrics_ports_bound_their_connections(stack: Stack) -> Non
 
 
 def test_the_gateway_bounds_its_connections(stack: Stack) -> None:
-    argv = ["--max-connections", "4", "--header-timeout", str(HEADER_TIMEOUT)]
+    """--max-connections bounds the requests in progress, not the sockets: connections that have sent
+    nothing (a client trickling headers) must not shut everyone else out; open connections are bounded
+    at OPEN_PER_SERVED times as many, beyond which a new one is closed at once."""
+    served = 2
+    argv = ["--max-connections", str(served), "--header-timeout", "4", "--body-timeout", "4"]
+    labels = {"route": "other", "status": "503"}
+    before = REGISTRY.get_sample_value("moe_lightning_gateway_requests_total", labels) or 0.0
     with _gateway_in_process(stack.api_address, *argv) as url:
         host, _, port = url.removeprefix("http://").rpartition(":")
-        idle = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
-        time.sleep(0.2)  # accepted: four connections held
+        address = (host, int(port))
+        idle = [socket.create_connection(address, timeout=10) for _ in range(4)]
+        time.sleep(0.2)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # four silent sockets took no place
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head += b"Content-Length: 100\r\n\r\n"
+        slow = [socket.create_connection(address, timeout=10) for _ in range(served)]
+        for s in slow:  # two requests in progress: their bodies are still to come
+            s.sendall(head)
+        time.sleep(0.3)
         busy = httpx.get(f"{url}/health", timeout=5)
         assert busy.status_code == 503 and busy.headers["connection"] == "close"
         assert _openai_error(busy.json())["type"] == "service_unavailable"
-        for s in idle:  # the header timeout frees them
+        # open now: 4 idle + 2 in progress; up to OPEN_PER_SERVED x 2 are kept, the next is closed at once
+        extra = [socket.create_connection(address, timeout=10) for _ in range(OPEN_PER_SERVED * served - 6)]
+        refused = socket.create_connection(address, timeout=10)
+        assert refused.recv(65536).startswith(b"HTTP/1.1 503 ")
+        refused.close()
+        for s in idle + extra:  # the header timeout frees them
+            assert s.recv(65536).startswith(b"HTTP/1.1 408 ")
+            s.close()
+        for s in slow:  # and the body timeout those
             assert s.recv(65536).startswith(b"HTTP/1.1 408 ")
             s.close()
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    # the protocol's own answers are counted as the app's are (the gateway in this process counts in
+    # its registry): the 503 to a request beyond the limit and the one to a connection beyond them
+    after = REGISTRY.get_sample_value("moe_lightning_gateway_requests_total", labels) or 0.0
+    assert after - before == 2
 
 
 def test_an_oversized_head_is_a_431_not_buffered(stack: Stack) -> None:

@@ -2,8 +2,13 @@
 written through a name another local user controls: a symbolic link (to a file of ours, or dangling)
 or another user's file planted at the output path in a shared directory is refused with the path and
 why, before the job and again just before the file appears, and the file it points to is untouched.
-An existing file of our own is replaced only with --overwrite. A bad field in an input row names the
-row. The other user is a forked child that becomes `nobody` (needs root; those tests skip otherwise)."""
+An existing file of our own is replaced only with --overwrite. The directory must be ours or root's
+and, if its group or others may write to it, sticky; it is reached one component at a time by
+descriptors, so a link swapped in on the way (as it is made, as it is opened) is refused, not
+followed; a rename that fails at the last moment keeps the results. A bad field in an input row
+names the row, with --ray before any stack starts. The other user is a forked child that becomes
+`nobody` (needs root; those tests skip otherwise); the last moments are reached by wrapping the os
+call that comes next."""
 
 from __future__ import annotations
 
@@ -201,6 +206,227 @@ def test_a_ray_output_directory_must_be_ours_and_closed_to_others(shared: Path) 
     assert done_parts(fs, out) == set()
 
 
+# --- the directory the output goes into ----------------------------------------------------------
+
+
+@as_root
+def test_a_directory_another_user_owns_is_refused(shared: Path) -> None:
+    """Its owner may rename or delete anything in it (our temporary file, the finished output), and
+    chmod it back open whatever mode it has now."""
+    theirs = shared / "theirs"
+    as_nobody(lambda: theirs.mkdir(mode=0o755))
+    for check in (check_output_file, _write_parquet):
+        with pytest.raises(OutputFileError, match=f"its directory is owned by uid {NOBODY}, not by this user or root"):
+            check(theirs / "out.parquet")
+    assert os.listdir(theirs) == []
+
+
+def test_a_group_writable_directory_must_be_sticky(tmp_path: Path) -> None:
+    """Its group may swap our files as anyone may in a 0777 one; sticky, they may only add names."""
+    d = tmp_path / "group"
+    d.mkdir()
+    d.chmod(0o770)
+    gid = d.stat().st_gid
+    for check in (check_output_file, _write_parquet):
+        with pytest.raises(OutputFileError, match=f"mode 0770: its group \\(gid {gid}\\) may replace files in it"):
+            check(d / "out.parquet")
+    assert os.listdir(d) == []
+    d.chmod(0o1770)
+    _write_parquet(d / "out.parquet")
+    assert pq.read_table(d / "out.parquet").equals(_table())
+
+
+def test_a_ray_output_directory_its_group_may_write_to_is_refused(tmp_path: Path) -> None:
+    """A part its group planted would be taken as done: sticky or not (they may add names)."""
+    from moe_lightning.cluster.parts import output_dir
+
+    d = tmp_path / "parts"
+    d.mkdir()
+    for mode in (0o770, 0o1770):
+        d.chmod(mode)
+        with pytest.raises(OutputFileError, match=f"its mode is {mode:04o}: others may add files to it"):
+            check_output_dir(d)
+        with pytest.raises(OutputFileError, match="others may add files to it"):
+            output_dir(str(d))
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o002])
+def test_a_ray_output_directory_the_job_creates_is_never_refused(umask: int, tmp_path: Path) -> None:
+    """pyarrow's create_dir made it 0777 (0775) less the umask, which the check then refused."""
+    from moe_lightning.cluster.parts import output_dir
+
+    out = tmp_path / "a" / "b"
+    old = os.umask(umask)
+    try:
+        _, path = output_dir(str(out))
+        output_dir(str(out))  # as each node does again before it writes a part
+        _write_part(out / "part-000000000000.parquet")
+    finally:
+        os.umask(old)
+    assert path == str(out) and _mode(out) == 0o755 and _mode(out.parent) == 0o755
+    assert pq.read_table(out / "part-000000000000.parquet").equals(_table())
+
+
+# --- the last moment: what someone puts at the name after the last look ---------------------------
+
+
+def _plant_before_the_rename(out: Path, plant: Callable[[], None], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`plant` runs right before the rename into `out`: after the last look, which is all a race
+    can win."""
+    replace = os.replace
+
+    def late(src: str, dst: str, **kw: int) -> None:
+        if dst == out.name:
+            plant()
+        replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", late)
+
+
+@pytest.mark.parametrize("who", ["ourselves", "nobody"])
+def test_a_rename_that_fails_at_the_last_moment_keeps_the_results(
+    who: str, shared: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory put at the name (by another user in a sticky directory, or by anything at all)
+    makes the rename fail: the finished results stay under the temporary name, which the error (an
+    OSError, which the CLI reports as one line) gives, instead of being deleted with the error a
+    traceback."""
+    if who == "nobody" and os.geteuid() != 0:
+        pytest.skip("planting another uid's files needs root")
+    d = shared if who == "nobody" else shared / "mine"
+    d.mkdir(exist_ok=True)
+    out = d / "out.parquet"
+    _plant_before_the_rename(out, (lambda: as_nobody(out.mkdir)) if who == "nobody" else out.mkdir, monkeypatch)
+    with pytest.raises(OutputFileError, match="renaming the finished file to it failed .*the results are kept in") as r:
+        _write_parquet(out)
+    assert isinstance(r.value, OSError) and out.is_dir()
+    kept = Path(str(r.value).rsplit("the results are kept in ", 1)[1])
+    assert kept.parent == d and kept.name.startswith(".out.parquet.")
+    assert pq.read_table(kept).equals(_table()) and _mode(kept) == 0o644 & ~_umask()  # its final mode already
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def test_the_mode_is_set_before_the_last_look_not_between_it_and_the_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change of mode someone watches for (inotify) must not mark the moment between the last look
+    at the name and the rename: the file gets its mode first, then the name is looked at."""
+    events: list[str] = []
+    fchmod, stat_, replace = os.fchmod, os.stat, os.replace
+
+    def looked(name: object, *a: object, **kw: object) -> os.stat_result:
+        if name == "out.parquet" and kw.get("dir_fd") is not None:
+            events.append("look")
+        return stat_(name, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "fchmod", lambda fd, mode: (events.append("chmod"), fchmod(fd, mode))[1])
+    monkeypatch.setattr(os, "stat", looked)
+    monkeypatch.setattr(os, "replace", lambda *a, **kw: (events.append("rename"), replace(*a, **kw))[1])
+    _write_parquet(tmp_path / "out.parquet")
+    monkeypatch.undo()
+    assert events[-1] == "rename" and "chmod" in events
+    assert events[events.index("chmod") + 1 :] == ["look", "rename"], events
+    assert pq.read_table(tmp_path / "out.parquet").equals(_table())
+
+
+# --- the path to the directory: walked by descriptors, never by name -------------------------------
+
+
+@as_root
+def test_a_link_planted_as_the_directories_are_made_creates_nothing_where_it_points(
+    shared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check found shared/results missing; before it is made, nobody puts a link there: the
+    directories after it were made through the link (ours/sub), by name."""
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    mkdir, planted = os.mkdir, []
+
+    def late(*a: object, **kw: object) -> None:
+        if not planted:
+            planted.append(1)
+            as_nobody(lambda: os.symlink(ours, shared / "results"))
+        mkdir(*a, **kw)  # type: ignore[arg-type]
+
+    check_output_file(shared / "results" / "sub" / "out.parquet")
+    monkeypatch.setattr(os, "mkdir", late)
+    with pytest.raises(OutputFileError, match="results on its path is a symbolic link owned by uid"):
+        _write_parquet(shared / "results" / "sub" / "out.parquet")
+    monkeypatch.undo()
+    assert planted and os.listdir(ours) == []
+
+
+@as_root
+def test_a_directory_swapped_for_a_link_while_it_is_opened_is_refused(
+    shared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nobody owns a directory above ours (ours: root's, 0755, in theirs), so they may rename it: a
+    link to a directory of ours swapped in as it is opened, swapped out as it is looked at again,
+    put the file where the link pointed when the path was opened by name and checked by name."""
+    nobodys = shared / "nobodys"
+    as_nobody(lambda: nobodys.mkdir(mode=0o755))
+    results, ours = nobodys / "results", tmp_path / "ours"
+    results.mkdir()
+    ours.mkdir()
+    _write_parquet(results / "first.parquet")  # allowed: the directory itself is root's, closed to others
+    swapped: list[bool] = []
+
+    def swap_in() -> None:
+        os.rename(results, nobodys / "real")
+        os.symlink(ours, results)
+
+    def swap_out() -> None:
+        os.unlink(results)
+        os.rename(nobodys / "real", results)
+
+    real_open, real_lstat = os.open, os.lstat
+
+    def opening(name: object, *a: object, **kw: object) -> int:
+        if not swapped and os.path.basename(str(name)) == "results":
+            swapped.append(True)
+            as_nobody(swap_in)
+        return real_open(name, *a, **kw)  # type: ignore[arg-type]
+
+    def looking(name: object, *a: object, **kw: object) -> os.stat_result:
+        if swapped == [True] and os.path.basename(str(name)) == "results":
+            swapped.append(False)
+            as_nobody(swap_out)
+        return real_lstat(name, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", opening)
+    monkeypatch.setattr(os, "lstat", looking)
+    with pytest.raises(OutputFileError, match=f"{results} on its path is a symbolic link owned by uid {NOBODY}"):
+        _write_parquet(results / "out.parquet")
+    monkeypatch.undo()
+    assert swapped and os.listdir(ours) == []
+
+
+def test_a_link_of_ours_or_roots_on_the_way_is_followed_where_nobody_else_can_change_it(tmp_path: Path) -> None:
+    """/var/run -> /run: a link of ours (or root's) in a directory closed to others is followed, as
+    the kernel would (a relative target from the link's directory, `..` included); the same link in a
+    directory anyone may rename in could be another link by the time it is read: refused."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "rel").symlink_to("../real")
+    (tmp_path / "abs").symlink_to(tmp_path / "a" / "rel")  # a link to a link
+    for via in (tmp_path / "a" / "rel", tmp_path / "abs"):
+        _write_parquet(via / "out.parquet", overwrite=True)
+        assert pq.read_table(tmp_path / "real" / "out.parquet").equals(_table())
+    check_output_dir(tmp_path / "abs" / "missing")
+    (tmp_path / "loop").symlink_to("loop")
+    with pytest.raises(OutputFileError, match="too many levels of symbolic links"):
+        check_output_file(tmp_path / "loop" / "out.parquet")
+    (tmp_path / "a").chmod(0o777)
+    with pytest.raises(OutputFileError, match="rel on its path is a symbolic link others may replace: its directory"):
+        _write_parquet(tmp_path / "a" / "rel" / "new.parquet")
+    assert not (tmp_path / "real" / "new.parquet").exists()
+
+
 # --- our own files ---------------------------------------------------------------------------------
 
 
@@ -367,3 +593,29 @@ def test_run_names_the_bad_row_instead_of_a_traceback(tmp_path: Path, capsys: py
     assert main(["run", "--addr", "127.0.0.1:1", "--input", str(src), "--output", str(out)]) == 2
     assert "error: row 2: max_new_tokens must be an integer, got 'abc'" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_rows_of_a_ray_part_are_checked_as_a_node_converts_them() -> None:
+    from moe_lightning.cluster.node import check_part
+    from moe_lightning.cluster.parts import Part
+
+    good, bad = pa.table({"prompt": ["a", "b"]}), pa.table({"prompt": ["a", "b"], "max_new_tokens": ["3", "x"]})
+    assert check_part(Part(4, 6), _defaults(), good) is None
+    assert check_part(Part(4, 6), _defaults(), bad) == "row 5: max_new_tokens must be an integer, got 'x'"
+    assert check_part(Part(4, 6), _defaults(), bad.slice(0, 1), bad.slice(1)) is not None  # a part in two blocks
+
+
+def test_a_ray_job_refuses_a_bad_row_before_any_stack_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As the single-box `run` does: the driver checks every row (a task per part) before it writes
+    anything or starts a stack (the model does not even exist), naming the row."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from moe_lightning.cli import main
+
+    src, out = tmp_path / "in.parquet", tmp_path / "out"
+    pq.write_table(pa.table({"prompt": list("abcde"), "max_new_tokens": ["3", "4", "5", "abc", "6"]}), src)
+    argv = ["run", "--ray", "local", "--model", str(tmp_path / "no-such-model"), "--input", str(src)]
+    assert main([*argv, "--output", str(out), "--part-rows", "2", "--no-progress"]) == 2
+    assert "error: row 3: max_new_tokens must be an integer, got 'abc'" in capsys.readouterr().err
+    assert os.listdir(out) == []  # not even _parts.json

@@ -80,6 +80,17 @@ def test_a_prompt_list_over_the_limit_is_refused_naming_it(stack: Stack, model_i
     assert {m: handled(stack, m, "OK") for m in calls} == calls  # refused before any call
 
 
+def test_a_refused_prompt_of_a_list_is_named_by_its_index(stack: Stack, model_id: str) -> None:
+    """The list is one BatchGenerate, whose refusal names the flattened row (`input 5`): the client sees
+    the prompt it sent (`prompt 2`)."""
+    url = f"{stack.http_address}/v1/completions"
+    body = {"model": model_id, "prompt": [[1, 2], [3], [4, 10**6]], "n": 2, "max_tokens": 1}
+    r = httpx.post(url, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert message.startswith("prompt 2: prompt token ids [1000000] are outside the vocabulary"), message
+
+
 def test_a_list_at_the_limit_is_one_batch_generate(stack: Stack, model_id: str) -> None:
     batch, unary = handled(stack, "BatchGenerate", "OK"), handled(stack, "Generate", "OK")
     c = openai.OpenAI(base_url=f"{stack.http_address}/v1", api_key="unused", max_retries=0, timeout=300)
@@ -102,6 +113,21 @@ def test_a_client_that_leaves_mid_list_cancels_all_of_it(stack: Stack, model_id:
     wait_idle(stack, timeout=30)  # every one of the 256 stopped, running or waiting
     assert handled(stack, "BatchGenerate", "CANCELLED") == calls + 1
     assert metric(stack, "moe_lightning_requests_total", outcome="cancelled") == cancelled + len(prompts)
+
+
+def test_a_passed_deadline_is_counted_as_one_not_as_a_cancel(stack: Stack) -> None:
+    wait_idle(stack)
+    deadlines, cancels = handled(stack, "Generate", "DEADLINE_EXCEEDED"), handled(stack, "Generate", "CANCELLED")
+    with grpc.insecure_channel(stack.api_address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        m = generation_pb2.GenerationInput(token_ids=generation_pb2.TokenIds(ids=[1, 2]), max_new_tokens=500)
+        m.ignore_eos = True
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(generation_pb2.GenerateRequest(input=m), timeout=0.5)
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_idle(stack, timeout=30)
+    assert handled(stack, "Generate", "DEADLINE_EXCEEDED") == deadlines + 1
+    assert handled(stack, "Generate", "CANCELLED") == cancels
 
 
 class Burst:
@@ -239,9 +265,12 @@ async def _in_process(options: list[tuple[str, int]], limit: AioConcurrencyLimit
 
 def test_a_burst_of_3000_calls_is_not_cut_by_grpc_cores_backlog() -> None:
     """The cause of the CANCELLED calls, in process: grpc core drops calls waiting for the event loop to
-    take them past grpc.server.max_pending_requests (1000; every one past 3000). Our servers raise it."""
-    out = asyncio.run(_in_process(pending_call_options(None), None, 3000))
+    take them past grpc.server.max_pending_requests (1000; every one past 3000). A server with a limit
+    raises it to twice the limit; core's own bound is what a server without one keeps."""
+    out = asyncio.run(_in_process(pending_call_options(3000), None, 3000))
     assert out.codes == {"OK": 3000}
+    assert pending_call_options(None) == []
+    assert dict(pending_call_options(10_240))["grpc.server.max_pending_requests_hard_limit"] == 20_480
 
 
 def test_the_limit_refuses_exactly_the_calls_past_it_named_and_counted() -> None:

@@ -156,3 +156,150 @@ def test_a_rendered_chat_is_bounded_before_it_is_tokenised(servicer: GenerationS
         InvalidRequestError, match="^the chat template rendered this conversation to more than 320 bytes"
     ):
         asyncio.run(servicer.Generate(request, CONTEXT))
+
+
+class GatedTokenizer(TextTokenizer):
+    """TOK's encoding, except that the text "gated" waits for `gate` (a tokenisation under way) and then
+    comes out 100 tokens long, over the fixture's 40: the request is refused once it is let through."""
+
+    def __init__(self) -> None:
+        super().__init__(build_tokenizer(400, seed=1))  # TOK's vocabulary
+        self.tokenizing, self.gate = threading.Event(), threading.Event()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if text == "gated":
+            self.tokenizing.set()
+            assert self.gate.wait(10)
+            return [1] * 100
+        return super().encode(text, add_special_tokens)
+
+
+def chat_input(content: str, max_new_tokens: int = 1) -> generation_pb2.GenerationInput:
+    return Prompt(messages=[{"role": "user", "content": content}], max_new_tokens=max_new_tokens).to_pb()
+
+
+# renders the conversation's contents, or refuses one ("refuse") in the template's own words
+REFUSING = (
+    "{% if messages[0].content == 'refuse' %}{{ raise_exception('refused by the template') }}{% endif %}"
+    "{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
+def test_a_batch_holds_no_render_slot_while_its_other_inputs_are_tokenised() -> None:
+    # review of issue 27: the slot was held for the whole of a call's checks and tokenisation, so one
+    # chat in a BatchGenerate of text prompts kept a render slot while every text was tokenised, and
+    # other chats were refused as busy though nothing rendered
+    tok = GatedTokenizer()
+    kv, config = KVCapacity(8, 16, "float32"), SchedulerConfig(max_prefill_tokens=40)
+    scheduler = Scheduler(SPEC, FakeBackend({}), tok, kv, config, None, Placement())  # type: ignore[arg-type]
+    scheduler.start()
+    servicer = GenerationServicer(workers=2)  # one render slot (half the workers), one worker to spare
+    servicer.scheduler, servicer.chat_template = scheduler, ChatTemplate(REFUSING)
+
+    async def scenario() -> float:
+        batch = generation_pb2.BatchGenerateRequest(inputs=[chat_input("Kabeno"), Prompt(text="gated").to_pb()])
+        batch_call = asyncio.ensure_future(servicer.BatchGenerate(batch, CONTEXT))
+        try:
+            assert await asyncio.to_thread(tok.tokenizing.wait, 10)  # its chat rendered, its text being tokenised
+            t0 = time.monotonic()
+            with pytest.raises(InvalidRequestError, match="^refused by the template$"):  # rendered: it had the slot
+                await servicer.Generate(generation_pb2.GenerateRequest(input=chat_input("refuse")), CONTEXT)
+            took = time.monotonic() - t0
+        finally:
+            tok.gate.set()
+            with pytest.raises(InvalidRequestError, match="^input 1: prompt has 100 tokens"):
+                await batch_call
+        return took
+
+    try:
+        took = asyncio.run(scenario())
+    finally:
+        scheduler.stop()
+    assert took < 1.0  # not the render timeout's 2 s wait, then RESOURCE_EXHAUSTED
+
+
+class GatedRenderer:
+    """A stand-in for TemplateRenderer: each render is recorded, and waits while its content's gate is
+    clear; `running` counts the renders under way."""
+
+    def __init__(self, processes: int, timeout: float = 10.0) -> None:
+        self.processes, self.timeout = processes, timeout
+        self.order: list[str] = []
+        self.gates: dict[str, threading.Event] = {}
+        self.started: dict[str, threading.Event] = {}
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def gate(self, content: str) -> threading.Event:
+        self.started.setdefault(content, threading.Event())
+        return self.gates.setdefault(content, threading.Event())
+
+    def render(self, messages: Any, add_generation_prompt: bool = True, cancel: Any = None) -> str:
+        content = messages[0].content
+        with self._lock:
+            self.order.append(content)
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            self.started.setdefault(content, threading.Event()).set()
+            gate = self.gates.get(content)
+            assert gate is None or gate.wait(10)
+            return content
+        finally:
+            with self._lock:
+                self.running -= 1
+
+
+def test_a_batch_of_chats_takes_a_render_slot_for_each_render_only(servicer: GenerationServicer) -> None:
+    # a BatchGenerate of many chats held one slot for all its renders (1024 of them: up to 1024 x the
+    # timeout); a render slot is now taken for one render and given back, so another call's chat
+    # renders between two of the batch's
+    renderer = GatedRenderer(processes=1)
+    servicer.chat_template, servicer.renderer = ChatTemplate(REFUSING), renderer  # type: ignore[assignment]
+    first = renderer.gate("a")
+
+    async def scenario() -> None:
+        batch = generation_pb2.BatchGenerateRequest(inputs=[chat_input("a"), chat_input("b")])
+        batch_call = asyncio.ensure_future(servicer.BatchGenerate(batch, CONTEXT))
+        assert await asyncio.to_thread(renderer.started["a"].wait, 10)
+        other = asyncio.ensure_future(servicer.Generate(generation_pb2.GenerateRequest(input=chat_input("c")), CONTEXT))
+        deadline = time.monotonic() + 10
+        while not servicer._render_slots._waiters:  # type: ignore[union-attr]  # the other call waits for the slot
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        first.set()
+        await asyncio.wait_for(asyncio.gather(batch_call, other), 20)
+
+    asyncio.run(scenario())
+    assert renderer.order == ["a", "c", "b"] and renderer.most == 1
+
+
+def test_renders_waiting_for_a_slot_hold_no_worker(servicer: GenerationServicer) -> None:
+    # the guarantee the slots keep: however many chats wait on renders, text prompts keep their workers
+    # (the servicer's 8 workers, 2 slots; 12 chats whose renders do not end until released)
+    renderer = GatedRenderer(processes=2)
+    servicer.chat_template, servicer.renderer = ChatTemplate(REFUSING), renderer  # type: ignore[assignment]
+    for i in range(12):
+        renderer.gate(f"c{i}")
+
+    async def scenario() -> float:
+        chats = [
+            asyncio.ensure_future(servicer.Generate(generation_pb2.GenerateRequest(input=chat_input(f"c{i}")), CONTEXT))
+            for i in range(12)
+        ]
+        deadline = time.monotonic() + 10
+        while renderer.running < 2:  # both slots' renders under way, ten chats waiting for a slot
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(InvalidRequestError, match="this server accepts at most 40"):
+            text = Prompt(text="Kabeno " * 45).to_pb()
+            await asyncio.wait_for(servicer.Generate(generation_pb2.GenerateRequest(input=text), CONTEXT), 5)
+        took = time.monotonic() - t0
+        for gate in renderer.gates.values():
+            gate.set()
+        await asyncio.gather(*chats, return_exceptions=True)
+        return took
+
+    took = asyncio.run(scenario())
+    assert took < 1.0 and renderer.most == 2

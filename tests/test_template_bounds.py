@@ -6,8 +6,10 @@ is rendered, token ids are counted before they are copied, and no error shows a 
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,6 +52,16 @@ def call(stack: Stack, request: generation_pb2.GenerateRequest, timeout: float =
         return exc
     finally:
         ch.close()
+
+
+def killed(stack: Stack, reason: str) -> float:
+    """moe_lightning_chat_template_renders_killed_total{reason} on the orchestrator's /metrics."""
+    with urllib.request.urlopen(stack.endpoints()["orchestrator"]["metrics"], timeout=10) as r:
+        text = r.read().decode()
+    name = "moe_lightning_chat_template_renders_killed_total"
+    found = re.search(rf'^{name}\{{reason="{reason}"\}} (\S+)$', text, re.M)
+    assert found, f"{name}{{reason={reason!r}}} is not exported"
+    return float(found[1])
 
 
 def orchestrator_pid(stack: Stack) -> int:
@@ -131,11 +143,13 @@ def stack(make_module_stack: Callable[..., Stack], tiny_model: Path, template_fi
 def test_a_looping_render_is_refused_at_its_time_limit_and_killed(stack: Stack) -> None:
     pid = orchestrator_pid(stack)
     before = set(children(pid))  # the renderers
+    assert killed(stack, "timeout") == killed(stack, "cancelled") == killed(stack, "crashed") == 0
     t0 = time.monotonic()
     err = call(stack, chat("loop"))
     took = time.monotonic() - t0
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     assert err.details() == f"the chat template took longer than {TIMEOUT:g} s to render this conversation"
+    assert killed(stack, "timeout") == 1
     print(f"looping render refused in {took:.2f} s")
     assert TIMEOUT - 0.1 < took < TIMEOUT + 1.5
     assert len(before) == 2
@@ -170,6 +184,7 @@ def test_a_client_that_leaves_ends_its_render(stack: Stack) -> None:
         time.sleep(0.05)
     # its renderer was killed when the call was cancelled, not at the render's time limit
     assert len(before) == 2 and not before <= set(children(pid)) and time.monotonic() - t0 < TIMEOUT - 0.5
+    assert killed(stack, "cancelled") == 1
 
 
 def test_looping_renders_hold_up_no_text_request_nor_health(stack: Stack) -> None:

@@ -1,10 +1,11 @@
 """`moe-lightning run --ray [ADDRESS]`: the job's driver. Ray Data reads and splits the input into
-parts (parts.py); the driver starts one
-NodeStack actor per alive Ray node (pinned there), keeps each busy with a couple of parts so its
-stack's batch stays full across part boundaries, and hands a failed part (its stack died, its node
-died) to the next free actor, up to `--retries` times. Parts already in the output are skipped
-(resume). At the end the output is checked (every input row once) and the job's numbers are printed
-and written next to it (`_job.json`)."""
+parts (parts.py); every row's fields are checked (one Ray task per part, `check_rows`) before anything
+is written or any stack starts; the driver then starts one NodeStack actor per alive Ray node (pinned
+there), keeps each busy with a couple of parts so its stack's batch stays full across part
+boundaries, and hands a failed part (its stack died, its node died) to the next free actor, up to
+`--retries` times. Parts already in the output are skipped (resume). At the end the output is
+checked (every input row once) and the job's numbers are printed and written next to it
+(`_job.json`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from collections import deque
 from dataclasses import asdict
 from typing import Any
 
-from moe_lightning.cluster.node import NodeStack
+from moe_lightning.batch_rows import RowError
+from moe_lightning.cluster.node import NodeStack, check_part
 from moe_lightning.cluster.parts import (
     Part,
     check_output,
@@ -56,6 +58,21 @@ def job_nodes(nodes: list[dict[str, Any]], args: argparse.Namespace) -> list[dic
     return with_gpus
 
 
+def check_rows(blocks: dict[Part, Any], args: argparse.Namespace) -> None:
+    """Every input row's fields, converted as its node will convert them, before any stack starts: a
+    bad field is refused (RowError, naming the row) as a single-box `run` refuses it, not found by a
+    node once its stack is up, its part then failing on every retry. One Ray task per part, given
+    the part's blocks from the object store (never through the driver); the first bad row wins."""
+    import ray
+
+    check = ray.remote(check_part)
+    job = ray.put(args)
+    found = ray.get([check.remote(part, job, *ds.to_arrow_refs()) for part, ds in blocks.items()])
+    bad = next((why for why in found if why is not None), None)
+    if bad is not None:
+        raise RowError(bad)
+
+
 def run_on_ray(args: argparse.Namespace) -> int:
     import ray
     from ray.exceptions import RayActorError, RayError
@@ -69,9 +86,14 @@ def run_on_ray(args: argparse.Namespace) -> int:
     import ray.data
 
     ray.data.DataContext.get_current().enable_progress_bars = not args.no_progress
-    blocks = dict(split(fs_in, files, args.part_rows))
-    parts = list(blocks)
-    check_plan(fs_out, out, args.part_rows, sum(p.rows for p in parts))
+    try:
+        blocks = dict(split(fs_in, files, args.part_rows))
+        parts = list(blocks)
+        check_rows(blocks, args)  # before anything is written or started
+        check_plan(fs_out, out, args.part_rows, sum(p.rows for p in parts))
+    except BaseException:
+        ray.shutdown()  # a refused input ends the job here, in a process that may go on (a test)
+        raise
     done = done_parts(fs_out, out)
     todo: deque[Part] = deque(p for p in parts if p.name not in done)
     sys.stderr.write(

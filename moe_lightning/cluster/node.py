@@ -11,9 +11,26 @@ from typing import Any
 
 import pyarrow as pa
 
+from moe_lightning.batch_rows import RowError, completion_columns, row_prompt
 from moe_lightning.cluster.parts import Part, output_dir, with_keys, write_part
 
 SERVING_TIMEOUT = 300.0  # a restarting stack (a service died) comes back within this
+
+
+def part_prompts(table: pa.Table, part: Part, job: argparse.Namespace) -> list[Any]:
+    """A part's rows as Prompts (row_prompt, each named by its row's index in the whole input)."""
+    return [row_prompt(r, job, part.start + i) for i, r in enumerate(table.to_pylist())]
+
+
+def check_part(part: Part, job: argparse.Namespace, *tables: pa.Table) -> str | None:
+    """The first bad field in a part's rows (the RowError's message, naming the row), or None: run by
+    the driver as a Ray task per part before any stack starts (`tables`: the part's blocks, which Ray
+    hands the task where they are, never through the driver)."""
+    try:
+        part_prompts(with_keys(list(tables), part), part, job)
+    except RowError as exc:
+        return str(exc)
+    return None
 
 
 class NodeStack:
@@ -45,14 +62,13 @@ class NodeStack:
         import ray
 
         from moe_lightning.client import GenerationClient
-        from moe_lightning.commands.run_job import completion_columns, row_prompt
         from moe_lightning.service.names import GENERATION
         from moe_lightning.service.upstream import wait_serving
 
         t0 = time.perf_counter()
         wait_serving(self.addr, GENERATION, SERVING_TIMEOUT).close()
         table = with_keys(ray.get(blocks), part)
-        prompts = [row_prompt(r, self.job, part.start + i) for i, r in enumerate(table.to_pylist())]
+        prompts = part_prompts(table, part, self.job)
         j = self.job
         try:
             with GenerationClient(

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from moe_lightning.output_files import check_output_dir, output_file
+from moe_lightning.output_files import make_output_dir, output_file
 
 SUFFIXES = (".parquet", ".jsonl", ".json", ".ndjson")
 KEY = "row_key"
@@ -133,14 +133,16 @@ def _local(fs: pafs.FileSystem) -> bool:
 
 
 def output_dir(spec: str) -> tuple[pafs.FileSystem, str]:
-    """The output directory, created if missing; a local one is checked (check_output_dir) before
-    and after: the driver calls this before anything starts, each node before it writes a part."""
+    """The output directory, created if missing; a local one is created (the missing directories,
+    mode 0755 less the umask) and checked by output_files' own walk (check_output_dir), not by
+    pyarrow's create_dir, which follows links and gives 0777 less the umask (under umask 0 or 0002 a
+    directory the job would then refuse). The driver calls this before anything starts, each node
+    before it writes a part."""
     fs, path = filesystem(spec)
     if _local(fs):
-        check_output_dir(Path(path))
-    fs.create_dir(path, recursive=True)
-    if _local(fs):
-        check_output_dir(Path(path))
+        make_output_dir(Path(path))
+    else:
+        fs.create_dir(path, recursive=True)
     return fs, path
 
 

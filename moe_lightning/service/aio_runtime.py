@@ -65,7 +65,7 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 except Exception as exc:
                     await _abort(context, exc, method)
                 except asyncio.CancelledError:  # the client left or its deadline passed: counted too
-                    count_rpc(method, "CANCELLED")
+                    count_rpc(method, _cancel_code(context))
                     raise
                 count_rpc(method, "OK")
                 return response
@@ -91,6 +91,12 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+def _cancel_code(context: grpc.aio.ServicerContext) -> str:
+    """How a cancelled handler's call ended: its deadline passed, or its client cancelled it."""
+    remaining = context.time_remaining()
+    return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
+
+
 async def _mapped(responses: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[Any]:
     """A streaming handler's responses, its exception as the call's status."""
     try:
@@ -99,7 +105,7 @@ async def _mapped(responses: AsyncIterator[Any], context: grpc.aio.ServicerConte
     except Exception as exc:
         await _abort(context, exc, method)
     except asyncio.CancelledError:
-        count_rpc(method, "CANCELLED")
+        count_rpc(method, _cancel_code(context))
         raise
     count_rpc(method, "OK")
 
@@ -124,14 +130,18 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
 # yet asked for (the aio server asks for one at a time, from its event loop, so a burst waits there) is
 # dropped at random once 1000 wait, every one past 3000, as CANCELLED, a status no client can tell
 # from its own cancel, unseen by any interceptor and so uncounted. 3,000 Generate calls at once lost
-# 650-750 of them so, far below --max-queue. Raised far beyond any concurrency limit a server states,
-# so that what a client meets past that limit is its RESOURCE_EXHAUSTED, named and counted.
-MIN_PENDING_CALLS = 1 << 16
+# 650-750 of them so, far below --max-queue. A server that states a concurrency limit raises the
+# backlog to PENDING_PER_LIMIT times it, so that a burst up to that size meets the limit's named and
+# counted RESOURCE_EXHAUSTED; no further, since each waiting call holds its stream's buffers in core.
+PENDING_PER_LIMIT = 2
 
 
 def pending_call_options(max_concurrent_rpcs: int | None) -> list[tuple[str, int]]:
-    """The core's backlog bounds for a server that refuses calls past `max_concurrent_rpcs` itself."""
-    bound = max(MIN_PENDING_CALLS, 4 * (max_concurrent_rpcs or 0))
+    """The core's backlog bounds for a server that refuses calls past `max_concurrent_rpcs` itself
+    (none: core's own)."""
+    if max_concurrent_rpcs is None:
+        return []
+    bound = max(3000, PENDING_PER_LIMIT * max_concurrent_rpcs)
     return [("grpc.server.max_pending_requests", bound), ("grpc.server.max_pending_requests_hard_limit", bound)]
 
 
