@@ -10,12 +10,12 @@ field. The same models read the OpenAI Batch files of `moe-lightning run` (comma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SkipValidation, ValidationError, field_validator, model_validator
+from pydantic import Field, SkipValidation, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from gateway.fields import NOTHING, Body, Fields, UnsupportedField, field_error
 from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.request import InvalidRequestError
 from moe_lightning.validation import CONTEXT_BOUND, MAX_BATCH_PROMPTS, check_conversation_size, check_text_size
@@ -28,122 +28,9 @@ FLOAT32_MAX = 3.4028234663852886e38  # temperature, top_p: a larger double would
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
-# No-op values of refused fields (what a client sends when it asks for nothing, as null does)
-_NOTHING: tuple[Any, ...] = (None,)
 
 
-class UnsupportedField(ValueError):
-    """A field set to something this server does not do, or beyond its limits; 400 naming `param`."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def _field_error(loc: tuple[str | int, ...], value: Any, kind: str, message: str) -> InitErrorDetails:
-    # with no context the message is not a template: a field name's braces stay as they are
-    return InitErrorDetails(type=PydanticCustomError(kind, message), loc=loc, input=value)
-
-
-def _printable(key: str) -> str:
-    """A dict key as it can appear in an error (one with a lone surrogate cannot be sent as JSON)."""
-    return key.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _only_numbers(values: list[Any]) -> bool:
-    """Whether every item is an int or a float, at C speed (a Python loop over 4 M token ids cost the
-    event loop seconds)."""
-    return set(map(type, values)) <= {int, float}
-
-
-def _lone_surrogates(data: Any) -> Iterator[tuple[tuple[str | int, ...], str]]:
-    """(where, the string) for every string of a parsed JSON body, keys included, that is not valid
-    Unicode. Iterative: a deeply nested body must not raise RecursionError here."""
-    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
-    while stack:
-        loc, value = stack.pop()
-        if isinstance(value, str):
-            if not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    yield loc, value
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                if isinstance(k, str) and not k.isascii() and _printable(k) != k:
-                    yield (*loc, _printable(k)), k
-                stack.append(((*loc, _printable(k) if isinstance(k, str) else k), v))
-        elif isinstance(value, list):
-            if _only_numbers(value):  # token ids: millions of them, and nothing to look into
-                continue
-            stack.extend(((*loc, i), v) for i, v in enumerate(value))
-
-
-class _Fields(BaseModel):
-    """A body part that refuses every field it does not declare, but those in IGNORED (accepted and
-    dropped: they change nothing here) and those of REFUSED (known, not implemented: refused with why,
-    unless set to a value that asks for nothing, as null does)."""
-
-    model_config = ConfigDict(extra="ignore")  # only IGNORED's fields get past _check_fields undeclared
-
-    IGNORED: ClassVar[frozenset[str]] = frozenset()
-    REFUSED: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {}  # name -> (why, the values that ask nothing)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_fields(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data  # pydantic's own error: the body is not an object
-        errors = cls._refused_first(data)
-        for key, value in data.items():
-            if not isinstance(key, str) or key in cls.model_fields or key in cls.IGNORED:
-                continue
-            name = _printable(key)
-            refused = cls.REFUSED.get(key)
-            if refused is None:
-                errors.append(
-                    _field_error(
-                        (name,),
-                        value,
-                        "unknown_field",
-                        f"{name} is not a field this server takes; docs/openai.md lists the fields it does",
-                    )
-                )
-            elif not any(type(value) is type(v) and value == v for v in refused[1]):
-                why = f"{name} is not supported: {refused[0]}"
-                errors.append(_field_error((name,), value, "unsupported_field", why))
-        if errors:
-            raise ValidationError.from_exception_data(cls.__name__, errors)
-        return data
-
-    @classmethod
-    def _refused_first(cls, data: dict[str, Any]) -> list[InitErrorDetails]:
-        """A refusal that explains the others (said first, in place of theirs)."""
-        return []
-
-
-class _Body(_Fields):
-    """A whole request body: every string in it must be valid Unicode, before any field is read."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        errors = [
-            _field_error(
-                loc,
-                None,  # not the string itself: it cannot be written into the JSON error
-                "lone_surrogate",
-                "not valid Unicode: it has a lone surrogate (an unpaired \\ud800-\\udfff escape), which "
-                "cannot be encoded as UTF-8",
-            )
-            for loc, _ in _lone_surrogates(data)
-        ]
-        if errors:
-            raise ValidationError.from_exception_data(cls.__name__, errors[:1])
-        return data
-
-
-class StreamOptions(_Fields):
+class StreamOptions(Fields):
     IGNORED = frozenset({"include_obfuscation"})  # random padding of the chunks: none is added here
 
     include_usage: bool = False
@@ -159,17 +46,17 @@ _REFUSED_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "parallel_tool_calls": (_TOOLS, (None, False, True)),  # without tools it asks nothing either way
     "response_format": ("structured output (JSON mode, json_schema) is not implemented", (None, {"type": "text"})),
     "logit_bias": ("biasing tokens is not implemented", (None, {})),
-    "audio": ("audio output is not implemented", _NOTHING),
+    "audio": ("audio output is not implemented", NOTHING),
     "modalities": ("only text output is implemented", (None, ["text"])),
-    "prediction": ("predicted outputs are not implemented", _NOTHING),
-    "web_search_options": ("web search is not implemented", _NOTHING),
-    "reasoning_effort": ("this server's models take no reasoning effort", _NOTHING),
-    "verbosity": ("this server's models take no verbosity", _NOTHING),
-    "moderation": ("moderation of the input and output is not implemented", _NOTHING),
+    "prediction": ("predicted outputs are not implemented", NOTHING),
+    "web_search_options": ("web search is not implemented", NOTHING),
+    "reasoning_effort": ("this server's models take no reasoning effort", NOTHING),
+    "verbosity": ("this server's models take no verbosity", NOTHING),
+    "moderation": ("moderation of the input and output is not implemented", NOTHING),
 }
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     # OpenAI's fields that only OpenAI's own service acts on (accounting, storage, caching, routing):
     # nothing here would change if they were honoured, so they are accepted and dropped
     IGNORED = frozenset(
@@ -340,16 +227,16 @@ class CompletionRequest(_Sampling):
         return out
 
 
-class ChatMessageIn(_Fields):
+class ChatMessageIn(Fields):
     IGNORED = frozenset({"name"})  # a participant's name: our chat messages carry role and content only
-    REFUSED = {
+    REFUSED: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
         "tool_calls": (_TOOLS, (None, [])),
-        "tool_call_id": (_TOOLS, _NOTHING),
-        "function_call": (_TOOLS, _NOTHING),
+        "tool_call_id": (_TOOLS, NOTHING),
+        "function_call": (_TOOLS, NOTHING),
         # what an assistant message of OpenAI's (or vLLM's) carries besides its text, echoed back by
         # clients that append the response's message to the conversation
-        "refusal": ("an assistant message's refusal is not implemented", _NOTHING),
-        "audio": ("audio is not implemented", _NOTHING),
+        "refusal": ("an assistant message's refusal is not implemented", NOTHING),
+        "audio": ("audio is not implemented", NOTHING),
         "annotations": ("annotations are not implemented", (None, [])),
         "reasoning_content": ("reasoning content is not implemented", (None, "")),
     }
@@ -367,7 +254,7 @@ class ChatMessageIn(_Fields):
             f"role {role!r} is not supported: tool and function calling is not implemented, so there are no "
             "tool results to send"
         )
-        return [_field_error(("role",), role, "unsupported_role", message)]
+        return [field_error(("role",), role, "unsupported_role", message)]
 
     @field_validator("content")
     @classmethod

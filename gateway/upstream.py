@@ -11,11 +11,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import from_grpc
 from gateway.mux import Mux, MuxStream
-from gateway.schema import MAX_BATCH_PROMPTS
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 from moe_lightning.service.names import GENERATION
+from moe_lightning.validation import MAX_BATCH_PROMPTS
 
 OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 

@@ -12,7 +12,8 @@ A render costs a pipe round trip (marshal in, UTF-8 out: well under a millisecon
 conversation). The processes die with the server: they are forked from the one spawner thread with
 the parent-death signal armed (moe_lightning.children), and killed by close() at shutdown.
 
-Wire format, parent to child: frames of a 4-byte big-endian length and a marshal payload, the first
+The child's side is moe_lightning/template_child.py. Wire format, parent to child: frames of a
+4-byte big-endian length and a marshal payload, the first
 (source, bos_token, eos_token, max_bytes, memory_bytes), then (((role, content), ...), add_generation_prompt)
 per render. Child to parent: a status byte, a 4-byte length and UTF-8 bytes (the text, or the error
 for the client). The parent never unmarshals what a child sends.
@@ -25,7 +26,6 @@ import math
 import os
 import queue
 import select
-import struct
 import subprocess
 import sys
 import threading
@@ -34,13 +34,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from moe_lightning.template_child import FRAME_HEAD, MAX_ERROR_CHARS, REPLY_HEAD, REPLY_OK
 
 RENDERERS = 2  # processes; each render takes about a millisecond, so two serve thousands a second
 DEFAULT_TIMEOUT = 2.0  # seconds a render may take (--chat-template-timeout)
 START_TIMEOUT = 30.0  # a renderer's start: an interpreter, jinja2, the compile (a loaded host is slow)
 MIN_MEMORY_BYTES = 256 << 20  # a render's address space over the child's own at start, at least
 MEMORY_PER_OUTPUT_BYTE = 32  # ... and for large prompt bounds, this many times the output bound
-MAX_ERROR_CHARS = 2000  # an error's text (a template's raise_exception may quote the whole conversation)
 CANCEL_POLL_SECONDS = 0.05  # how soon a cancelled request's render is noticed
 PROBE = (ChatMessage("user", "Hello"),)  # rendered at start: a template that fails on it fails every chat
 # The environment a renderer gets: what the interpreter and strftime_now need. Defense in depth only:
@@ -52,10 +52,6 @@ CHILD_ENV = ("PATH", "PYTHONPATH", "LANG", "LANGUAGE", "TZ")
 # why a render's renderer was killed (on_killed; moe_lightning_chat_template_renders_killed_total). A
 # MemoryError is none of them: the renderer reports it and serves on (RLIMIT_AS fails the allocation)
 KILL_REASONS = ("timeout", "cancelled", "crashed")
-
-_OK, _ERROR = 0, 1
-_REPLY = struct.Struct(">BI")
-_FRAME = struct.Struct(">I")
 
 
 class _TimedOut(Exception):
@@ -87,7 +83,7 @@ class _Worker:
         self._poll.register(self._out, select.POLLIN)
 
     def send(self, payload: bytes) -> None:
-        data = memoryview(_FRAME.pack(len(payload)) + payload)
+        data = memoryview(FRAME_HEAD.pack(len(payload)) + payload)
         try:
             while data:  # the child reads while it waits, so a frame over the pipe's buffer only waits for it
                 data = data[os.write(self._in, data) :]
@@ -95,7 +91,7 @@ class _Worker:
             raise _Died(str(exc)) from None
 
     def receive(self, deadline: float, cancel: threading.Event | None, max_len: int) -> tuple[int, bytes]:
-        status, n = _REPLY.unpack(self._read(_REPLY.size, deadline, cancel))
+        status, n = REPLY_HEAD.unpack(self._read(REPLY_HEAD.size, deadline, cancel))
         if n > max_len:
             raise _Died(f"a reply of {n} bytes")  # not what our child sends: treat it as broken
         return status, self._read(n, deadline, cancel)
@@ -223,7 +219,7 @@ class TemplateRenderer:
     def _spawn(self) -> _Worker:
         from moe_lightning.children import spawner, with_parent_death
 
-        argv = with_parent_death([sys.executable, "-m", "moe_lightning.template_renderer"])
+        argv = with_parent_death([sys.executable, "-m", "moe_lightning.template_child"])
         # forked from the one long-lived spawner thread: the parent-death signal follows the forking
         # thread, and a replacement is started from a short-lived one
         env = {k: v for k, v in os.environ.items() if k in CHILD_ENV or k.startswith("LC_")}
@@ -256,7 +252,7 @@ class TemplateRenderer:
             self._discard(w, replace=False)
             what = f"did not start within {self.start_timeout:g} s" if isinstance(exc, _TimedOut) else f"died ({exc})"
             raise ChatTemplateError(f"{self.template.origin}: a chat template renderer {what}") from None
-        if status != _OK:
+        if status != REPLY_OK:
             self._discard(w, replace=False)
             raise ChatTemplateError(f"{self.template.origin}: {data.decode('utf-8', 'replace')}")
 
@@ -362,80 +358,7 @@ class TemplateRenderer:
                 raise
             self._give_back(w)
             text = data.decode("utf-8", "surrogatepass")
-            if status == _OK:
+            if status == REPLY_OK:
                 return text
             raise ChatTemplateError(text)
         raise AssertionError("unreachable")
-
-
-# ---- the child ---------------------------------------------------------------------------------
-def _read_frame(inp: int) -> bytes | None:
-    def exactly(n: int) -> bytes | None:
-        buf = bytearray()
-        while len(buf) < n:
-            chunk = os.read(inp, n - len(buf))
-            if not chunk:
-                return None  # the server closed the pipe (or died): this process ends
-            buf += chunk
-        return bytes(buf)
-
-    head = exactly(_FRAME.size)
-    return None if head is None else exactly(_FRAME.unpack(head)[0])
-
-
-def _limit_memory(budget: int) -> None:
-    """RLIMIT_AS at what this process maps now plus `budget`: a render that allocates past it gets a
-    MemoryError (reported to the client), not the host's memory."""
-    try:
-        import resource
-
-        with open("/proc/self/statm") as f:
-            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (mapped + budget, mapped + budget))
-    except (ImportError, OSError, ValueError):
-        pass  # not Linux: the time limit still stands
-
-
-def _child() -> None:
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C in a terminal is the server's to handle (it kills us)
-    reply_fd = os.dup(1)
-    os.dup2(2, 1)  # anything printed goes to the server's log, never into a reply
-    sys.stdout = sys.stderr
-
-    def reply(status: int, text: str) -> None:
-        data = text.encode("utf-8", "surrogatepass")
-        out = memoryview(_REPLY.pack(status, len(data)) + data)
-        while out:
-            out = out[os.write(reply_fd, out) :]
-
-    frame = _read_frame(0)
-    if frame is None:
-        return
-    source, bos, eos, max_bytes, memory_bytes = marshal.loads(frame)
-    _limit_memory(memory_bytes)
-    try:
-        template = ChatTemplate(source, bos_token=bos, eos_token=eos, origin="chat template")
-        template.compile()  # under the limit: compiling evaluates the template's constant expressions
-    except ChatTemplateError as exc:  # an error only the compiler finds; the server names the template
-        return reply(_ERROR, str(exc).removeprefix("chat template: "))
-    except Exception as exc:  # MemoryError, RecursionError: the template's, reported at start-up
-        return reply(_ERROR, f"the chat template cannot be compiled: {type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
-    reply(_OK, "")
-    while (frame := _read_frame(0)) is not None:
-        pairs, add_generation_prompt = marshal.loads(frame)
-        try:
-            messages = [ChatMessage(role, content) for role, content in pairs]
-            text = template.render(messages, add_generation_prompt, max_bytes)
-        except ChatTemplateError as exc:
-            message = str(exc)
-            if len(message) > MAX_ERROR_CHARS:
-                message = message[:MAX_ERROR_CHARS] + "..."
-            reply(_ERROR, message)
-            continue
-        reply(_OK, text)
-
-
-if __name__ == "__main__":
-    _child()

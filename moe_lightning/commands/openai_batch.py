@@ -19,9 +19,10 @@ from pydantic import ValidationError
 
 from gateway import responses
 from gateway.errors import ApiError, bad_request, from_grpc
-from gateway.schema import MAX_BATCH_PROMPTS, ChatCompletionRequest, CompletionRequest, UnsupportedField
+from gateway.schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
 from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.output_files import output_file
+from moe_lightning.validation import MAX_BATCH_PROMPTS
 
 ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,
