@@ -16,7 +16,8 @@ from moe_lightning.flags import EnvDefaultsParser, add_batch_flags, add_service_
 from moe_lightning.hrm.costmodel import Workload
 from moe_lightning.hrm.measurements import profile_from
 from moe_lightning.placement import Side
-from moe_lightning.service.aio_runtime import AioConcurrencyLimit, AioServiceRuntime, serve_aio
+from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
+from moe_lightning.service.concurrency import AioConcurrencyLimit
 from moe_lightning.service.names import GENERATION
 from moe_lightning.spec import ModelSpec
 from moe_lightning.template_renderer import DEFAULT_TIMEOUT, TemplateRenderer

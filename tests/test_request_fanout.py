@@ -22,7 +22,8 @@ import pytest
 
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
 from moe_lightning.launcher import Stack
-from moe_lightning.service.aio_runtime import AioConcurrencyLimit, AioErrorMappingInterceptor, pending_call_options
+from moe_lightning.service.aio_runtime import AioErrorMappingInterceptor
+from moe_lightning.service.concurrency import AioConcurrencyLimit, pending_call_options
 
 LIMIT = 3200  # --max-concurrent-rpcs: above the 3,000 calls that grpc core's backlog used to cut
 MAX_BATCH_PROMPTS = 1024  # orchestrator/api.py
