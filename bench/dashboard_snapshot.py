@@ -26,8 +26,9 @@ import httpx
 
 from bench.monitoring import dashboard, prometheus
 from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.config.stack import StackConfig
 from moe_lightning.demo_model import write_demo_model
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.launcher import Stack
 from moe_lightning.spec import ModelSpec
 
 from reference import device_budget

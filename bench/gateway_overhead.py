@@ -37,7 +37,8 @@ import grpc
 import httpx
 
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.config.stack import StackConfig
+from moe_lightning.launcher import Stack
 
 
 async def grpc_round(address: str, prompts: list[str], tokens: int) -> tuple[int, float, int]:

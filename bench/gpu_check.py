@@ -57,8 +57,8 @@ from bench.gpucheck.predict import hrm_prediction, prediction_table  # noqa: E40
 from bench.gpucheck.preflight import CUDA_TESTS, PREFLIGHT_KV, preflight_facts, preflight_sizes  # noqa: E402
 from bench.gpucheck.processes import PhaseRunner  # noqa: E402
 from bench.gpucheck.report import predicted_vs_measured, ratios, summary_lines  # noqa: E402
+from moe_lightning.config.units import format_size  # noqa: E402
 from moe_lightning.demo_model import PRESETS, mixtral_config  # noqa: E402
-from moe_lightning.flags import format_size  # noqa: E402
 from moe_lightning.spec import ModelSpec  # noqa: E402
 
 PRESET = "mixtral-8x7b-4l"
@@ -217,7 +217,7 @@ class GpuCheck(PhaseRunner):
         result.unlink(missing_ok=True)
         argv = [str(REPO / "bench" / "gpu_check.py"), "_offload", "--model", str(model_dir)]
         argv += ["--max-memory", str(b["weights_bytes"]), "--total-memory", str(b["total_bytes"])]
-        argv += ["--num-prompts", str(n), "--gen-len", str(a.gen_len), "--json", str(result)]
+        argv += ["--num-prompts", str(n), "--gen-len", str(a.gen_len), "--json-out", str(result)]
         # its load, out-of-memory halving and a few chunks of its batch: later chunks only repeat them
         argv += ["--seconds", str(max(10.0, min(75.0, timeout - 20)))]
         argv += ["--dtype", "float32" if a.dry_run else "bfloat16"]  # bf16 matmul is emulated on small CPUs

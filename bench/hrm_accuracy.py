@@ -3,7 +3,7 @@
 Calibrates the roofs with our own kernels (cached per machine; --refresh re-measures), runs one
 batch through the four-service stack, and compares, per layer of a decode step and at the policy
 that ran (the orchestrator's), the cost model's stages with the decode steps' timings: the rows of
-moe_lightning/hrm/measured.py, the same ones `bench` prints and the planner's drift check reads.
+moe_lightning/hrm/stage_accuracy.py, the same ones `bench` prints and the planner's drift check reads.
 Also prints what the optimizer would pick here. The error is a number we track; the target
 is within 25 %.
 
@@ -20,10 +20,11 @@ from pathlib import Path
 
 from moe_lightning.benchmark import decode_totals, policy_that_ran, random_prompts, run_batch
 from moe_lightning.demo_model import write_demo_model
-from moe_lightning.hrm import measured
+from moe_lightning.hrm import stage_accuracy
 from moe_lightning.hrm.calibrate import cached_profile
-from moe_lightning.hrm.costmodel import Workload, estimate
+from moe_lightning.hrm.costmodel import estimate
 from moe_lightning.hrm.explain import explain
+from moe_lightning.hrm.layercost import Workload
 from moe_lightning.hrm.optimizer import optimize
 from moe_lightning.spec import ModelSpec
 
@@ -51,7 +52,7 @@ def main() -> int:
     ran = policy_that_ran(run.policy(), resident, args.batch, None)
     est = estimate(spec, work, profile, ran, dtype="float32")
     dec = decode_totals(run)
-    rows = measured.compare(est, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
+    rows = stage_accuracy.compare(est, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
     decode_seconds = run.delta("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
     decode_tokens = sum(c.completion_tokens for c in run.done) - len(run.done)
     measured_tps = decode_tokens / decode_seconds if decode_seconds else float("nan")
@@ -66,7 +67,7 @@ def main() -> int:
         f"expert pages resident; {dec.steps:.0f} decode steps"
     )
     print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers):")
-    print("\n".join(measured.table(rows)))
+    print("\n".join(stage_accuracy.table(rows)))
     tps, tps_error = est.tokens_per_second, est.tokens_per_second / measured_tps - 1
     print(f"  {'decode tokens/s (orchestrator)':32} {tps:9.1f} {measured_tps:9.1f} {'':9} {tps_error:+7.0%}")
     best = optimize(spec, work, profile, "float32", batch_cap=4096)
@@ -82,7 +83,7 @@ def main() -> int:
                         "experts": ran.experts.value,
                         "resident_experts": ran.resident_experts,
                     },
-                    "stages_per_layer": measured.as_json(rows),
+                    "stages_per_layer": stage_accuracy.as_json(rows),
                     "tokens_per_second": {"predicted": est.tokens_per_second, "measured": measured_tps},
                 },
                 indent=2,

@@ -14,8 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moe_lightning.demo_model import write_demo_model
-from moe_lightning.quant import QuantFormat, QuantScheme
 from moe_lightning.quant.accuracy import fixed_text, measure
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.tokenizer import TextTokenizer
 
 

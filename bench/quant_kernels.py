@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from moe_lightning.quant import QuantFormat, QuantScheme, kernels
+from moe_lightning.quant import kernels
+from moe_lightning.quant.kernels import dense_linear
 from moe_lightning.quant.rtn import quantize
-from moe_lightning.stages.linear import dense_linear
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 
 
 def main() -> int:

@@ -3,7 +3,6 @@ API. It keeps no state of its own: each HTTP request becomes gRPC calls (docs/op
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import resource
 import sys
@@ -20,73 +19,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.app import REQUESTS, Settings, create_app
 from gateway.errors import ApiError, bad_request, from_http
 from gateway.upstream import Upstream
-from moe_lightning.flags import EnvDefaultsParser
+from moe_lightning.config.flag import EnvDefaultsParser
+from moe_lightning.config.gateway import OPEN_PER_SERVED, GatewayConfig
 from moe_lightning.service.auth import is_loopback
 from moe_lightning.service.logs import configure_logging
-
-OPEN_PER_SERVED = 4  # open connections per request --max-connections serves
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    def parse(text: str) -> int | float:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__  # argparse names the type in its message: "invalid int value"
-    return parse
 
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-gateway", description=__doc__)
-    p.add_argument("--address", default="127.0.0.1:8000", help="HTTP listen address, host:port (port 0: any free)")
-    p.add_argument("--api", default="127.0.0.1:50051", help="the orchestrator's gRPC API address")
-    p.add_argument("--api-tls-ca", type=Path, default=None, help="verify the API's TLS certificate against this CA")
-    p.add_argument("--tls-cert", type=Path, default=None, help="serve HTTPS with this PEM certificate")
-    p.add_argument("--tls-key", type=Path, default=None, help="the PEM private key of --tls-cert")
-    p.add_argument(
-        "--auth-token",
-        default=None,
-        help="require 'Authorization: Bearer <token>' on /v1/ (and send it to the API); set it by environment "
-        "(MOE_LIGHTNING_AUTH_TOKEN), not on the command line, where ps shows it",
-    )
-    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --address without --auth-token")
-    p.add_argument(
-        "--served-model-name", default=None, help="the model id clients name (default: the model's directory name)"
-    )
-    p.add_argument(
-        "--max-body-bytes",
-        type=_positive(int),
-        default=8 << 20,
-        help="larger request bodies get 413 (chunked ones too)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=_positive(float),
-        default=60.0,
-        help="seconds for a request's whole body to arrive; then 408",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=_positive(float),
-        default=10.0,
-        help="seconds for a request's line and headers to arrive (from the connection's start or the "
-        "request's first byte); then 408 and the connection closed",
-    )
-    p.add_argument(
-        "--max-header-bytes", type=_positive(int), default=64 << 10, help="a longer request line + headers gets 431"
-    )
-    p.add_argument(
-        "--max-connections",
-        type=_positive(int),
-        default=1024,
-        help="requests served at once (a request beyond them gets 503); connections open, idle or sending "
-        f"their headers, at most {OPEN_PER_SERVED} times as many (a new one beyond is closed at once)",
-    )
-    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds to wait for the API at start")
-    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
-    p.add_argument("--log-json", action="store_true", help="JSON logs even on a terminal")
+    GatewayConfig.add_cli_args(p)
     return p
 
 
@@ -221,30 +162,32 @@ def protocol_class(header_timeout: float, max_header_bytes: int, max_connections
     return type("GatewayProtocol", (GuardedProtocol,), limits)
 
 
-def uvicorn_config(app: FastAPI, args: argparse.Namespace, host: str, port: int) -> uvicorn.Config:
-    """How the gateway serves `app`, with the limits `args` sets (build_parser's flags)."""
+def uvicorn_config(app: FastAPI, config: GatewayConfig, host: str, port: int) -> uvicorn.Config:
+    """How the gateway serves `app`, with the limits `config` sets."""
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=protocol_class(args.header_timeout, args.max_header_bytes, args.max_connections),
-        ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
-        ssl_keyfile=str(args.tls_key) if args.tls_key else None,
+        http=protocol_class(config.header_timeout, config.max_header_bytes, config.max_connections),
+        ssl_certfile=str(config.tls_cert) if config.tls_cert else None,
+        ssl_keyfile=str(config.tls_key) if config.tls_key else None,
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=10,
     )
 
 
-async def _serve(args: argparse.Namespace, host: str, port: int) -> None:
+async def _serve(config: GatewayConfig, host: str, port: int) -> None:
     log = structlog.get_logger()
-    upstream = Upstream(args.api, args.api_tls_ca, args.auth_token)
+    upstream = Upstream(config.api, config.api_tls_ca, config.auth_token)
     try:
-        info = await upstream.model_info(args.start_timeout)
-        name = args.served_model_name or Path(info.model_path).name or info.architecture
-        settings = Settings(name, info.max_position_embeddings, args.auth_token, args.max_body_bytes, args.body_timeout)
-        server = uvicorn.Server(uvicorn_config(create_app(settings, upstream), args, host, port))
-        log.info("serving", address=f"{host}:{port}", api=args.api, model=name, tls=bool(args.tls_cert))
+        info = await upstream.model_info(config.start_timeout)
+        name = config.served_model_name or Path(info.model_path).name or info.architecture
+        settings = Settings(
+            name, info.max_position_embeddings, config.auth_token, config.max_body_bytes, config.body_timeout
+        )
+        server = uvicorn.Server(uvicorn_config(create_app(settings, upstream), config, host, port))
+        log.info("serving", address=f"{host}:{port}", api=config.api, model=name, tls=bool(config.tls_cert))
         await server.serve()
     finally:
         await upstream.close()
@@ -271,18 +214,18 @@ def _raise_open_files(wanted: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    log = configure_logging("gateway", args.log_level, args.log_json or None)
-    _raise_open_files(OPEN_PER_SERVED * args.max_connections + 256)  # + the gRPC channel, logs, ...
-    host, port = split_address(args.address)
-    if bool(args.tls_cert) != bool(args.tls_key):
+    config = GatewayConfig.from_cli_args(build_parser().parse_args(argv))
+    log = configure_logging("gateway", config.log_level, config.log_json or None)
+    _raise_open_files(OPEN_PER_SERVED * config.max_connections + 256)  # + the gRPC channel, logs, ...
+    host, port = split_address(config.address)
+    if bool(config.tls_cert) != bool(config.tls_key):
         raise SystemExit("--tls-cert and --tls-key go together")
-    if not is_loopback(host) and not args.auth_token and not args.insecure:
+    if not is_loopback(host) and not config.auth_token and not config.insecure:
         log.error("startup_failed", error=f"{host} is beyond this machine and there is no --auth-token")
         return 1
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(args, host, port))
+            runner.run(_serve(config, host, port))
     except Exception as exc:  # the API never answered, a port in use, a bad certificate
         log.error("startup_failed", error=str(exc))
         return 1

@@ -30,11 +30,14 @@ from moe_lightning.arena_layout import (  # noqa: F401
     expert_prefix,
     page_shapes,
 )
-from moe_lightning.checkpoint import INDEX_FILE, CheckpointReader, load_layer, top_names
-from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme
+from moe_lightning.checkpoint import CheckpointReader, load_layer, top_names
+from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import quantize
-from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
+from moe_lightning.safetensors_files import INDEX_FILE
+from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import SOLO, Shard, ffn_slice, shard_layer
+from moe_lightning.torch_dtypes import DTYPES
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights, Weight
 
 PAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}

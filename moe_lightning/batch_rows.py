@@ -8,7 +8,6 @@ import argparse
 import math
 from typing import Any
 
-ROW_FIELDS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
 INT32 = (-(2**31), 2**31 - 1)  # max_new_tokens, top_k and token ids are int32 fields of GenerationInput
 UINT64 = (0, 2**64 - 1)  # the seed
 

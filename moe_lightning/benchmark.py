@@ -15,12 +15,14 @@ from pathlib import Path
 import torch
 
 from moe_lightning.client import Completion, GenerationClient, Prompt
+from moe_lightning.config.stack import StackConfig
 from moe_lightning.hrm.costmodel import Policy
 from moe_lightning.kv_cache import PagedKVCache
-from moe_lightning.launcher import Stack, StackConfig
-from moe_lightning.plan import StepKind, StepTimings
+from moe_lightning.launcher import Stack
 from moe_lightning.private_paths import private_dir
-from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepKind, StepTimings
+from moe_lightning.torch_dtypes import DTYPES
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
 KV_BLOCK_SIZE = 16  # cpu_attention's --block-size default: the unit the orchestrator reserves KV in
@@ -203,7 +205,7 @@ def policy_that_ran(policy: dict[str, str], resident_experts: float, sequences: 
 
 @dataclass
 class DecodeTotals:
-    """A batch's decode steps as the HRM comparison (moe_lightning/hrm/measured.py) reads them."""
+    """A batch's decode steps as the HRM comparison (moe_lightning/hrm/stage_accuracy.py) reads them."""
 
     steps: float  # decode steps the orchestrator ran
     timings: StepTimings  # gpu_expert's timings summed over them (the orchestrator's per-stage counters)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from moe_lightning.commands import bench, demo_model, generate, plan, profile, run_job, timeline, up
-from moe_lightning.flags import EnvDefaultsParser
+from moe_lightning.config.flag import EnvDefaultsParser
 from moe_lightning.service.logs import guard_standard_streams
 
 COMMANDS = {
@@ -35,7 +35,7 @@ def build_parser() -> EnvDefaultsParser:
 # errors that are the user's to fix (a bad checkpoint, flag or path), printed as one line, exit 2
 USER_ERRORS = (
     ("moe_lightning.spec", "ModelSpecError"),
-    ("moe_lightning.checkpoint", "CheckpointError"),
+    ("moe_lightning.checkpoint_error", "CheckpointError"),
     ("moe_lightning.launcher", "StackError"),
 )
 

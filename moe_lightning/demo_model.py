@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
-from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.spec import ModelSpec
+from moe_lightning.torch_dtypes import DTYPES
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2 as in Mixtral
 

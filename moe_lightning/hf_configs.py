@@ -1,13 +1,16 @@
-"""HF config.json -> ModelSpec, one reader per family: where each family spells its fields, which
-defaults it has, and what it implies (Mixtral always renormalises its top-k, DBRX nests its
+"""HF config.json -> ModelSpec's fields, one reader per family: where each family spells its fields,
+which defaults it has, and what it implies (Mixtral always renormalises its top-k, DBRX nests its
 attention and FFN settings, Qwen-MoE's dense layers follow from mlp_only_layers and
-decoder_sparse_step)."""
+decoder_sparse_step). ModelSpec.from_hf_config builds the spec from them and checks the values.
+"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from moe_lightning.spec import DTYPE_NAMES, ModelSpec, ModelSpecError
+from moe_lightning.config.choices import DTYPE_NAMES
 
 SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
@@ -23,6 +26,21 @@ MODEL_TYPES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "dbrx": "DbrxForCausalLM",
 }
+
+
+class ModelSpecError(ValueError):
+    """A config.json that we cannot serve; the message names the field."""
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """The dict of `model_dir`'s config.json."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ModelSpecError(f"{path} not found: a model directory needs an HF config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelSpecError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def _require(config: dict[str, Any], key: str) -> Any:
@@ -84,8 +102,8 @@ def _common(config: dict[str, Any], arch: str, rope_default: float, eps_default:
     )
 
 
-def _parse_mixtral(config: dict[str, Any], arch: str) -> ModelSpec:
-    return ModelSpec(
+def _parse_mixtral(config: dict[str, Any], arch: str) -> dict[str, Any]:
+    return dict(
         **_common(config, arch, 1_000_000.0, 1e-5),
         intermediate_size=int(_require(config, "intermediate_size")),
         num_experts=int(_require(config, "num_local_experts")),
@@ -95,9 +113,9 @@ def _parse_mixtral(config: dict[str, Any], arch: str) -> ModelSpec:
     )
 
 
-def _parse_olmoe(config: dict[str, Any], arch: str) -> ModelSpec:
+def _parse_olmoe(config: dict[str, Any], arch: str) -> dict[str, Any]:
     clip = config.get("clip_qkv")
-    return ModelSpec(
+    return dict(
         **_common(config, arch, 10_000.0, 1e-5),
         intermediate_size=int(_require(config, "intermediate_size")),  # OLMoE's experts are this wide
         num_experts=int(config.get("num_experts") or _require(config, "num_local_experts")),
@@ -108,7 +126,7 @@ def _parse_olmoe(config: dict[str, Any], arch: str) -> ModelSpec:
     )
 
 
-def _qwen_moe(config: dict[str, Any], arch: str, **family: Any) -> ModelSpec:
+def _qwen_moe(config: dict[str, Any], arch: str, **family: Any) -> dict[str, Any]:
     """What Qwen2-MoE and Qwen3-MoE share; `family` adds their differences."""
     layers = int(_require(config, "num_hidden_layers"))
     dense = _qwen_dense_layers(config, layers)
@@ -117,7 +135,7 @@ def _qwen_moe(config: dict[str, Any], arch: str, **family: Any) -> ModelSpec:
             f"every layer of this {arch} is dense (mlp_only_layers = {config.get('mlp_only_layers')}, "
             f"decoder_sparse_step = {config.get('decoder_sparse_step')}): it is not a mixture of experts"
         )
-    return ModelSpec(
+    return dict(
         **_common(config, arch, 10_000.0, 1e-6),
         intermediate_size=int(_require(config, "moe_intermediate_size")),
         # released configs say num_experts; transformers 5 writes num_local_experts
@@ -143,7 +161,7 @@ def _qwen_dense_layers(config: dict[str, Any], layers: int) -> tuple[int, ...]:
     return tuple(i for i in range(layers) if i in only or (i + 1) % step)
 
 
-def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> dict[str, Any]:
     return _qwen_moe(
         config,
         arch,
@@ -152,11 +170,11 @@ def _parse_qwen2_moe(config: dict[str, Any], arch: str) -> ModelSpec:
     )
 
 
-def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> ModelSpec:
+def _parse_qwen3_moe(config: dict[str, Any], arch: str) -> dict[str, Any]:
     return _qwen_moe(config, arch, qk_norm="head")
 
 
-def _parse_dbrx(config: dict[str, Any], arch: str) -> ModelSpec:
+def _parse_dbrx(config: dict[str, Any], arch: str) -> dict[str, Any]:
     attn = config.get("attn_config") or {}
     ffn = config.get("ffn_config") or {}
     act = (ffn.get("ffn_act_fn") or {}).get("name", "silu")
@@ -166,7 +184,7 @@ def _parse_dbrx(config: dict[str, Any], arch: str) -> ModelSpec:
     heads = int(_require(config, "n_heads"))
     norm_p = ffn.get("moe_normalize_expert_weights", 1.0)
     clip = attn.get("clip_qkv")
-    return ModelSpec(
+    return dict(
         architecture=arch,
         hidden_size=hidden,
         intermediate_size=int(_require(ffn, "ffn_hidden_size")),
@@ -202,8 +220,9 @@ _PARSERS = {
 }
 
 
-def parse_hf_config(config: dict[str, Any]) -> ModelSpec:
-    """The family's reader for this config.json, picked by architectures[0] (else model_type)."""
+def spec_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec's fields from the dict of an HF config.json, by the family's reader (picked by
+    architectures[0], else model_type)."""
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
     if arch is None:

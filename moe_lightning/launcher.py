@@ -1,9 +1,10 @@
-"""`moe-lightning up`: the four services as separate OS processes on one box.
+"""`moe-lightning up`: the five processes (four with no HTTP gateway) as separate OS processes on one box.
 
 Internal services listen on unix sockets in a per-run directory of this user's only (mode 0700, a
-fresh mkdtemp under $XDG_RUNTIME_DIR or the temp dir); only the orchestrator's API (and each
-service's metrics port on loopback) is reachable. Stopping sends SIGTERM to the orchestrator first
-(it drains), then to the workers, and finally sweeps any segment a killed process left. Each
+fresh mkdtemp under $XDG_RUNTIME_DIR or the temp dir); only the orchestrator's API and the gateway's
+HTTP port (and each service's metrics port on loopback) are reachable. Before anything is spawned
+the config's own refusals run (config/checks.py). Stopping sends SIGTERM to the gateway, then the
+orchestrator (it drains), then the workers, and finally sweeps any segment a killed process left. Each
 service gets SIGTERM from the kernel too when the launching process dies (kill -9 included), so no
 service outlives its launcher.
 """
@@ -16,25 +17,41 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from moe_lightning.children import free_port, port_in_use, spawner, with_parent_death
+from moe_lightning.config.checks import StackCheck, check_stack
+from moe_lightning.config.flag import CliConfig
+from moe_lightning.config.stack import INTERNAL, SERVICE_NAMES, StackConfig, Wiring
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
-from moe_lightning.service.auth import is_loopback
 from moe_lightning.service.upstream import POLLING_OPTIONS, health_status, http_ready, open_channel, readiness_channel
 from moe_lightning.shm.segment import list_segments, sweep_stale
 from moe_lightning.spec import ModelSpec, resolve_dtype
 
-SERVICES = {  # start order: (module run with -m, the gRPC service whose health says ready)
-    "weight_store": ("services.weight_store", names.WEIGHT_STORE),
-    "cpu_attention": ("services.cpu_attention", names.CPU_ATTENTION),
-    "gpu_expert": ("services.gpu_expert", names.GPU_EXPERT),
-    "orchestrator": ("orchestrator", names.GENERATION),
-    "gateway": ("gateway", ""),  # HTTP: ready when GET /health answers 200; only with StackConfig.http_port
+
+@dataclass(frozen=True)
+class ServiceProcess:
+    """How the launcher runs one service: its module, how it says it is ready, where it listens."""
+
+    module: str  # run with -m
+    health: str | None  # the gRPC service whose health says ready; None: HTTP, ready when GET /health is 200
+    public_port: Callable[[StackConfig], int | None] | None = None  # on the API's host; None: a unix socket
+    metrics: bool = True  # a metrics port of its own (the gateway serves /metrics on its HTTP port)
+    auth_token: bool = False  # gets the public API's token (by environment: ps shows argv)
+
+
+SERVICES = {  # in start order (config.stack.SERVICE_NAMES); the gateway only with StackConfig.http_port
+    "weight_store": ServiceProcess("services.weight_store", names.WEIGHT_STORE),
+    "cpu_attention": ServiceProcess("services.cpu_attention", names.CPU_ATTENTION),
+    "gpu_expert": ServiceProcess("services.gpu_expert", names.GPU_EXPERT),
+    "orchestrator": ServiceProcess("orchestrator", names.GENERATION, lambda c: c.port, auth_token=True),
+    "gateway": ServiceProcess("gateway", None, lambda c: c.http_port, metrics=False, auth_token=True),
 }
+assert tuple(SERVICES) == SERVICE_NAMES
 
 
 class StackError(RuntimeError):
@@ -43,41 +60,6 @@ class StackError(RuntimeError):
 
 class StackInterrupted(StackError):
     """Start-up given up because the caller asked to stop (SIGTERM or Ctrl-C on `up`)."""
-
-
-@dataclass
-class StackConfig:
-    model: Path
-    run_id: str = "default"
-    host: str = "127.0.0.1"
-    port: int = 50051
-    device: str = "cpu"
-    gpus: int = 1  # gpu_expert's tensor-parallel ranks (one process per device; docs/parallel.md)
-    device_memory: str | None = None  # per device
-    device_kv_memory: str | None = None  # a KV cache in gpu_expert, so attention may run on the device
-    link_bandwidth: float | None = None  # bytes/s: a simulated link for a CPU device (gpu_expert --link-bandwidth)
-    attention_placement: str = "auto"  # cpu, gpu or auto (the HRM picks)
-    experts_placement: str = "auto"  # gpu (streamed), cpu (computed where they live) or auto
-    http_port: int | None = None  # the OpenAI-compatible gateway's port on `host` (0: any free); None: no gateway
-    chat_template: Path | None = None  # the orchestrator's --chat-template
-    stream_interval: int = 1  # the orchestrator's --stream-interval: tokens per streamed message
-    tls_cert: Path | None = None  # serve the public API over TLS (the other services stay on unix sockets)
-    tls_key: Path | None = None
-    tls_ca: Path | None = None  # verifies tls_cert in the readiness check (None: the cert itself, self-signed)
-    auth_token: str | None = None  # require it as a bearer token (passed by environment, not argv)
-    kv_cache_memory: str = "2GiB"
-    kv_dtype: str = "auto"  # cpu_attention's KV cache: auto (the arena's dtype), float32, bfloat16, float16
-    dtype: str = "auto"  # of the arena: auto resolves by the device (moe_lightning.spec.resolve_dtype)
-    quantize: str = "auto"  # the expert pages' format: auto (the checkpoint's), none, int8, int4
-    quantize_group_size: int = 128
-    expert_kernels: str = "fastest"  # gpu_expert's quantized kernels: fastest (measured) or exact
-    max_batch_size: int | None = None  # None: the orchestrator's HRM policy decides
-    micro_batch_size: int | None = None
-    cache_dir: Path | None = None
-    threads: dict[str, int] = field(default_factory=dict)  # torch threads per service
-    log_dir: Path | None = None  # None: services log to this process's stderr
-    run_dir: Path | None = None  # the unix sockets' directory; None: a fresh private one per start
-    extra: dict[str, list[str]] = field(default_factory=dict)  # more flags per service
 
 
 class Stack:
@@ -102,7 +84,7 @@ class Stack:
     @property
     def services(self) -> list[str]:
         """This stack's services in start order: the four, and the HTTP gateway when it has a port."""
-        return [n for n in SERVICES if n != "gateway" or self.config.http_port is not None]
+        return self.config.services
 
     @property
     def http_address(self) -> str:
@@ -118,69 +100,29 @@ class Stack:
         except (OSError, ValueError):
             return c.dtype  # an unreadable checkpoint: the weight store says what is wrong with it
 
-    def _args(self, name: str) -> list[str]:
-        c = self.config
-        a = self.addresses
-        if name == "gateway":
-            return self._gateway_args() + c.extra.get(name, [])
-        common = ["--address", a[name], "--metrics-port", str(self.metrics_ports[name]), "--run-id", c.run_id]
-        if c.threads.get(name):
-            common += ["--threads", str(c.threads[name])]
-        if name == "weight_store":
-            own = ["--model", str(c.model), "--dtype", self.weight_dtype(), "--no-progress"]
-            own += ["--quantize", c.quantize, "--quantize-group-size", str(c.quantize_group_size)]
-            own += ["--tensor-parallel", str(c.gpus)] if c.gpus > 1 else []
-            own += ["--cache-dir", str(c.cache_dir)] if c.cache_dir else []
-        elif name == "cpu_attention":
-            own = [
-                "--weight-store",
-                a["weight_store"],
-                "--kv-cache-memory",
-                c.kv_cache_memory,
-                "--kv-dtype",
-                c.kv_dtype,
-            ]
-        elif name == "gpu_expert":
-            own = ["--weight-store", a["weight_store"], "--device", c.device, "--expert-kernels", c.expert_kernels]
-            own += ["--experts-placement", c.experts_placement]  # what it warms up at start (worker.py)
-            own += ["--gpus", str(c.gpus)] if c.gpus > 1 else []
-            own += ["--device-memory", c.device_memory] if c.device_memory else []
-            own += ["--device-kv-memory", c.device_kv_memory] if c.device_kv_memory else []
-            own += ["--link-bandwidth", repr(float(c.link_bandwidth))] if c.link_bandwidth is not None else []
-        else:
-            own = [
-                "--weight-store",
-                a["weight_store"],
-                "--gpu-expert",
-                a["gpu_expert"],
-                "--cpu-attention",
-                a["cpu_attention"],
-            ]
-            own += ["--max-batch-size", str(c.max_batch_size)] if c.max_batch_size is not None else []
-            own += ["--micro-batch-size", str(c.micro_batch_size)] if c.micro_batch_size is not None else []
-            own += ["--attention-placement", c.attention_placement, "--experts-placement", c.experts_placement]
-            own += ["--chat-template", str(c.chat_template)] if c.chat_template else []
-            own += ["--stream-interval", str(c.stream_interval)] if c.stream_interval != 1 else []
-            if c.tls_cert is not None and c.tls_key is not None:
-                own += ["--tls-cert", str(c.tls_cert), "--tls-key", str(c.tls_key)]
-        return common + own + c.extra.get(name, [])
+    def service_config(self, name: str) -> CliConfig:
+        """`name`'s own config for this start (its addresses and ports picked by prepare())."""
+        wiring = Wiring(self.addresses, self.metrics_ports, self.weight_dtype())
+        return self.config.compose(wiring)[name]
 
-    def _gateway_args(self) -> list[str]:
-        """The HTTP gateway: on the API's host, over the API (its token by environment, its TLS)."""
-        c = self.config
-        own = ["--address", self.addresses["gateway"], "--api", self.addresses["orchestrator"]]
-        if c.tls_cert is not None and c.tls_key is not None:
-            own += ["--tls-cert", str(c.tls_cert), "--tls-key", str(c.tls_key)]
-            own += ["--api-tls-ca", str(c.tls_ca or c.tls_cert)]
-        if not c.auth_token and not is_loopback(c.host):
-            own += ["--insecure"]  # `up` refused this unless the user said --insecure
-        return own
+    def _args(self, name: str) -> list[str]:
+        return self.service_config(name).to_argv() + self.config.extra.get(name, [])
+
+    def check(self) -> StackCheck:
+        """The start-up refusals that need no process (config.checks), before any is spawned: the
+        message the service would give, in well under a second instead of after its start."""
+        try:
+            return check_stack(self.config)
+        except (OSError, ValueError) as exc:
+            raise StackError(f"refused before start: {exc}") from None
 
     def start(self, timeout: float = 600.0, stop: threading.Event | None = None) -> None:
-        """Starts all four and waits for SERVING; on any failure stops what did start, then raises.
+        """Starts this stack's services and waits for SERVING; on any failure stops what did start, then raises.
         `stop` set while waiting gives up the start (StackInterrupted) after stopping what started."""
         try:
-            self.prepare()
+            self.prepare()  # the public ports first: one in use is the likelier mistake, and names itself
+            for note in self.check().notes:
+                sys.stderr.write(f"moe-lightning: {note}\n")
             self.spawn(self.services)
             self.wait_ready(timeout, stop)
         except BaseException:
@@ -207,11 +149,10 @@ class Stack:
         if c.http_port and port_in_use(c.host, c.http_port):
             raise StackError(f"{c.host}:{c.http_port} (--http-port) is already in use: pick another port")
         for name in self.services:
-            self.metrics_ports[name] = 0 if name == "gateway" else free_port()
-            if name == "gateway":
-                self.addresses[name] = f"{c.host}:{c.http_port or free_port(c.host)}"
-            elif name == "orchestrator":
-                self.addresses[name] = f"{c.host}:{c.port or free_port(c.host)}"
+            kind = SERVICES[name]
+            self.metrics_ports[name] = free_port() if kind.metrics else 0
+            if kind.public_port is not None:
+                self.addresses[name] = f"{c.host}:{kind.public_port(c) or free_port(c.host)}"
             else:
                 sock = self.run_dir / f"{name}.sock"
                 if len(os.fsencode(sock)) > 107:  # sun_path is 108 bytes with its NUL
@@ -230,7 +171,7 @@ class Stack:
             self._spawn(name, env)
 
     def _spawn(self, name: str, env: dict[str, str]) -> None:
-        module = SERVICES[name][0]
+        module = SERVICES[name].module
         out: IO[bytes] | None = None
         if self.config.log_dir is not None:
             try:
@@ -238,7 +179,7 @@ class Stack:
             except UnsafePathError as exc:
                 raise StackError(str(exc)) from None
             self._logs.append(out)
-        if name in ("orchestrator", "gateway") and self.config.auth_token:
+        if SERVICES[name].auth_token and self.config.auth_token:
             env = {**env, "MOE_LIGHTNING_AUTH_TOKEN": self.config.auth_token}  # not in argv: ps shows argv
         argv = [sys.executable, "-m", module, *self._args(name)]
 
@@ -255,7 +196,7 @@ class Stack:
 
     def wait_ready(self, timeout: float, stop: threading.Event | None = None) -> None:
         deadline = time.monotonic() + timeout
-        grpc_services = [name for name in self.addresses if name != "gateway"]
+        grpc_services = [name for name in self.addresses if SERVICES[name].health is not None]
         channels = {name: open_channel(self.addresses[name], options=POLLING_OPTIONS) for name in grpc_services}
         if self.config.tls_cert is not None:  # the public API speaks TLS: so must its health check
             channels["orchestrator"].close()
@@ -272,10 +213,11 @@ class Stack:
                     code = self.procs[name].poll()
                     if code is not None:
                         raise StackError(f"{name} exited with code {code} during start-up{self._log_hint(name)}")
-                    if name == "gateway":
+                    health = SERVICES[name].health
+                    if health is None:
                         if http_ready(self.http_address, self.config.tls_ca or self.config.tls_cert):
                             pending.discard(name)
-                    elif health_status(channels[name], SERVICES[name][1], timeout=0.5) == 1:
+                    elif health_status(channels[name], health, timeout=0.5) == 1:
                         pending.discard(name)
                 if time.monotonic() > deadline:
                     hints = "".join(self._log_hint(name) for name in sorted(pending))
@@ -293,7 +235,7 @@ class Stack:
 
     def endpoints(self) -> dict[str, dict[str, str]]:
         def where(name: str) -> dict[str, str]:
-            if name == "gateway":
+            if not SERVICES[name].metrics:  # the gateway: its /metrics on its own HTTP port
                 return {"http": self.http_address, "metrics": f"{self.http_address}/metrics"}
             return {"grpc": self.addresses[name], "metrics": f"http://127.0.0.1:{self.metrics_ports[name]}/metrics"}
 
@@ -325,7 +267,7 @@ class Stack:
                         continue
                     self.restarts[name].append(now)
                     sys.stderr.write(f"moe-lightning: {name} exited with code {code}; restarting it\n")
-                    if name != "orchestrator" and self.run_dir is not None:
+                    if name in INTERNAL and self.run_dir is not None:
                         (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
                     self._spawn(name, self._env)
 
@@ -357,9 +299,8 @@ class Stack:
         self._logs.clear()
         swept = sweep_stale(self.config.run_id)
         if self.run_dir is not None:
-            for name in SERVICES:
-                if name not in ("orchestrator", "gateway"):
-                    (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
+            for name in INTERNAL:
+                (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
             if self._made_run_dir:
                 try:
                     self.run_dir.rmdir()

@@ -1,11 +1,12 @@
-"""Generation requests and results as domain objects (protobuf stays at the service edge)."""
+"""Generation requests and results as domain objects (protobuf stays at the service edge). What a
+request must satisfy is moe_lightning.validation's: `validate(request, RequestLimits.of(spec))` checks
+it against the model's own limits, as the in-process engine does."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
-from moe_lightning.spec import ModelSpec
 
 FINISH_EOS = "eos"
 FINISH_STOP = "stop"
@@ -24,12 +25,6 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     request_id: str = ""
-
-    def validate(self, spec: ModelSpec) -> None:
-        """The model's own limits only; moe_lightning.validation.validate checks a server's too."""
-        from moe_lightning.validation import RequestLimits, validate  # here: that module imports this one
-
-        validate(self, RequestLimits.of(spec))
 
 
 @dataclass(slots=True)

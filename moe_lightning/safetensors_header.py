@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from moe_lightning.checkpoint_error import CheckpointError
+
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -31,10 +33,6 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 # safetensors' own limit (MAX_HEADER_SIZE): a larger length field is a corrupt file, not a header to read
 MAX_HEADER_BYTES = 100_000_000
 _USIZE_MAX = 2**64 - 1  # safetensors parses shapes and offsets as u64; larger values fail there
-
-
-class CheckpointError(ValueError):
-    """A checkpoint we cannot read; the message names the tensor and/or file."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,28 +7,12 @@ between model families live in one place.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    # DTYPES (name -> torch.dtype) is built on first use: the spec itself needs no torch, and the
-    # command line, the planner and the Python client read specs without paying torch's import
-    if name == "DTYPES":
-        import torch
-
-        dtypes = {n: getattr(torch, n) for n in DTYPE_NAMES}
-        globals()["DTYPES"] = dtypes
-        return dtypes
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from moe_lightning.config.choices import DTYPE_CHOICES, DTYPE_NAMES
+from moe_lightning.hf_configs import ModelSpecError, read_hf_config, spec_fields
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
@@ -46,10 +30,6 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
 
 NORMS = ("rms", "layer")  # RMSNorm, or LayerNorm without bias (DBRX)
 QK_NORMS = (None, "full", "head")  # RMSNorm of q and k: none, over the whole projection (OLMoE), per head (Qwen3)
-
-
-class ModelSpecError(ValueError):
-    """A config.json that we cannot serve; the message names the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,12 +143,6 @@ class ModelSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        import torch
-
-        return getattr(torch, self.dtype)
-
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
@@ -223,17 +197,8 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         """Builds a spec from the dict of an HF `config.json`; errors name the offending field."""
-        from moe_lightning.hf_configs import parse_hf_config  # the per-family readers build ModelSpecs
-
-        return parse_hf_config(config)
+        return cls(**spec_fields(config))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelSpec:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelSpecError(f"{path} not found: a model directory needs an HF config.json")
-        try:
-            config = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelSpecError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_hf_config(config)
+        return cls.from_hf_config(read_hf_config(model_dir))

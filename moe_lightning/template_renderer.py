@@ -34,10 +34,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from moe_lightning.config.orchestrator import CHAT_TEMPLATE_TIMEOUT
 from moe_lightning.template_child import FRAME_HEAD, MAX_ERROR_CHARS, REPLY_HEAD, REPLY_OK
 
 RENDERERS = 2  # processes; each render takes about a millisecond, so two serve thousands a second
-DEFAULT_TIMEOUT = 2.0  # seconds a render may take (--chat-template-timeout)
+DEFAULT_TIMEOUT = CHAT_TEMPLATE_TIMEOUT  # seconds a render may take (--chat-template-timeout)
 START_TIMEOUT = 30.0  # a renderer's start: an interpreter, jinja2, the compile (a loaded host is slow)
 MIN_MEMORY_BYTES = 256 << 20  # a render's address space over the child's own at start, at least
 MEMORY_PER_OUTPUT_BYTE = 32  # ... and for large prompt bounds, this many times the output bound

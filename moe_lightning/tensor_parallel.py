@@ -26,13 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme
+from moe_lightning.quant.kernels import QuantizedLinear
+from moe_lightning.quant.scheme import QuantFormat
 from moe_lightning.spec import ModelSpec
 from moe_lightning.weights import ExpertWeights, LayerWeights, Weight
-
-
-class TensorParallelError(ValueError):
-    """A model that cannot be split over this many ranks; the message names the numbers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,38 +50,6 @@ class Shard:
 
 
 SOLO = Shard()
-
-
-def check_splittable(spec: ModelSpec, world: int, scheme: QuantScheme | None = None) -> None:
-    """Raises TensorParallelError, naming the numbers, if the model cannot be split over `world` ranks."""
-    if world == 1:
-        return
-    problems = []
-    h, k = spec.num_heads, spec.num_kv_heads
-    if h % world:
-        problems.append(f"{h} attention heads do not divide by {world} ranks")
-    if k % world if k >= world else world % k:
-        problems.append(f"{k} KV heads neither divide by {world} ranks nor divide them (for replication)")
-    widths = {"expert intermediate size": spec.intermediate_size}
-    if spec.shared_expert_size:
-        widths["shared expert intermediate size"] = spec.shared_expert_size
-    if spec.dense_layers:
-        widths["dense MLP intermediate size"] = spec.dense_intermediate_size
-    for what, width in widths.items():
-        if width % world:
-            problems.append(f"the {what} {width} does not divide by {world} ranks")
-    if spec.qk_norm == "full":
-        problems.append("its q/k norm spans all heads (OLMoE), which would need a collective per layer")
-    if scheme is not None and scheme.quantized and not problems:
-        cols = spec.intermediate_size // world  # w2's input width on a rank
-        if scheme.act_order:
-            problems.append("act-order (desc_act) GPTQ experts permute w2's inputs across the ranks' slices")
-        elif scheme.format is QuantFormat.INT4 and scheme.group_size != -1 and cols % scheme.group_size:
-            problems.append(f"w2's {cols} input columns per rank are not whole int4 groups of {scheme.group_size}")
-        elif scheme.format is QuantFormat.INT4 and cols % 2:
-            problems.append(f"w2's {cols} input columns per rank do not pack into whole int4 bytes")
-    if problems:
-        raise TensorParallelError(f"the model cannot be split over {world} ranks: " + "; ".join(problems))
 
 
 def query_heads(spec: ModelSpec, shard: Shard) -> range:

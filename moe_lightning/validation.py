@@ -2,8 +2,9 @@
 
 The public API runs them all before it queues a request (so the scheduler can trust what it is given),
 and the in-process engine runs the ones that apply to it. This lives in moe_lightning rather than in
-the orchestrator because the engine (and the `generate` command, through GenerationRequest.validate)
-must refuse exactly what the server refuses, and moe_lightning never imports the orchestrator.
+the orchestrator because the engine and the `generate` command (`validate` against
+`RequestLimits.of(spec)`, the model's own limits) must refuse exactly what the server refuses, and
+moe_lightning never imports the orchestrator.
 
 Refusals are InvalidRequestError (INVALID_ARGUMENT: the request itself is wrong) or, when a valid
 request is more than this server's KV cache can ever hold or its response more than one gRPC message

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_lightning.quant.linear import QuantizedLinear
+from moe_lightning.quant.kernels import QuantizedLinear
 
 Weight = torch.Tensor | QuantizedLinear  # an expert's weight: the model's dtype, or a quantized page
 

@@ -12,10 +12,9 @@ from grpc_health.v1 import health_pb2
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
-from moe_lightning.hrm.measurements import Measurements
+from moe_lightning.hrm.roofs import Measurements
 from moe_lightning.placement import Side
-from moe_lightning.plan import StepOutput, StepPlan
-from moe_lightning.quant import QuantScheme
+from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.service.convert import (
     DTYPE_FROM_PB,
     layout_from_pb,
@@ -29,6 +28,7 @@ from moe_lightning.service.limits import DEFAULT_MAX_TOKENS
 from moe_lightning.service.names import CPU_ATTENTION, GPU_EXPERT, WEIGHT_STORE
 from moe_lightning.service.upstream import fetch_manifest, health_status, open_channel, wait_serving
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepOutput, StepPlan
 from moe_lightning.timeline import Event
 
 

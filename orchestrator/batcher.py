@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from moe_lightning.batching import balance
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
-from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan
 from moe_lightning.request import GenerationRequest
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.errors import ResourceExhaustedError
+from moe_lightning.step_protocol import SequenceWork, StepKind, StepOutput, StepPlan
 from moe_lightning.validation import blocks_needed
 from orchestrator.backend import KVCapacity
 

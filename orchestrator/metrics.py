@@ -2,8 +2,8 @@
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
+from moe_lightning.step_protocol import StepKind, StepTimings
 from moe_lightning.template_renderer import KILL_REASONS
 from orchestrator.batcher import SchedulerConfig
 

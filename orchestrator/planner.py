@@ -1,7 +1,7 @@
 """The HRM in the running stack: plan at start, compare predictions with what the services measure,
 correct the profile and re-plan between batches when they drift apart.
 
-Per layer of a decode step, the "device" and "attention" rows of moe_lightning/hrm/measured.py:
+Per layer of a decode step, the "device" and "attention" rows of moe_lightning/hrm/stage_accuracy.py:
 gpu_expert's compute (pre- plus post-attention less the exposed expert-page waits, host-computed
 experts included) and what it waits for attention (cpu_attention's compute plus the two
 hand-offs), against the cost model at the batch and micro-batch that actually ran. When one
@@ -19,13 +19,14 @@ from dataclasses import dataclass, replace
 import structlog
 from prometheus_client import Counter, Gauge, Info
 
-from moe_lightning.hrm.costmodel import NO_QUANT, Estimate, Policy, Workload, estimate
+from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.measured import measured_per_layer, predicted_per_layer
+from moe_lightning.hrm.layercost import NO_QUANT, Workload
 from moe_lightning.hrm.optimizer import optimize
-from moe_lightning.plan import StepKind, StepTimings
+from moe_lightning.hrm.stage_accuracy import measured_per_layer, predicted_per_layer
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepKind, StepTimings
 
 PREDICTED = Gauge("moe_lightning_stage_predicted_seconds", "HRM-predicted time per layer of a decode step", ["stage"])
 MEASURED = Gauge("moe_lightning_stage_measured_seconds", "Measured time per layer of a decode step (EWMA)", ["stage"])
@@ -39,7 +40,7 @@ REPLAN_REASONS = ("workload", "prediction_error")
 for _reason in REPLAN_REASONS:  # exported at 0 from the start: "no re-plan yet" is a rate of 0, not "no data"
     REPLANS.labels(_reason)
 EWMA = 0.2
-DRIFT_ROWS = ("device", "attention")  # rows of hrm.measured: device roofs, then the CPU's
+DRIFT_ROWS = ("device", "attention")  # rows of hrm.stage_accuracy: device roofs, then the CPU's
 
 
 @dataclass(slots=True)

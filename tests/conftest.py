@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parents[1]))  # this checkout, not what an editable install points at
 
-from moe_lightning.launcher import Stack, StackConfig
+from moe_lightning.config.stack import StackConfig
+from moe_lightning.launcher import Stack
 
 from reference import E2E_CONFIG, E2E_PROMPTS, load_hf, save_hf_mixtral
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from moe_lightning.plan import StepOutput, StepPlan, StepTimings
+from moe_lightning.step_protocol import StepOutput, StepPlan, StepTimings
 
 
 class FakeBackend:

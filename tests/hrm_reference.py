@@ -1,13 +1,15 @@
-"""The policy search as it was before moe_lightning/hrm/fastcost.py: every grid point through
-estimate(), no point skipped. The optimizer must return exactly what this returns (tests/test_hrm_search.py)."""
+"""The policy search one policy at a time: every grid point through estimate(), no point skipped, as
+it was before the optimizer costed whole grids on arrays. The optimizer must return exactly what this
+returns (tests/test_hrm_search.py)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 
-from moe_lightning.hrm.costmodel import NO_QUANT, Estimate, Headroom, Policy, Workload, estimate
+from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.layercost import NO_QUANT, Headroom, Workload
 from moe_lightning.hrm.optimizer import KV_GPU_FRACTIONS, max_batch, micro_batch_counts, micro_batch_sizes
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -82,7 +84,7 @@ def exhaustive(
     work: Workload,
     hw: HardwareProfile,
     dtype: str | None = None,
-    headroom: Headroom = Headroom(),  # noqa: B008 (frozen)
+    headroom: Headroom = Headroom(),
     batch_cap: int = 8192,
     attention: Iterable[str] = ("cpu", "gpu"),
     experts: Iterable[str] = ("gpu", "cpu"),

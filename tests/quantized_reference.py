@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_lightning.quant import QuantScheme
 from moe_lightning.quant.rtn import quantize
+from moe_lightning.quant.scheme import QuantScheme
 
 # per-expert Linear weights (Mixtral, OLMoE, Qwen-MoE; not Qwen2-MoE's shared expert, which is dense)
 PER_EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")

@@ -15,12 +15,12 @@ import torch
 import services.cpu_attention.worker as worker_module
 from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
 from moe_lightning.handoff import handoff_slot_bytes
-from moe_lightning.plan import SequenceWork, StepKind, StepPlan
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ServiceError, status_for
-from moe_lightning.shm import TensorChannel, segment_name
-from moe_lightning.shm.segment import list_segments
+from moe_lightning.shm.channel import TensorChannel
+from moe_lightning.shm.segment import list_segments, segment_name
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import SequenceWork, StepKind, StepPlan
 from services.cpu_attention.worker import AttentionWorker
 from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.pager import ExpertPager

@@ -9,10 +9,10 @@ from fake_backend import FakeBackend
 from moe_lightning.demo_model import build_tokenizer
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement, Side
-from moe_lightning.plan import StepKind, StepPlan
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ResourceExhaustedError
+from moe_lightning.step_protocol import StepKind, StepPlan
 from moe_lightning.tokenizer import TextTokenizer
 from orchestrator.backend import KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, SchedulerConfig, Sequence

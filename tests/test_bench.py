@@ -38,7 +38,7 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
             "2",
             "--device-memory",  # streams: the resident and copy reference runs join in
             str(device_budget(tiny_model, spec.num_experts)),
-            "--json",
+            "--json-out",
             str(out),
             "--trace",
             str(tmp_path / "t.json"),
@@ -76,12 +76,12 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
 
 
 def test_bench_compares_expert_formats_in_both_placements(tiny_model: Path, tmp_path: Path) -> None:
-    """`bench --quantize none,int8,int4`: each format streamed at the dense weights plus 60 % of its
+    """`bench --compare-quantize none,int8,int4`: each format streamed at the dense weights plus 60 % of its
     expert pages (fewer bytes per step the smaller the page), and computed in place (none streamed)."""
     out = tmp_path / "formats.json"
     argv = [sys.executable, "-m", "moe_lightning.cli", "bench", "--model", str(tiny_model), "--num-prompts", "4"]
-    argv += ["--gen-len", "3", "--device-memory", "60%", "--quantize", "none,int8,int4"]  # 4 of 8: one layer
-    argv += ["--quantize-group-size", "32", "--json", str(out)]
+    argv += ["--gen-len", "3", "--device-memory", "60%", "--compare-quantize", "none,int8,int4"]  # 4 of 8: one layer
+    argv += ["--quantize-group-size", "32", "--json-out", str(out)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -107,7 +107,7 @@ def test_bench_behind_a_simulated_link_reports_the_hrms_layer_error(tiny_model: 
     # a ring of 1.5 layers and nothing resident: every expert streams (a double buffer would hold them all)
     argv += ["--gen-len", "6", "--device-memory", str(device_budget(tiny_model, spec.num_experts * 3 // 2))]
     argv += ["--experts-placement", "gpu", "--link-bandwidth", "10MB/s", "--skip-references", "--skip-transformers"]
-    r = subprocess.run([*argv, "--json", str(out)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([*argv, "--json-out", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["link_bandwidth"] == 10e6 and res["ours"]["policy"]["experts"] == "gpu"

@@ -9,7 +9,8 @@ import threading
 import posix_ipc
 import torch
 
-from moe_lightning.shm import TensorChannel, segment_name
+from moe_lightning.shm.channel import TensorChannel
+from moe_lightning.shm.segment import segment_name
 
 
 def _send(writer: TensorChannel, i: int) -> None:

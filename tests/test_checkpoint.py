@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from moe_lightning.checkpoint import CheckpointError, CheckpointReader, load_model_weights
+from moe_lightning.checkpoint import CheckpointReader, load_model_weights
+from moe_lightning.checkpoint_error import CheckpointError
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.spec import ModelSpec
 

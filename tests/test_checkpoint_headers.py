@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from moe_lightning.checkpoint import SAFETENSORS_DTYPES, CheckpointError, CheckpointReader
+from moe_lightning.checkpoint import CheckpointReader
+from moe_lightning.checkpoint_error import CheckpointError
+from moe_lightning.safetensors_header import SAFETENSORS_DTYPES
 from moe_lightning.shm.segment import list_segments
 
 from processes import run_weight_store

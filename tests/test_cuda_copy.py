@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from moe_lightning.shm import Segment
+from moe_lightning.shm.segment import Segment
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 from services.gpu_expert.copy_engine import CudaCopyEngine
 from services.gpu_expert.pager import ExpertPager

@@ -13,20 +13,21 @@ import pytest
 import torch
 
 from moe_lightning.benchmark import KV_FLOOR_BLOCKS, decode_totals, kv_cache_bytes, mtbench_lengths, run_batch
+from moe_lightning.config.stack import StackConfig
 from moe_lightning.demo_model import PRESETS, mixtral_config
 from moe_lightning.hrm.hardware import load_profile
 from moe_lightning.hrm.kernels import expert_kernels
 from moe_lightning.kv_cache import PagedKVCache
-from moe_lightning.launcher import SERVICES, Stack, StackConfig
-from moe_lightning.quant import QuantFormat, QuantScheme, kernels
+from moe_lightning.launcher import SERVICES, Stack
+from moe_lightning.quant import kernels
+from moe_lightning.quant.kernels import dense_linear
 from moe_lightning.quant.rtn import quantize
-from moe_lightning.quant.scheme import dequant_chunk
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme, dequant_chunk
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.linear import dense_linear
 from moe_lightning.tensor_parallel import Shard
+from services.gpu_expert.rank_builder import HOST_WARM_UP_ROWS, claim_device, host_warm_up_rows, rank_device
 from services.gpu_expert.residency import plan_residency
 from services.gpu_expert.server import build_parser
-from services.gpu_expert.worker import HOST_WARM_UP_ROWS, claim_device, host_warm_up_rows, rank_device
 
 MIXTRAL_W13, MIXTRAL_W2 = (2 * 14336, 4096), (4096, 14336)  # (out, in) features of one expert's linears
 

@@ -17,7 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from moe_lightning.cli import build_parser
 from moe_lightning.client import GenerationClient, InsecureTokenError
-from moe_lightning.commands.up import exposure_check, stack_config
+from moe_lightning.commands.up import exposure_check
+from moe_lightning.config.stack import StackConfig
 from moe_lightning.launcher import free_port
 from moe_lightning.service.upstream import health_status, readiness_channel
 
@@ -63,7 +64,7 @@ def test_up_takes_tls_and_token_from_the_environment(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("MOE_LIGHTNING_TLS_KEY", "/certs/api.key")
     monkeypatch.setenv("MOE_LIGHTNING_AUTH_TOKEN", "tok")
     args = _up_args("--host", "0.0.0.0")
-    config = stack_config(args, args.port, args.host)
+    config = StackConfig.for_command(args)
     assert (config.tls_cert, config.tls_key, config.auth_token) == (
         Path("/certs/api.pem"),
         Path("/certs/api.key"),

@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from moe_lightning.checkpoint import CheckpointReader, load_model_weights
+from moe_lightning.checkpoint_error import CheckpointError
 from moe_lightning.demo_model import demo_config, write_demo_model
 from moe_lightning.engine import InProcessEngine
-from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme, kernels
-from moe_lightning.quant.gptq import GPTQConfig, read_gptq_config
-from moe_lightning.safetensors_header import CheckpointError
+from moe_lightning.quant import kernels
+from moe_lightning.quant.gptq_config import GPTQConfig, read_gptq_config
+from moe_lightning.quant.kernels import QuantizedLinear
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
 from moe_lightning.weights import ModelWeights
 

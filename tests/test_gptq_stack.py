@@ -15,7 +15,7 @@ import torch
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.launcher import Stack, StackError
-from moe_lightning.quant.gptq import read_gptq_config
+from moe_lightning.quant.gptq_config import read_gptq_config
 from moe_lightning.spec import ModelSpec
 
 from gptq_writer import write_gptq
@@ -58,8 +58,9 @@ def test_another_format_than_the_checkpoints_is_refused(
     gptq_model: tuple[Path, Path], make_stack: Callable[..., Stack]
 ) -> None:
     s = make_stack(model=gptq_model[0], quantize="int8", start=False)
-    with pytest.raises(StackError, match="weight_store exited") as info:
+    with pytest.raises(StackError, match="refused before start") as info:  # by the launcher: nothing started
         s.start(timeout=120)
+    assert s.procs == {}
     assert "is a 4-bit GPTQ checkpoint" in str(info.value) and "not int8" in str(info.value)
 
 

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from moe_lightning.config.choices import DTYPE_NAMES
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
-from moe_lightning.hrm.costmodel import Policy, Workload, estimate
+from moe_lightning.hrm.costmodel import Policy, estimate
 from moe_lightning.hrm.hardware import GB, PRESETS, HardwareProfile, load_profile
+from moe_lightning.hrm.layercost import DTYPE_BYTES, Workload
 from moe_lightning.hrm.optimizer import brute_force, optimize
 from moe_lightning.spec import ModelSpec
 
@@ -111,6 +113,18 @@ def test_dense_layers_count_as_dense_work() -> None:
 def test_nothing_fits_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="do not fit in 80% of host memory"):
         optimize(ARCHS["mixtral-8x22b"], Workload(77, 32), PRESETS["t4"])
+
+
+@pytest.mark.parametrize("dtypes", [{"dtype": "auto"}, {"kv_dtype": "auto"}, {"dtype": "int8"}])
+def test_an_unresolved_dtype_is_a_clear_error(dtypes: dict[str, str]) -> None:
+    """'auto' is resolved by device before planning (the commands' job): the model names what it takes."""
+    spec, work, hw = ARCHS["mixtral-8x7b"], Workload(77, 32), PRESETS["t4"]
+    allowed = ", ".join(DTYPE_NAMES)
+    with pytest.raises(ValueError, match=f"one of {allowed}; got '{next(iter(dtypes.values()))}'"):
+        estimate(spec, work, hw, Policy(8, 8), **dtypes)
+    with pytest.raises(ValueError, match=f"resolved {next(iter(dtypes))}, one of {allowed}"):
+        optimize(spec, work, hw, **dtypes)
+    assert tuple(DTYPE_BYTES) == DTYPE_NAMES  # the model knows every dtype a flag may name
 
 
 def test_mixtral_8x22b_plans_in_under_a_second() -> None:

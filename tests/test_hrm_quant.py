@@ -15,14 +15,15 @@ from host_profile import HOST, SPEC
 
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
-from moe_lightning.hrm.costmodel import Policy, Workload, estimate, weight_bytes
+from moe_lightning.hrm.costmodel import Policy, estimate
 from moe_lightning.hrm.hardware import PRESETS, HardwareProfile
+from moe_lightning.hrm.layercost import Workload, weight_bytes
 from moe_lightning.hrm.optimizer import brute_force, optimize
-from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.quant import kernels
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepKind, StepTimings
 from moe_lightning.weights import ExpertWeights
 from orchestrator.planner import Planner, PlannerConfig
 
@@ -163,9 +164,9 @@ def dequant_only() -> Iterator[None]:
 def test_calibration_on_quantized_experts(dequant_only: None) -> None:
     from moe_lightning.hrm.calibrate import expert_side_key, measure_expert_side
     from moe_lightning.hrm.kernels import measured
-    from moe_lightning.hrm.measurements import Measurements as M
-    from moe_lightning.hrm.measurements import profile_from
     from moe_lightning.hrm.pages import page_nbytes
+    from moe_lightning.hrm.roofs import Measurements as M
+    from moe_lightning.hrm.roofs import profile_from
     from moe_lightning.service.convert import measurements_from_pb, measurements_to_pb
 
     scheme = QuantScheme(QuantFormat.INT4, 32)

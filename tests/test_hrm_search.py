@@ -1,5 +1,6 @@
-"""The fast policy search returns exactly what the exhaustive one did: its per-policy cost agrees with
-estimate() bit for bit, its ceiling never undercuts a policy it skips, and the plans are equal."""
+"""The policy search costs whole grids at once with the formula estimate() runs for one policy: element
+by element its numbers are estimate()'s to the bit, its resident counts are the exhaustive search's,
+and so are its plans."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from typing import Any
 
 import pytest
 from host_profile import HOST, SPEC
+from hrm_reference import best_resident as reference_best_resident
 from hrm_reference import exhaustive
 
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
-from moe_lightning.hrm.costmodel import Estimate, Headroom, Policy, Workload, estimate
-from moe_lightning.hrm.fastcost import PolicyCost
+from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import PRESETS, HardwareProfile, with_simulated_link
-from moe_lightning.hrm.optimizer import best_resident, optimize
+from moe_lightning.hrm.layercost import CostModel, Headroom, Workload
+from moe_lightning.hrm.optimizer import best_resident, make_grid, optimize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
 
@@ -113,31 +115,44 @@ def _side(on_device: bool) -> str:
 
 
 @pytest.mark.parametrize("context", CONTEXTS, ids=[str(i) for i in range(len(CONTEXTS))])
-def test_policy_cost_is_estimate_to_the_bit(context: tuple[Any, ...]) -> None:
+def test_grid_cost_is_estimate_to_the_bit(context: tuple[Any, ...]) -> None:
+    """The search evaluates the formula on arrays, estimate() on one policy: numpy must not round any
+    element differently (a value one ulp off could tip a tie and change the plan)."""
     spec, work, hw, dtype, kv_dtype, quant = context
-    cost = PolicyCost(spec, work, hw, dtype, Headroom(), kv_dtype, quant)
+    model = CostModel(spec, work, hw, dtype, Headroom(), kv_dtype, quant)
+    g = make_grid(POINTS, [(a, e) for a, e, r_c in PLACES if r_c == 0.0])
     total = spec.total_experts
-    for (n, mu), (att, exp, r_c), j in itertools.product(POINTS, PLACES, sorted({0, 1, total // 3, total - 1, total})):
-        policy = Policy(n, mu, _side(att), _side(exp), j, r_c)
-        est = estimate(spec, work, hw, policy, dtype, Headroom(), kv_dtype, quant)
-        want = (est.tokens_per_second, est.resource_seconds["gpu"], est.resource_seconds["cpu"])
-        assert cost(n, mu, att, exp, j, r_c) == (*want, est.gpu_bytes, est.cpu_bytes), (n, mu, att, exp, j, r_c)
-    assert (cost.gpu_capacity, cost.cpu_capacity) == (est.gpu_capacity, est.cpu_capacity)
+    for j in sorted({0, 1, total // 3, total - 1, total}):
+        cost = g.cost(model, j)
+        for i in range(len(g.n)):
+            n, mu, att, exp, r_c = int(g.n[i]), int(g.mu[i]), bool(g.att_gpu[i]), bool(g.exp_gpu[i]), float(g.r_c[i])
+            est = estimate(
+                spec, work, hw, Policy(n, mu, _side(att), _side(exp), j, r_c), dtype, Headroom(), kv_dtype, quant
+            )
+            want = (
+                est.tokens_per_second,
+                est.layer_seconds,
+                *est.resource_seconds.values(),
+                est.gpu_bytes,
+                est.cpu_bytes,
+            )
+            got = (cost.tokens, cost.layer, cost.gpu, cost.cpu, cost.link, cost.gpu_bytes, cost.cpu_bytes)
+            assert tuple(float(v[i]) for v in got) == want, (n, mu, att, exp, j, r_c)
+    assert (model.gpu_capacity, model.cpu_capacity) == (est.gpu_capacity, est.cpu_capacity)
 
 
 @pytest.mark.parametrize("context", CONTEXTS, ids=[str(i) for i in range(len(CONTEXTS))])
-def test_ceiling_is_above_every_fitting_policy(context: tuple[Any, ...]) -> None:
-    """The search skips a point when its ceiling loses to the best so far: the ceiling must bound
-    what best_resident() would have found there, and every count that fits."""
+def test_best_resident_is_the_reference_count(context: tuple[Any, ...]) -> None:
+    """Per grid point, the array search's resident count and throughput are the ones the one-policy-at-
+    a-time search (tests/hrm_reference.py) finds, or none where it finds none."""
     spec, work, hw, dtype, kv_dtype, quant = context
     for scale in (1.0, 0.3, 4.0):  # device memory binding on the resident count, or not
         box = hw.scaled(gpu_memory=scale)
-        cost = PolicyCost(spec, work, box, dtype, Headroom(), kv_dtype, quant)
-        for (n, mu), (att, exp, r_c) in itertools.product(POINTS, PLACES):
-            ceiling = cost.ceiling(n, mu, att, exp, r_c)
-            found = best_resident(cost, n, mu, att, exp, r_c)
-            assert found is None or found[0][0] <= ceiling
-            for j in range(0, spec.total_experts + 1, max(1, spec.total_experts // 50)):
-                tokens, _, _, gpu_bytes, cpu_bytes = cost(n, mu, att, exp, j, r_c)
-                if gpu_bytes <= cost.gpu_capacity and cpu_bytes <= cost.cpu_capacity:
-                    assert tokens <= ceiling, (n, mu, att, exp, r_c, j)
+        g = make_grid(POINTS, [(a, e) for a, e, r_c in PLACES if r_c == 0.0])
+        tokens, counts = best_resident(CostModel(spec, work, box, dtype, Headroom(), kv_dtype, quant), g)
+        for i in range(len(g.n)):
+            n, mu, att, exp, r_c = int(g.n[i]), int(g.mu[i]), bool(g.att_gpu[i]), bool(g.exp_gpu[i]), float(g.r_c[i])
+            base = Policy(n, mu, _side(att), _side(exp), 0, r_c)
+            ref = reference_best_resident(spec, work, box, base, dtype, Headroom(), kv_dtype, quant)
+            got = (float(tokens[i]), int(counts[i])) if tokens[i] > float("-inf") else None
+            assert got == (None if ref is None else (ref.tokens_per_second, ref.policy.resident_experts)), (i, scale)

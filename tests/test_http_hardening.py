@@ -34,6 +34,7 @@ from gateway.app import Settings, create_app
 from gateway.server import OPEN_PER_SERVED
 from gateway.upstream import Upstream
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
+from moe_lightning.config.gateway import GatewayConfig
 from moe_lightning.launcher import Stack
 from moe_lightning.service import auth, metrics_http
 
@@ -268,7 +269,7 @@ def test_unknown_routes_and_methods_are_openai_errors(stack: Stack) -> None:
 def _gateway_in_process(api: str, *argv: str, routes: Callable[[FastAPI], None] | None = None) -> Iterator[str]:
     """A gateway in this process (the real app on a real uvicorn, configured as gateway/server.py does
     from `argv`) over the stack's API; yields its base URL."""
-    args = gateway_server.build_parser().parse_args(["--api", api, *argv])
+    args = GatewayConfig.from_cli_args(gateway_server.build_parser().parse_args(["--api", api, *argv]))
     ready = threading.Event()
     box: dict[str, Any] = {}
 

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.flags import default_socket_dir
+from moe_lightning.config.service import default_socket_dir
 from moe_lightning.launcher import Stack, free_port
 from moe_lightning.service import upstream
 from moe_lightning.service.auth import (
@@ -26,9 +26,10 @@ from moe_lightning.service.auth import (
     BearerTokenInterceptor,
     InternalTokenInterceptor,
     ensure_private_dir,
+    set_internal_token,
 )
 from moe_lightning.service.names import WEIGHT_STORE
-from moe_lightning.service.upstream import health_status, open_channel, set_internal_token
+from moe_lightning.service.upstream import health_status, open_channel
 
 from reference import E2E_PROMPTS as PROMPTS
 

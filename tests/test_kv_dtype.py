@@ -13,11 +13,12 @@ from host_profile import HOST, SPEC
 
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
-from moe_lightning.hrm.costmodel import Headroom, Policy, Workload, estimate
+from moe_lightning.hrm.costmodel import Policy, estimate
 from moe_lightning.hrm.hardware import PRESETS
+from moe_lightning.hrm.layercost import Headroom, Workload
 from moe_lightning.hrm.optimizer import max_batch, optimize
-from moe_lightning.plan import StepKind, StepTimings
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepKind, StepTimings
 from orchestrator.planner import Planner
 
 MIXTRAL = ARCHS["mixtral-8x7b"]

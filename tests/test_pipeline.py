@@ -23,12 +23,12 @@ from moe_lightning.handoff import (
     handoff_slot_bytes,
     pipeline_window,
 )
-from moe_lightning.plan import SequenceWork, StepKind, StepPlan
 from moe_lightning.request import GenerationRequest
 from moe_lightning.sampling import SamplingParams
-from moe_lightning.shm import TensorChannel, segment_name
-from moe_lightning.shm.segment import list_segments
+from moe_lightning.shm.channel import TensorChannel
+from moe_lightning.shm.segment import list_segments, segment_name
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import SequenceWork, StepKind, StepPlan
 from services.cpu_attention.worker import AttentionWorker
 from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.pager import ExpertPager

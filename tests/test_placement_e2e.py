@@ -65,7 +65,8 @@ def test_a_placement_the_services_cannot_run_fails_at_start(make_stack: Callable
 
     # the launcher's own KV cache and batch size
     s = make_stack(kv_cache_memory="2GiB", max_batch_size=None, attention_placement="gpu", start=False)
-    with pytest.raises(StackError, match="orchestrator exited with code 1") as info:
+    with pytest.raises(StackError, match="refused before start") as info:  # by the launcher: nothing started
         s.start(timeout=120)
+    assert s.procs == {}
     assert "placement 'gpu' is not available: gpu_expert has no device KV cache" in str(info.value)
     assert s.leaked_segments() == []

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 from host_profile import HOST, SPEC
 
-from moe_lightning.hrm.costmodel import Policy, Workload, estimate
-from moe_lightning.plan import StepKind, StepTimings
+from moe_lightning.hrm.costmodel import Policy, estimate
+from moe_lightning.hrm.layercost import Workload
+from moe_lightning.step_protocol import StepKind, StepTimings
 from orchestrator.planner import Planner, PlannerConfig
 
 

@@ -14,7 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from moe_lightning.hrm.calibrate import PROFILE_CACHE_ENV, cached_measurements
-from moe_lightning.hrm.measurements import Measurements
+from moe_lightning.hrm.roofs import Measurements
 
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from moe_lightning.demo_model import write_demo_model
-from moe_lightning.quant import QuantFormat, QuantScheme
 from moe_lightning.quant.accuracy import fixed_text, measure
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.tokenizer import TextTokenizer
 
 TOKENS = 256  # of the fixed text: enough positions for stable means, a few seconds per format

@@ -10,8 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme, kernels, parse_quantize
+from moe_lightning.quant import kernels
+from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import pack_int4, quantize
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme, parse_quantize
 
 CPU = torch.device("cpu")
 SCHEMES = [

@@ -4,6 +4,7 @@ transformers' on the dequantized weights (exact kernels); the default kernels ru
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from collections.abc import Callable
@@ -14,7 +15,7 @@ import pytest
 from moe_lightning.arena import ArenaLayout
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack
-from moe_lightning.quant import QuantFormat, QuantScheme
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
 
 from quantized_reference import write_dequantized
@@ -75,6 +76,20 @@ def test_a_group_size_that_does_not_divide_the_widths_fails_at_start(make_stack:
     from moe_lightning.launcher import StackError
 
     s = make_stack(quantize="int4", quantize_group_size=128, start=False)  # hidden 64: no whole group
-    with pytest.raises(StackError, match="weight_store exited") as info:
+    with pytest.raises(StackError, match="refused before start") as info:  # by the launcher: nothing started
         s.start(timeout=120)
+    assert s.procs == {}
     assert "group size 128 does not divide the input width 64" in str(info.value)
+
+
+def test_int4_without_a_group_size_takes_one_that_divides_the_widths(make_stack: Callable[..., Stack]) -> None:
+    """hidden 64, expert width 96: the old default of 128 failed the weight store 5 s into start-up;
+    now 32 (the largest of 128, 64, 32 dividing both) is chosen, said in its log, and the stack serves."""
+    s = make_stack(quantize="int4")
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate([Prompt(token_ids=PROMPTS[0], max_new_tokens=2, ignore_eos=True)])
+    assert len(done[0].token_ids) == 2
+    assert s.config.log_dir is not None
+    lines = (s.config.log_dir / "weight_store.log").read_text().splitlines()
+    chosen = [json.loads(line) for line in lines if '"int4_group_size"' in line]
+    assert [c["chosen"] for c in chosen] == [32]

@@ -13,7 +13,9 @@ import torch
 
 from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
 from moe_lightning.engine import InProcessEngine
-from moe_lightning.quant import QuantFormat, QuantizedLinear, QuantScheme, kernels
+from moe_lightning.quant import kernels
+from moe_lightning.quant.kernels import QuantizedLinear
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
 
 from quantized_reference import write_dequantized

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lightning.config.checks import DeviceBudgetError
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights
 from services.gpu_expert.copy_engine import Pair, ThreadCopyEngine, Ticket
 from services.gpu_expert.pager import ExpertPager
-from services.gpu_expert.residency import DeviceBudgetError, plan_residency
+from services.gpu_expert.residency import plan_residency
 
 EB, DENSE = 1000, 5000  # bytes of one expert, of the dense weights
 

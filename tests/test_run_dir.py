@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_lightning.launcher import Stack, StackConfig, StackError
+from moe_lightning.config.stack import StackConfig
+from moe_lightning.launcher import Stack, StackError
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, runtime_root
 
 ROOT = os.geteuid() == 0

@@ -13,10 +13,10 @@ import pytest
 from fake_backend import FakeBackend
 
 from moe_lightning.placement import Placement
-from moe_lightning.plan import StepKind
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepKind
 from orchestrator.backend import KVCapacity
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 

@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from moe_lightning.shm import PeerDiedError, Segment, TensorChannel, segment_name, sweep_stale
-from moe_lightning.shm.segment import list_segments
+from moe_lightning.shm.channel import PeerDiedError, TensorChannel
+from moe_lightning.shm.segment import Segment, list_segments, segment_name, sweep_stale
 
 ECHO_PEER = textwrap.dedent(
     """
     import sys, time
-    from moe_lightning.shm import TensorChannel
-    from moe_lightning.shm import segment_name
+    from moe_lightning.shm.channel import TensorChannel
+    from moe_lightning.shm.segment import segment_name
     inp = TensorChannel.attach(sys.argv[1])
     out = TensorChannel.create(segment_name(sys.argv[2], "peer", "rep"), 2, 1 << 16)
     print(out.name, flush=True)

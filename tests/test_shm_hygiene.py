@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from test_weight_store import manifest, start
 
-from moe_lightning.shm import Segment, segment_name, sweep_stale
-from moe_lightning.shm.segment import SHM_DIR, list_segments
+from moe_lightning.shm.segment import SHM_DIR, Segment, list_segments, segment_name, sweep_stale
 
 DEAD = 2**22 - 1  # no such pid: what any leftover-looking name can claim
 NOBODY = 65534

@@ -17,9 +17,11 @@ import torch
 from host_profile import HOST, SPEC
 
 from moe_lightning.client import GenerationClient, Prompt
-from moe_lightning.flags import link_flag_error, parse_rate
-from moe_lightning.hrm.costmodel import Policy, Workload, estimate
+from moe_lightning.config.checks import link_flag_error
+from moe_lightning.config.units import parse_rate
+from moe_lightning.hrm.costmodel import Policy, estimate
 from moe_lightning.hrm.hardware import PRESETS, with_simulated_link
+from moe_lightning.hrm.layercost import Workload
 from moe_lightning.launcher import Stack
 from moe_lightning.timeline import TimelineRecorder
 from services.gpu_expert.copy_engine import ThreadCopyEngine, make_copy_engine

@@ -102,7 +102,8 @@ def test_qwen_dense_layers_follow_transformers_rule(arch: str) -> None:
 
 
 def test_dtype_auto_is_float32_on_a_cpu_and_16_bit_on_an_accelerator(tiny_model: Path) -> None:
-    from moe_lightning.launcher import Stack, StackConfig
+    from moe_lightning.config.stack import StackConfig
+    from moe_lightning.launcher import Stack
     from moe_lightning.spec import resolve_dtype
 
     assert resolve_dtype("auto", "bfloat16", "cpu") == "float32"  # bf16 matmuls are emulated on CPUs

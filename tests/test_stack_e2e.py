@@ -23,7 +23,7 @@ def watch_health(address: str, until: int, timeout: float = 120.0) -> int | None
     deadline = time.monotonic() + timeout
     status = None
     while time.monotonic() < deadline and status != until:
-        status = health_status(channel, SERVICES["orchestrator"][1], timeout=0.5)
+        status = health_status(channel, SERVICES["orchestrator"].health, timeout=0.5)
         time.sleep(0.05)
     channel.close()
     return status
@@ -181,7 +181,7 @@ def test_every_service_serves_health_and_reflection(stack: Stack) -> None:
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
     for name in stack.services:  # the gRPC ones (the HTTP gateway's /health: tests/test_gateway_e2e.py)
-        service = SERVICES[name][1]
+        service = SERVICES[name].health
         channel = open_channel(stack.addresses[name])
         try:
             assert health_status(channel, "") == 1  # live

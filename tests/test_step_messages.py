@@ -8,10 +8,10 @@ import pytest
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.placement import Placement, Side
-from moe_lightning.plan import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
 from moe_lightning.service.convert import step_output_from_pb, step_output_to_pb, step_plan_from_pb, step_plan_to_pb
 from moe_lightning.service.errors import ServiceError
+from moe_lightning.step_protocol import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 
 
 @pytest.mark.parametrize("placement", [Placement(a, e) for a in Side for e in Side])

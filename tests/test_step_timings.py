@@ -1,4 +1,4 @@
-"""One comparison of a decode step's timings with the HRM (moe_lightning/hrm/measured.py), as the
+"""One comparison of a decode step's timings with the HRM (moe_lightning/hrm/stage_accuracy.py), as the
 planner, `bench` and bench/hrm_accuracy.py read it."""
 
 from __future__ import annotations
@@ -7,10 +7,11 @@ import pytest
 from host_profile import HOST, SPEC
 from prometheus_client import REGISTRY
 
-from moe_lightning.hrm import measured
-from moe_lightning.hrm.costmodel import Policy, Workload, estimate
+from moe_lightning.hrm import stage_accuracy
+from moe_lightning.hrm.costmodel import Policy, estimate
 from moe_lightning.hrm.hardware import PRESETS
-from moe_lightning.plan import StepKind, StepTimings
+from moe_lightning.hrm.layercost import Workload
+from moe_lightning.step_protocol import StepKind, StepTimings
 from orchestrator import metrics
 from orchestrator.planner import Planner, PlannerConfig
 
@@ -29,62 +30,64 @@ def test_host_computed_experts_count_in_the_device_row() -> None:
         s = est.stage_seconds
         assert s["cpu_experts"] > 0 and "gpu_experts" not in s  # nothing resident: every expert on the host
         want = s["gpu_dense"] + s["cpu_experts"] + s.get("link_experts_io", 0.0)
-        assert measured.predicted_per_layer(est)["device"] == pytest.approx(want)
+        assert stage_accuracy.predicted_per_layer(est)["device"] == pytest.approx(want)
     assert "link_experts_io" in s  # the T4's activations to the host experts and back, inside post-attention
 
 
 def test_the_copy_is_its_own_row_compared_with_the_exposed_wait() -> None:
     est = estimate(SPEC, WORK, T4, Policy(16, 16, experts="gpu", resident_experts=0), "float32")
     s = est.stage_seconds
-    predicted = measured.predicted_per_layer(est)
+    predicted = stage_accuracy.predicted_per_layer(est)
     assert predicted["expert_copy"] == pytest.approx(s["link_weights"]) and s["link_weights"] > 0
     assert predicted["device"] == pytest.approx(s["gpu_dense"] + s["gpu_experts"])  # compute only
     shared = estimate(SPEC, WORK, HOST, Policy(16, 16, experts="gpu", resident_experts=0), "float32")
-    assert measured.predicted_per_layer(shared)["expert_copy"] == pytest.approx(shared.stage_seconds["gpu_expert_copy"])
+    assert stage_accuracy.predicted_per_layer(shared)["expert_copy"] == pytest.approx(
+        shared.stage_seconds["gpu_expert_copy"]
+    )
     # the wait for pages lies inside post_attention: the device row is compute without it
-    m = measured.measured_per_layer(timings(pre_attention=2 * L, post_attention=10 * L, expert_wait=3 * L), 1, L)
+    m = stage_accuracy.measured_per_layer(timings(pre_attention=2 * L, post_attention=10 * L, expert_wait=3 * L), 1, L)
     assert m["device"] == pytest.approx(9e-9) and m["expert_copy"] == pytest.approx(3e-9)
 
 
 def test_per_layer_is_the_total_over_decode_steps_times_layers_and_the_head_is_amortised() -> None:
     steps = 4
     t = timings(pre_attention=10**9, post_attention=3 * 10**9, head=2 * 10**9, step=8 * 10**9)
-    m = measured.measured_per_layer(t, steps, L)
+    m = stage_accuracy.measured_per_layer(t, steps, L)
     n = steps * L
     assert m["device"] == pytest.approx(4 / n)
     assert m["head"] == pytest.approx(2 / n)  # once a step, spread over its layers as the model does
     assert m["layer"] == pytest.approx(8 / n)
     assert m["expert_copy"] == 0.0
     est = estimate(SPEC, WORK, HOST, Policy(16, 16, experts="cpu"), "float32")
-    p = measured.predicted_per_layer(est)
+    p = stage_accuracy.predicted_per_layer(est)
     assert p["head"] == pytest.approx(est.stage_seconds["gpu_head"])
     assert p["layer"] == est.layer_seconds
 
 
 def test_attention_reads_the_service_busy_time_when_given_else_the_wait() -> None:
     t = timings(attention_wait=5 * 10**9, device_attention=10**9)
-    assert measured.measured_per_layer(t, 1, L)["attention"] == pytest.approx(6 / L)
-    assert measured.measured_per_layer(t, 1, L, cpu_attention=2.0)["attention"] == pytest.approx(3 / L)
+    assert stage_accuracy.measured_per_layer(t, 1, L)["attention"] == pytest.approx(6 / L)
+    assert stage_accuracy.measured_per_layer(t, 1, L, cpu_attention=2.0)["attention"] == pytest.approx(3 / L)
 
 
 def test_compare_gives_every_row_or_none_without_steps() -> None:
     est = estimate(SPEC, WORK, HOST, Policy(16, 16, experts="cpu"), "float32")
     t = timings(pre_attention=10**9, post_attention=10**9, head=10**8, step=3 * 10**9)
-    rows = measured.compare(est, t, 2, L, cpu_attention=0.5)
-    assert tuple(rows) == measured.ROWS
+    rows = stage_accuracy.compare(est, t, 2, L, cpu_attention=0.5)
+    assert tuple(rows) == stage_accuracy.ROWS
     assert rows["expert_copy"].ratio is None and rows["expert_copy"].error is None  # nothing predicted, none waited
     d = rows["device"]
     assert d.ratio == pytest.approx(d.measured / d.predicted) and d.error == pytest.approx(d.predicted / d.measured - 1)
-    assert set(measured.as_json(rows)) == set(measured.LABELS.values())
-    lines = measured.table(rows)
+    assert set(stage_accuracy.as_json(rows)) == set(stage_accuracy.LABELS.values())
+    lines = stage_accuracy.table(rows)
     assert len(lines) == 1 + len(rows) and "expert copy (exposed wait)" in lines[4]
-    assert measured.compare(est, t, 0, L) == {} and measured.measured_per_layer(t, 0, L) == {}
+    assert stage_accuracy.compare(est, t, 0, L) == {} and stage_accuracy.measured_per_layer(t, 0, L) == {}
 
 
 def test_planner_does_not_take_an_exposed_copy_for_a_slow_device() -> None:
     p = Planner(SPEC, HOST, WORK, "float32", kv_tokens=10**6, config=PlannerConfig(patience=3))
     est = estimate(SPEC, p.workload, p.profile, p.policy, "float32")
-    pred = measured.predicted_per_layer(est)
+    pred = stage_accuracy.predicted_per_layer(est)
     device_ns = int(pred["device"] * L * 1e9)
     t = timings(
         pre_attention=device_ns // 10,

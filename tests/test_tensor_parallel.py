@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
-from moe_lightning.quant import QuantFormat, QuantScheme
+from moe_lightning.config.checks import TensorParallelError, check_splittable
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import post_attention, pre_attention
 from moe_lightning.tensor_parallel import (
     Shard,
-    TensorParallelError,
-    check_splittable,
     kv_heads,
     kv_owner,
     query_heads,

@@ -113,7 +113,8 @@ def test_ranks_a_model_cannot_be_split_over_fail_at_start_naming_the_numbers(mak
     from moe_lightning.launcher import StackError
 
     s = make_stack(gpus=3, start=False)  # the session's model: 4 heads, 2 KV heads
-    with pytest.raises(StackError, match="weight_store exited") as info:
+    with pytest.raises(StackError, match="refused before start") as info:  # by the launcher: nothing started
         s.start(timeout=120)
+    assert s.procs == {}
     assert "4 attention heads do not divide by 3 ranks" in str(info.value)
     assert "2 KV heads neither divide by 3 ranks nor divide them" in str(info.value)

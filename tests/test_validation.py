@@ -59,9 +59,8 @@ def test_the_model_alone_sets_no_server_limits() -> None:
     # as the in-process engine with a tokenizer sees it: any prompt length, no KV cache of its own
     request = GenerationRequest(list(range(1, 300)), max_new_tokens=700, stop=("x",))
     validate(request, RequestLimits.of(spec))
-    request.validate(spec)  # GenerationRequest.validate: the model's limits, through the same checks
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        GenerationRequest([320]).validate(spec)
+        validate(GenerationRequest([320]), RequestLimits.of(spec))
 
 
 def test_prompt_sources() -> None:

@@ -20,8 +20,7 @@ from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.service.convert import layout_from_pb, spec_from_pb
 from moe_lightning.service.names import WEIGHT_STORE as SERVICE
 from moe_lightning.service.upstream import health_status, open_channel
-from moe_lightning.shm import Segment
-from moe_lightning.shm.segment import list_segments
+from moe_lightning.shm.segment import Segment, list_segments
 
 from processes import run_weight_store
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from moe_lightning.flags import format_size
+from moe_lightning.config.units import format_size
 from moe_lightning.spec import ModelSpec
 
 # Besides the weight arena, /dev/shm holds cpu_attention's KV cache (run_batch sizes it from the batch:
@@ -41,7 +41,8 @@ def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budg
     changing the plan.
     """
     from moe_lightning.arena import ArenaLayout, expert_page_names
-    from services.gpu_expert.residency import DeviceBudgetError, plan_residency
+    from moe_lightning.config.checks import DeviceBudgetError
+    from services.gpu_expert.residency import plan_residency
 
     layout = ArenaLayout.for_spec(spec, dtype)
     w13, w2 = (layout.pages[n] for n in expert_page_names(spec.experts_per_layer.index(spec.num_experts), 0))

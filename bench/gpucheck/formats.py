@@ -26,7 +26,7 @@ def run_formats(
     """Runs the phase through `check.bench` (a PhaseRunner) and files its numbers under `name`
     (`group_size`: int4's, 32 for the toy model's narrow widths). The budget is a share of each
     format's own arena (bench's --device-memory 25%)."""
-    extra = ("--quantize", formats, "--quantize-group-size", str(group_size))
+    extra = ("--compare-quantize", formats, "--quantize-group-size", str(group_size))
     result = check.bench(name, model, "25%", dtype, prompts, gen_len, timeout, extra=extra)
     if result is None:
         return

@@ -13,8 +13,9 @@ from statistics import mean
 from typing import Any
 
 from bench.gpucheck.budget import HANDOFF_TOKENS, Budget
-from moe_lightning.hrm.costmodel import DTYPE_BYTES, Estimate, Workload, estimate, weight_bytes
+from moe_lightning.hrm.costmodel import Estimate, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.layercost import DTYPE_BYTES, Workload, weight_bytes
 from moe_lightning.hrm.optimizer import optimize
 from moe_lightning.spec import ModelSpec
 

@@ -288,7 +288,7 @@ class PhaseRunner:
         result = self.collect / f"{name}.json"
         result.unlink(missing_ok=True)
         args = ["--model", str(model), "--workload", "mtbench", "--num-prompts", str(prompts)]
-        args += ["--gen-len", str(gen_len), "--device-memory", str(device_memory), "--json", str(result)]
+        args += ["--gen-len", str(gen_len), "--device-memory", str(device_memory), "--json-out", str(result)]
         args += ["--trace", str(self.collect / f"{name}-trace.json")] if trace else []
         args += [] if self.args.with_transformers else ["--skip-transformers"]
         # the reference runs (whole model resident, experts computed on the host in bf16 on the CPU)

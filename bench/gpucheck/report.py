@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_lightning.flags import format_size
+from moe_lightning.config.units import format_size
 
 TARGETS = {"ours_over_overlap_off": 3.0, "ours_over_offload": 10.0}  # issue 5
 

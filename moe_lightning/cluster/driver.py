@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from moe_lightning.batch_rows import RowError
@@ -29,6 +29,7 @@ from moe_lightning.cluster.parts import (
     split,
     write_file,
 )
+from moe_lightning.config.stack import StackConfig
 
 PARTS_PER_ACTOR = 2  # in flight per node: the next part's requests queue while the last finishes
 COOL_DOWN = 15.0  # seconds a node whose part failed gets no new part: its stack is restarting
@@ -36,10 +37,9 @@ COOL_DOWN = 15.0  # seconds a node whose part failed gets no new part: its stack
 
 def stack_fields(args: argparse.Namespace, run_id: str) -> dict[str, Any]:
     """The StackConfig each node's actor starts (the job's `up` options), with its own run id and ports."""
-    from moe_lightning.commands.up import stack_config
-
-    config = stack_config(args, port=0)
-    fields = {k: v for k, v in asdict(config).items() if k not in ("run_dir",)}
+    config = StackConfig.for_command(args, port=0)
+    # shallow (asdict would turn a DeviceShare into a dict): the values travel to the nodes as they are
+    fields = {f.name: getattr(config, f.name) for f in dataclass_fields(config) if f.name != "run_dir"}
     fields["run_id"] = run_id
     fields["http_port"] = None
     return fields

@@ -43,7 +43,8 @@ class NodeStack:
         self.node = ray.get_runtime_context().get_node_id()
         self.stack = None
         if stack is not None:
-            from moe_lightning.launcher import Stack, StackConfig
+            from moe_lightning.config.stack import StackConfig
+            from moe_lightning.launcher import Stack
 
             self.stack = Stack(StackConfig(**stack))
             self.stack.start()

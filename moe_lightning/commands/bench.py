@@ -15,68 +15,39 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moe_lightning.commands.bench_formats import compare_formats, device_memory_for, kernels_chosen, parse_formats
+from moe_lightning.commands.bench_formats import compare_formats, device_memory_for, kernels_chosen
 from moe_lightning.commands.bench_ranks import rank_shares
 from moe_lightning.commands.bench_ranks import report as ranks_report
-from moe_lightning.commands.common import add_placement_flags
-from moe_lightning.flags import add_link_flags, format_rate, link_flag_error, positive_int
+from moe_lightning.config import flags
+from moe_lightning.config.checks import link_flag_error
+from moe_lightning.config.units import DeviceShare, format_rate
+from moe_lightning.quant.scheme import QuantFormat
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="throughput vs transformers, vs our own overlap-off schedule, vs the roofline")
-    p.add_argument("--model", required=True, type=Path, help="HF checkpoint directory")
+    flags.MODEL.add_to(p, required=True)
     p.add_argument("--workload", default="mtbench", help="mtbench (synthetic lengths) or a prompts .parquet/.jsonl")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts in the batch (mtbench)")
-    p.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt")
-    p.add_argument("--device", default="cpu", help="gpu_expert's device (and transformers'): cpu or cuda")
-    p.add_argument(
-        "--gpus",
-        type=positive_int,
-        default=1,
-        help="gpu_expert's tensor-parallel ranks; prints each rank's bytes streamed and time in collectives",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="weights' dtype (auto: float32 on a CPU, the checkpoint's 16-bit dtype on a GPU)",
-    )
-    p.add_argument(
-        "--device-memory",
-        default=None,
-        help="gpu_expert's budget, e.g. 800MiB, or the dense weights plus a share of the experts (in each run's "
-        "format): 25%%",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="dtype of cpu_attention's KV cache (auto: the weights' dtype)",
-    )
-    add_placement_flags(p)
-    add_link_flags(p)
-    p.add_argument(
-        "--quantize",
-        default=None,
-        help="compare expert formats instead, e.g. none,int8,int4: each streams its experts at --device-memory",
-    )
-    p.add_argument("--quantize-group-size", type=int, default=128, help="int4 group size for --quantize")
+    flags.GEN_LEN.add_to(p, default=32)
+    flags.DEVICE.add_to(p, default="cpu")  # gpu_expert's (and transformers')
+    flags.GPUS.add_to(p, default=1)  # prints each rank's bytes streamed and time in collectives
+    flags.DTYPE.add_to(p, default="auto")
+    flags.DEVICE_MEMORY.add_to(p)  # a share (25%) is of each run's own format
+    flags.KV_DTYPE.add_to(p, default="auto")
+    flags.DEVICE_KV_MEMORY.add_to(p)
+    flags.ATTENTION_PLACEMENT.add_to(p, default="auto")
+    flags.EXPERTS_PLACEMENT.add_to(p, default="auto")
+    flags.LINK_BANDWIDTH.add_to(p)
+    flags.COMPARE_QUANTIZE.add_to(p)  # the formats against each other instead, each streaming at --device-memory
+    flags.QUANTIZE_GROUP_SIZE.add_to(p)
     sizes = p.add_mutually_exclusive_group()
-    sizes.add_argument("--micro-batch-size", type=int, default=None, help="default: the HRM's policy")
+    flags.MICRO_BATCH_SIZE.add_to(sizes)
     sizes.add_argument(
         "--micro-batches", type=int, default=None, help="force this many micro-batches (n_ub) for the batch"
     )
-    p.add_argument(
-        "--residency-interval",
-        type=int,
-        default=None,
-        help="gpu_expert's decode steps between hot-expert residency updates (default: its own)",
-    )
-    p.add_argument(
-        "--count-syncs",
-        action="store_true",
-        help="count gpu_expert's host synchronisations per decode step (CUDA; slows it a little)",
-    )
+    flags.RESIDENCY_INTERVAL.add_to(p)  # default: gpu_expert's own
+    flags.COUNT_SYNCS.add_to(p, default=False)
     p.add_argument("--skip-transformers", action="store_true", help="leave out baseline (a)")
     p.add_argument(
         "--skip-overlap-off",
@@ -88,9 +59,9 @@ def add_parser(sub: Any, name: str) -> None:
         action="store_true",
         help="leave out the reference runs (whole model resident; the other expert placement and its (b))",
     )
-    p.add_argument("--json", type=Path, default=None, help="write all numbers here")
+    p.add_argument("--json-out", type=Path, default=None, help="write all numbers here as JSON")
     p.add_argument("--trace", type=Path, default=None, help="write our run's Chrome trace here")
-    p.add_argument("--png", type=Path, default=None, help="draw a few layers of one of our decode steps here")
+    flags.PNG.add_to(p)
 
 
 def _prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -130,7 +101,7 @@ def _ours(
     tag: str,
     trace_dir: Path,
     overlap: bool = True,
-    device_memory: str | None = "",
+    device_memory: int | DeviceShare | str | None = "",
     attention: str | None = None,
     experts: str | None = None,
     quantize: str = "auto",
@@ -202,9 +173,9 @@ def _ours(
 
 def layer_error_of(decode: Any, predicted: Any, layers: int) -> float | None:
     """measured / predicted - 1 of a decode step's time per layer (None without decode steps)."""
-    from moe_lightning.hrm import measured
+    from moe_lightning.hrm import stage_accuracy
 
-    rows = measured.compare(predicted, decode.timings, decode.steps, layers, cpu_attention=decode.cpu_attention)
+    rows = stage_accuracy.compare(predicted, decode.timings, decode.steps, layers, cpu_attention=decode.cpu_attention)
     return rows["layer"].measured / rows["layer"].predicted - 1 if rows and rows["layer"].predicted else None
 
 
@@ -214,10 +185,11 @@ def _public(run: dict[str, Any]) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.benchmark import policy_that_ran
-    from moe_lightning.hrm import measured
+    from moe_lightning.hrm import stage_accuracy
     from moe_lightning.hrm.calibrate import cached_profile
-    from moe_lightning.hrm.costmodel import Workload, estimate
+    from moe_lightning.hrm.costmodel import estimate
     from moe_lightning.hrm.hardware import with_simulated_link
+    from moe_lightning.hrm.layercost import Workload
     from moe_lightning.spec import ModelSpec, resolve_dtype
     from moe_lightning.timeline import write
 
@@ -239,12 +211,12 @@ def run(args: argparse.Namespace) -> int:
     sys.stderr.write(
         f"{n} prompts (average {avg:.0f}, longest {max(map(len, prompts))} tokens), {args.gen_len} generated each\n"
     )
-    if args.quantize is None:  # a share of the weights: of this stack's arena
-        args.device_memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, None, 128)
+    if args.compare_quantize is None:  # a share of the weights: of this stack's arena
+        args.device_memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, None, None)
     trace_dir = Path(tempfile.mkdtemp(prefix="moe-lightning-bench-"))
     results: dict[str, Any] = {"prompts": n, "average_prompt_tokens": avg, "gen_len": args.gen_len}
-    if args.quantize is not None:  # the formats against each other, nothing else
-        formats = parse_formats(args.quantize)
+    if args.compare_quantize is not None:  # the formats against each other, nothing else
+        formats = [QuantFormat(f) for f in args.compare_quantize]
 
         # both placements unless one is asked for: streamed (the bytes bind) and in place (the kernels do)
         placements = ["gpu", "cpu"] if args.experts_placement == "auto" else [args.experts_placement]
@@ -260,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
 
             key = "formats" if placement == "gpu" else "formats_in_place"
             results[key] = compare_formats(formats, one, placement)
-        if args.json is not None:
-            args.json.write_text(json.dumps(results, indent=2))
+        if args.json_out is not None:
+            args.json_out.write_text(json.dumps(results, indent=2))
         return 0
     sys.stderr.write("ours (overlap on)...\n")
     ours = _ours(args, prompts, "1", trace_dir)
@@ -354,11 +326,11 @@ def run(args: argparse.Namespace) -> int:
     name = "(c) HRM roofline bound, decode"
     print(f"{name:34} {bound.tokens_per_second:8.1f} {decode_ratio:6.2f} {'of it':>13} {'>= 0.6':>7}")
     dec = ours["_decode"]
-    stages = measured.compare(bound, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
-    results["stages_per_layer"] = measured.as_json(stages)
+    stages = stage_accuracy.compare(bound, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
+    results["stages_per_layer"] = stage_accuracy.as_json(stages)
     link = f", behind a simulated {format_rate(args.link_bandwidth)} link" if args.link_bandwidth else ""
     print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours{link}):")
-    print("\n".join(measured.table(stages)))
+    print("\n".join(stage_accuracy.table(stages)))
     print(
         "HRM layer time, measured / predicted - 1: "
         + ", ".join(f"{run} {e:+.0%}" for run, e in layer_error.items() if e is not None)
@@ -372,6 +344,6 @@ def run(args: argparse.Namespace) -> int:
         + "; hidden behind another resource "
         + ", ".join(f"{r} {v:.0%}" for r, v in sorted(tl["hidden_fraction"].items()))
     )
-    if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=2))
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(results, indent=2))
     return 0

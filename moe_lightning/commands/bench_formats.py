@@ -1,4 +1,4 @@
-"""bench --quantize none,int8,int4: the expert formats against each other in one run.
+"""bench --compare-quantize none,int8,int4: the expert formats against each other in one run.
 
 Each format runs the same batch through a fresh stack with the experts streamed through the device
 buffers (the placement where the bytes of an expert page bind) at the bench's --device-memory. The
@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moe_lightning.quant.scheme import QuantFormat, parse_quantize
+from moe_lightning.config.checks import dense_and_expert_bytes, resolve_expert_scheme, share_budget
+from moe_lightning.config.units import DeviceShare
+from moe_lightning.quant.scheme import QuantFormat
 
 if TYPE_CHECKING:
     from moe_lightning.spec import ModelSpec
@@ -26,38 +28,24 @@ SPEED_TARGET = {QuantFormat.INT8: 1.3, QuantFormat.INT4: 1.0}
 KERNEL_SERIES = re.compile(r'^moe_lightning_expert_kernel_seconds\{kernel="(\w+)",rows="(\d+)",shape="(\S+)"\}$')
 
 
-def parse_formats(text: str) -> list[QuantFormat]:
-    formats = []
-    for part in text.split(","):
-        try:
-            formats.append(QuantFormat(part.strip()))
-        except ValueError:
-            allowed = ", ".join(f.value for f in QuantFormat)
-            raise ValueError(f"--quantize takes a comma-separated list of {allowed}, got {part!r}") from None
-    if len(set(formats)) != len(formats):
-        raise ValueError(f"--quantize lists a format twice: {text}")
-    return formats
-
-
 def device_memory_for(
-    asked: str | None, model: Path, spec: ModelSpec, dtype: str, fmt: QuantFormat | None, group_size: int
-) -> str | None:
+    asked: int | DeviceShare | None,
+    model: Path,
+    spec: ModelSpec,
+    dtype: str,
+    fmt: QuantFormat | None,
+    group_size: int | None,
+) -> int | None:
     """`--device-memory` as gpu_expert takes it: "25%" is the dense weights plus that share of the
     expert pages, in the run's expert format (`fmt` None: the checkpoint's own), so every format
     keeps the same number of experts on the device and streams the rest."""
-    if asked is None or not asked.strip().endswith("%"):
+    if not isinstance(asked, DeviceShare):
         return asked
-    from moe_lightning.arena import ArenaLayout  # torch: only when a bench runs, not for `--help`
-    from moe_lightning.quant.resolve import resolve_scheme
+    from moe_lightning.arena_layout import ArenaLayout
 
-    share = float(asked.strip().removesuffix("%")) / 100
-    if not 0 < share <= 1:
-        raise ValueError(f"--device-memory as a share of the weights must be in (0%, 100%], got {asked}")
-    scheme = resolve_scheme(model) if fmt is None else parse_quantize(fmt.value, group_size)
-    layout = ArenaLayout.for_spec(spec, dtype, scheme)
-    first = spec.experts_per_layer.index(spec.num_experts)
-    experts = spec.total_experts * layout.expert_page_bytes(first)
-    return str(int(layout.total_bytes - experts + experts * share))
+    scheme = resolve_expert_scheme(spec, model, "auto" if fmt is None else fmt.value, group_size)
+    dense, expert = dense_and_expert_bytes(ArenaLayout.for_spec(spec, dtype, scheme), spec)
+    return share_budget(asked, dense, expert, spec.total_experts)
 
 
 def kernels_chosen(gpu_expert_metrics: dict[str, float]) -> dict[str, dict[int, str]]:

@@ -9,31 +9,25 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moe_lightning.commands.common import add_client_flags, add_sampling_flags, token_ids
+from moe_lightning.commands.common import add_client_flags, add_sampling_flags, add_where_flags, token_ids
+from moe_lightning.config import flags
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="generate text, in-process (--model) or from a running stack (--addr)")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", type=Path, help="HF checkpoint directory: run every stage in this process")
-    where.add_argument("--addr", help="HOST:PORT of a running stack's Generation API")
+    add_where_flags(p)  # --model: every stage in this process; --addr: a running stack
     add_client_flags(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompt-ids", action="append", type=token_ids, help="comma-separated token ids (repeatable)")
     src.add_argument("--prompts-file", type=Path, help="a text file, one prompt per line")
     add_sampling_flags(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    flags.JSON.add_to(p, default=False)  # one JSON object per prompt
     p.add_argument("--stream", action="store_true", help="print the text as it is generated (--addr, one prompt)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (in-process only)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="compute dtype (in-process); auto = float32 on cpu, the checkpoint's on cuda",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens (in-process)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar while loading")
+    flags.DEVICE.add_to(p, default="cpu")  # in-process only
+    flags.DTYPE.add_to(p, default="auto")
+    flags.BLOCK_SIZE.add_to(p, default=16)
+    flags.NO_PROGRESS.add_to(p, default=False)
 
 
 def _texts(args: argparse.Namespace) -> list[str] | None:
@@ -61,6 +55,7 @@ def _local(args: argparse.Namespace) -> int:
     from moe_lightning.sampling import SamplingParams
     from moe_lightning.spec import ModelSpec
     from moe_lightning.tokenizer import TextTokenizer
+    from moe_lightning.validation import RequestLimits, validate
 
     spec = ModelSpec.from_pretrained(args.model)
     tokenizer = TextTokenizer.from_model_dir(args.model)
@@ -73,19 +68,16 @@ def _local(args: argparse.Namespace) -> int:
         prompts = args.prompt_ids
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     requests = [GenerationRequest(p, args.max_new_tokens, sampling, tuple(args.stop), args.ignore_eos) for p in prompts]
+    limits = RequestLimits.of(spec)  # the model's own: no server stands between
     for r in requests:
-        r.validate(spec)
-
-    import torch
+        validate(r, limits)
 
     from moe_lightning.checkpoint import load_model_weights
     from moe_lightning.engine import InProcessEngine
-    from moe_lightning.spec import DTYPES
+    from moe_lightning.spec import resolve_dtype
+    from moe_lightning.torch_dtypes import DTYPES
 
-    if args.dtype == "auto":
-        dtype = torch.float32 if args.device == "cpu" else DTYPES[spec.dtype]
-    else:
-        dtype = DTYPES[args.dtype]
+    dtype = DTYPES[resolve_dtype(args.dtype, spec.dtype, args.device)]  # auto: as `up` resolves it
     t0 = time.perf_counter()
     weights = load_model_weights(args.model, spec, dtype, args.device, progress=not args.no_progress)
     load_s = time.perf_counter() - t0

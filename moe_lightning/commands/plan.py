@@ -8,11 +8,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from moe_lightning.flags import parse_size
+from moe_lightning.config import flags
+from moe_lightning.config.checks import resolve_expert_scheme
+from moe_lightning.config.units import parse_size
 
 if TYPE_CHECKING:
-    from moe_lightning.hrm.costmodel import Workload
     from moe_lightning.hrm.hardware import HardwareProfile
+    from moe_lightning.hrm.layercost import Workload
     from moe_lightning.quant.scheme import QuantScheme
     from moe_lightning.spec import ModelSpec
 
@@ -20,45 +22,34 @@ if TYPE_CHECKING:
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="pick batch sizes and placement with the hierarchical roofline model")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", type=Path, help="HF checkpoint directory (its config.json)")
-    what.add_argument("--arch", help="mixtral-8x7b, mixtral-8x22b or dbrx")
+    flags.MODEL.add_to(what)  # its config.json
+    flags.ARCH.add_to(what)
     p.add_argument(
         "--hardware",
         default="t4",
         help="t4, l4, a100-40g, h100, h200, a profile JSON file, or calibrate (this machine, cached)",
     )
-    p.add_argument("--device", default="cpu", help="with --hardware calibrate: the device to measure")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs in tensor parallel")
+    flags.DEVICE.add_to(p, default="cpu")  # with --hardware calibrate: the device to measure
+    flags.GPUS.add_to(p, default=1)
     p.add_argument("--host-memory", type=parse_size, default=None, help="override the profile's host memory")
     p.add_argument("--prompt-len", type=float, default=77, help="average prompt tokens (MT-Bench: 77)")
-    p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request")
-    p.add_argument(
-        "--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weight dtype (default: the model's)"
-    )
-    p.add_argument(
-        "--kv-dtype",
-        default=None,
-        choices=["float32", "bfloat16", "float16"],
-        help="dtype of the host KV cache (cpu_attention's --kv-dtype; default: the weight dtype): it decides how "
-        "many sequences the host holds",
-    )
-    p.add_argument(
-        "--quantize",
-        default="none",
-        choices=["none", "int8", "int4"],
-        help="format of the expert pages (the weight store's --quantize): smaller pages stream faster and leave "
-        "room for more resident experts and a larger batch; dense weights stay in the model dtype",
-    )
-    p.add_argument(
-        "--quantize-group-size", type=int, default=128, help="int4 group size (32, 64, 128, or -1: one per row)"
-    )
-    p.add_argument(
-        "--compare-quantize",
-        action="store_true",
-        help="plan for every expert page format (none, int8, int4) and print them side by side",
-    )
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the explanation")
+    flags.GEN_LEN.add_to(p, default=32)
+    flags.DTYPE.add_to(p, default="auto")
+    flags.KV_DTYPE.add_to(p, default="auto")  # it decides how many sequences the host holds
+    flags.QUANTIZE.add_to(p, default="auto")
+    flags.QUANTIZE_GROUP_SIZE.add_to(p)
+    flags.COMPARE_QUANTIZE.add_to(p)
+    flags.JSON.add_to(p, default=False)  # one JSON object instead of the explanation
     p.add_argument("--plot", type=Path, default=None, help="draw the hierarchical roofline to this PNG")
+
+
+def _dtypes(args: argparse.Namespace, spec: ModelSpec, hw: HardwareProfile) -> tuple[str, str]:
+    """(weights, KV cache) as `up` would resolve auto on this hardware: fp32 where the device is the
+    host's CPU, else the checkpoint's 16-bit dtype; the KV cache in the weights'."""
+    from moe_lightning.spec import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, spec.dtype, "cpu" if hw.shared_host_device else "cuda")
+    return dtype, dtype if args.kv_dtype == "auto" else args.kv_dtype
 
 
 def _profile(args: argparse.Namespace, spec: ModelSpec, quant: QuantScheme) -> HardwareProfile:
@@ -77,10 +68,9 @@ def _profile(args: argparse.Namespace, spec: ModelSpec, quant: QuantScheme) -> H
 
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.hrm.archs import ARCHS
-    from moe_lightning.hrm.costmodel import Workload
     from moe_lightning.hrm.explain import explain, host_kv, plan_to_dict
+    from moe_lightning.hrm.layercost import Workload
     from moe_lightning.hrm.optimizer import optimize
-    from moe_lightning.quant.scheme import parse_quantize
     from moe_lightning.spec import ModelSpec
 
     if args.arch is not None:
@@ -89,13 +79,12 @@ def run(args: argparse.Namespace) -> int:
         spec, name = ARCHS[args.arch], args.arch
     else:
         spec, name = ModelSpec.from_pretrained(args.model), str(args.model)
-    quant = parse_quantize(args.quantize, args.quantize_group_size)
     work = Workload(args.prompt_len, args.gen_len)
     if args.compare_quantize:
-        return _compare(args, spec, name, work, args.quantize_group_size)
+        return _compare(args, spec, name, work)
+    quant = resolve_expert_scheme(spec, args.model, args.quantize, args.quantize_group_size, args.gpus)
     hw = _profile(args, spec, quant)
-    dtype = args.dtype or ("float32" if hw.shared_host_device else None)  # CPU compute runs fp32
-    kv_dtype = args.kv_dtype or dtype or spec.dtype
+    dtype, kv_dtype = _dtypes(args, spec, hw)
     est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant)
     kv = host_kv(spec, work, hw, dtype, kv_dtype, quant=quant)
     if args.plot is not None:
@@ -109,18 +98,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workload, group_size: int) -> int:
-    """The best plan for each expert page format, one row each (or their JSON plans)."""
+def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workload) -> int:
+    """The best plan for each expert page format asked for, one row each (or their JSON plans)."""
     from moe_lightning.hrm.explain import link_bytes_per_step, plan_to_dict
     from moe_lightning.hrm.optimizer import optimize
-    from moe_lightning.quant.scheme import QuantFormat, parse_quantize
+    from moe_lightning.quant.scheme import QuantFormat
 
     plans = []
-    for fmt in QuantFormat:
-        quant = parse_quantize(fmt.value, group_size)
+    for fmt in args.compare_quantize:
+        quant = resolve_expert_scheme(spec, None, fmt, args.quantize_group_size, args.gpus)
         hw = _profile(args, spec, quant)
-        dtype = args.dtype or ("float32" if hw.shared_host_device else None)
-        kv_dtype = args.kv_dtype or dtype or spec.dtype
+        dtype, kv_dtype = _dtypes(args, spec, hw)
         plans.append((quant, hw, optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant)))
     if args.json:
         out = {"model": name, "plans": [plan_to_dict(name, spec, work, hw, est) for _, hw, est in plans]}

@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.batch_rows import completion_columns, row_prompt
-from moe_lightning.commands.common import add_client_flags, add_sampling_flags, add_stack_flags
+from moe_lightning.commands.common import add_client_flags, add_sampling_flags, add_where_flags
+from moe_lightning.config import flags
+from moe_lightning.config.checks import link_flag_error
+from moe_lightning.config.stack import EXPOSURE, StackConfig
 
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="offline batch job: prompts file in, Parquet out")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--model", type=Path, help="start a stack on this checkpoint for the job, stop it after")
-    where.add_argument("--addr", help="HOST:PORT of a running stack")
+    add_where_flags(p)  # --model: a stack of the job's own on this checkpoint, stopped after it
     add_client_flags(p)
     p.add_argument(
         "--input",
@@ -56,9 +57,9 @@ def add_parser(sub: Any, name: str) -> None:
         "--part-rows", type=int, default=512, help="with --ray: rows per part (the unit of retry and resume)"
     )
     p.add_argument("--retries", type=int, default=3, help="with --ray: times a failed part is given to a node again")
-    p.add_argument("--no-progress", action="store_true")
+    flags.NO_PROGRESS.add_to(p, default=False)
     p.add_argument("--show", type=int, default=0, help="print the first N prompts and their completions")
-    add_stack_flags(p)
+    StackConfig.add_cli_args(p, exclude=EXPOSURE)
 
 
 def read_prompts(path: Path) -> Any:
@@ -78,11 +79,10 @@ def read_prompts(path: Path) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.commands import openai_batch
-    from moe_lightning.flags import link_flag_error
     from moe_lightning.output_files import check_output_file
 
     error = link_flag_error(args.device, getattr(args, "link_bandwidth", None))
-    if error:  # before anything starts (gpu_expert would refuse it only seconds into start-up)
+    if error:  # before anything starts, --ray included (gpu_expert would refuse it only seconds into start-up)
         raise ValueError(error)
     if args.ray is not None:
         if args.overwrite:
@@ -117,11 +117,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.addr:
         return submit(args.addr)
-    from moe_lightning.commands.up import stack_config
     from moe_lightning.launcher import Stack
     from moe_lightning.private_paths import private_dir
 
-    config = stack_config(args, port=0)
+    config = StackConfig.for_command(args, port=0)
     if config.log_dir is None:  # keep the job's output readable; the services' logs go to files (ours only)
         config.log_dir = private_dir(prefix=f"moe-lightning-{config.run_id}-logs-")
     stack = Stack(config)

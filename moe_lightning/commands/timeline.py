@@ -8,13 +8,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moe_lightning.config import flags
+
 
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="merge service timelines: Chrome trace (Perfetto), Parquet, busy and overlap")
     p.add_argument("files", nargs="+", type=Path, help="the files given to the services' --timeline")
     p.add_argument("--chrome", type=Path, default=None, help="write a Chrome trace JSON here")
     p.add_argument("--parquet", type=Path, default=None, help="write the events as Parquet here")
-    p.add_argument("--png", type=Path, default=None, help="draw a few layers of a decode step here")
+    flags.PNG.add_to(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,9 +21,8 @@ from typing import Any
 
 import torch
 
-from moe_lightning.hrm.costmodel import NO_QUANT
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.measurements import Measurements
+from moe_lightning.hrm.layercost import NO_QUANT
 from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
 from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, profile_cache_dir: the module's API)
     PROFILE_CACHE_ENV,
@@ -33,11 +32,12 @@ from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, 
     read_cache,
     write_cache,
 )
+from moe_lightning.hrm.roofs import Measurements
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.quant.kernels import dense_linear
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import paged_attention, plan_attention
-from moe_lightning.stages.linear import dense_linear
 from moe_lightning.stages.moe import expert_ffn
 from moe_lightning.weights import ExpertWeights
 

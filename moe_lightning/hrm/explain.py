@@ -6,8 +6,9 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from moe_lightning.hrm.costmodel import DTYPE_BYTES, NO_QUANT, Estimate, Headroom, Workload
+from moe_lightning.hrm.costmodel import Estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.layercost import DTYPE_BYTES, NO_QUANT, Headroom, Workload
 from moe_lightning.hrm.optimizer import max_batch
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -31,7 +32,7 @@ def host_kv(
     hw: HardwareProfile,
     dtype: str | None,
     kv_dtype: str,
-    headroom: Headroom = Headroom(),  # noqa: B008 (frozen)
+    headroom: Headroom = Headroom(),
     quant: QuantScheme = NO_QUANT,
 ) -> HostKV:
     per_seq = 2 * spec.kv_size * DTYPE_BYTES[kv_dtype] * spec.num_layers * work.max_context

@@ -7,19 +7,24 @@ Device memory grows (nearly) linearly with the resident experts and throughput n
 more of them, so the largest count that fits is solved in closed form instead of searched;
 everything else is enumerated on a grid.
 
-The grid's policies are costed by hrm/fastcost.py (estimate()'s numbers, bit for bit, without building
-an Estimate each), and a point whose throughput ceiling provably loses to the best found so far is
-skipped: it could not have replaced that best, so the result is the one trying every point gives.
+The whole grid is costed at once, by hrm/layercost.py's formula on arrays: the code estimate() runs
+for one policy, so each point's numbers are estimate()'s and the plan is the one trying every point
+through estimate() returns (tests/hrm_reference.py). Only the choice among the points' bests is a
+loop: it breaks ties in throughput with a relative tolerance, which does not order the points.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import NamedTuple
 
-from moe_lightning.hrm.costmodel import NO_QUANT, Estimate, Headroom, Policy, Workload, estimate
-from moe_lightning.hrm.fastcost import Cost, PolicyCost
+import numpy as np
+import numpy.typing as npt
+
+from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.layercost import NO_QUANT, CostModel, Headroom, LayerCost, Workload
 from moe_lightning.placement import Side
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -46,6 +51,30 @@ def micro_batch_counts(limit: int) -> list[int]:
     return out
 
 
+class Grid(NamedTuple):
+    """Policies less their resident count, one per element, in the order the search tries them."""
+
+    n: np.ndarray
+    mu: np.ndarray
+    att_gpu: np.ndarray
+    exp_gpu: np.ndarray
+    r_c: np.ndarray
+
+    def cost(self, model: CostModel, resident: npt.ArrayLike, at: slice | np.ndarray = slice(None)) -> LayerCost:
+        """The points `at` (a slice or indices) with `resident` pages on the device."""
+        return model.layer(self.n[at], self.mu[at], self.att_gpu[at], self.exp_gpu[at], resident, self.r_c[at])
+
+
+def make_grid(points: Iterable[tuple[int, int]], places: Iterable[tuple[bool, bool]]) -> Grid:
+    """(N, mu) points x placements (attention on the device?, experts on the device?) x the KV cache's
+    share on the device (KV_GPU_FRACTIONS with attention there, else 0): point-major."""
+    slots = [(a, x, r) for a, x in places for r in (KV_GPU_FRACTIONS if a else (0.0,))]
+    pairs = np.array(list(points), dtype=np.int64).reshape(-1, 2)
+    att, exp, r_c = (np.tile(np.array([s[i] for s in slots]), len(pairs)) for i in range(3))
+    n, mu = np.repeat(pairs[:, 0], len(slots)), np.repeat(pairs[:, 1], len(slots))
+    return Grid(n, mu, att.astype(bool), exp.astype(bool), r_c.astype(np.float64))
+
+
 def _beats(tokens: float, batch: int, best: tuple[float, int] | None) -> bool:
     """Whether (tokens/s, batch) is better than `best`'s: same speed, the smaller batch (less memory,
     latency)."""
@@ -60,54 +89,73 @@ def _better(a: Estimate, b: Estimate | None) -> bool:
     return _beats(a.tokens_per_second, a.policy.batch, None if b is None else (b.tokens_per_second, b.policy.batch))
 
 
-def _cannot_beat(ceiling: float, batch: int, best: tuple[float, int] | None) -> bool:
-    """Whether every policy at most `ceiling` tokens/s loses to `best`: below it and not within the
-    tie tolerance (anything lower is further from it), or a tie at best with no smaller batch."""
-    if best is None or not ceiling <= best[0]:
-        return False
-    return batch >= best[1] or not math.isclose(ceiling, best[0], rel_tol=1e-9)
+def _beats(tokens: float, batch: int, best: tuple[float, int] | None) -> bool:
+    """Whether (tokens/s, batch) is better than `best`'s: same speed, the smaller batch (less memory,
+    latency)."""
+    if best is None:
+        return True
+    if not math.isclose(tokens, best[0], rel_tol=1e-9):
+        return tokens > best[0]
+    return batch < best[1]
 
 
-def best_resident(
-    cost: PolicyCost, n: int, mu: int, att_gpu: bool, exp_gpu: bool, r_c: float
-) -> tuple[Cost, int] | None:
-    """The resident count (with its cost) that is best among those that fit; memory is linear in it."""
-    e, gpu_cap, cpu_cap = cost.total_experts, cost.gpu_capacity, cost.cpu_capacity
-    low = cost(n, mu, att_gpu, exp_gpu, 0, r_c)
-    if low[4] > cpu_cap:
-        return None
-    high = cost(n, mu, att_gpu, exp_gpu, e, r_c)
-    slope = (high[3] - low[3]) / e
-    if high[3] <= gpu_cap:
-        if exp_gpu:
-            return high, e
-        j = e
-    elif low[3] > gpu_cap:
-        if slope >= 0:
-            return None
-        j = math.ceil((low[3] - gpu_cap) / -slope)
-    else:
-        j = e if slope <= 0 else int((gpu_cap - low[3]) / slope)
-    j = max(0, min(e, j))
+def _better(a: Estimate, b: Estimate | None) -> bool:
+    return _beats(a.tokens_per_second, a.policy.batch, None if b is None else (b.tokens_per_second, b.policy.batch))
+
+
+def best_resident(model: CostModel, g: Grid) -> tuple[np.ndarray, np.ndarray]:
+    """Per point, the resident count that is best among those that fit, and its tokens/s (-inf where
+    none fits). Memory is linear in the count: hrm_reference.best_resident's steps, on arrays."""
+    e, gpu_cap, cpu_cap = model.total_experts, model.gpu_capacity, model.cpu_capacity
+    low, high = g.cost(model, 0), g.cost(model, e)
+    slope = (high.gpu_bytes - low.gpu_bytes) / e
+    high_fits, low_over = high.gpu_bytes <= gpu_cap, low.gpu_bytes > gpu_cap
+    alive = (low.cpu_bytes <= cpu_cap) & (high_fits | ~low_over | (slope < 0))
+    with np.errstate(divide="ignore", invalid="ignore"):  # a branch not taken may divide by 0
+        over = np.ceil((low.gpu_bytes - gpu_cap) / -slope)
+        under = np.where(slope <= 0, e, np.floor((gpu_cap - low.gpu_bytes) / slope))
+    j = np.where(high_fits, e, np.where(low_over, over, under))
+    j = np.clip(np.where(alive, j, 0), 0, e).astype(np.int64)
+    done = alive & high_fits & g.exp_gpu  # every page fits on the device: nothing streams
+    tokens = np.where(done, high.tokens, -math.inf)
     # the double buffer shrinks in whole experts, so memory is only nearly linear: step down to a fit
-    while j >= 0:
-        top = cost(n, mu, att_gpu, exp_gpu, j, r_c)
-        if top[3] <= gpu_cap and top[4] <= cpu_cap:
-            break
-        j -= 1
-    else:
-        return None
-    if exp_gpu:
-        return top, j
+    top_tokens, top_gpu, top_cpu = np.full(j.shape, -math.inf), np.zeros(j.shape), np.zeros(j.shape)
+    todo = np.flatnonzero(alive & ~done)
+    while todo.size:
+        top = g.cost(model, j[todo], todo)
+        fit = (top.gpu_bytes <= gpu_cap) & (top.cpu_bytes <= cpu_cap)
+        top_tokens[todo[fit]], top_gpu[todo[fit]], top_cpu[todo[fit]] = top.tokens[fit], top.gpu[fit], top.cpu[fit]
+        todo = todo[~fit]
+        j[todo] -= 1
+        alive[todo[j[todo] < 0]] = False
+        todo = todo[j[todo] >= 0]
+    streaming = alive & ~done & g.exp_gpu
+    tokens[streaming] = top_tokens[streaming]
     # experts on the host: each resident expert moves work from the host to the device. Device time
     # rises and host time falls linearly with the count, so the layer time is V-shaped: the best
     # count is next to where the two lines cross, or at an end
-    diff0, diff1 = low[1] - low[2], top[1] - top[2]
-    cross = j * diff0 / (diff0 - diff1) if diff0 < 0 < diff1 else (0 if diff0 >= 0 else j)
-    inner = {min(j, max(0, i)) for i in (math.floor(cross), math.ceil(cross))} - {0, j}
-    tried = [(low, 0), (top, j), *((cost(n, mu, att_gpu, exp_gpu, i, r_c), i) for i in sorted(inner))]
-    best = max(tried, key=lambda x: x[0][0])  # the first of the fastest
-    return best if best[0][0] >= top[0] else (top, j)
+    h = np.flatnonzero(alive & ~g.exp_gpu)
+    top_j, top_t = j[h], top_tokens[h]
+    diff0, diff1 = low.gpu[h] - low.cpu[h], top_gpu[h] - top_cpu[h]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cross = np.where((diff0 < 0) & (diff1 > 0), top_j * diff0 / (diff0 - diff1), np.where(diff0 >= 0, 0, top_j))
+    below, above = (np.minimum(top_j, np.maximum(0, r(cross))).astype(np.int64) for r in (np.floor, np.ceil))
+
+    def between(counts: np.ndarray, once: np.ndarray | bool = True) -> np.ndarray:
+        """The tokens/s of the counts strictly between 0 and top_j (-inf for the others)."""
+        ask = once & (counts != 0) & (counts != top_j)
+        tokens = np.full(h.shape, -math.inf)
+        tokens[ask] = g.cost(model, counts[ask], h[ask]).tokens
+        return tokens
+
+    best, count = low.tokens[h], np.zeros_like(top_j)  # the first of the fastest: 0, top_j, below, above
+    tried = ((top_t, top_j), (between(below), below), (between(above, above != below), above))
+    for t, i in tried:
+        faster = t > best
+        best, count = np.where(faster, t, best), np.where(faster, i, count)
+    keep = best >= top_t
+    tokens[h], j[h] = np.where(keep, best, top_t), np.where(keep, count, top_j)
+    return tokens, j
 
 
 def max_batch(
@@ -135,7 +183,7 @@ def optimize(
     work: Workload,
     hw: HardwareProfile,
     dtype: str | None = None,
-    headroom: Headroom = Headroom(),  # noqa: B008 (frozen)
+    headroom: Headroom = Headroom(),
     batch_cap: int = 8192,
     attention: Iterable[str] = ("cpu", "gpu"),
     experts: Iterable[str] = ("gpu", "cpu"),
@@ -146,7 +194,8 @@ def optimize(
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
 ) -> Estimate:
-    """The best fitting policy; raises ValueError when nothing fits (the message says why).
+    """The best fitting policy; raises ValueError when nothing fits (the message says why), or for a
+    dtype that is not resolved ('auto').
 
     `resident`: the running gpu_expert's resident expert count (it sized its residency within its
     own budget); the search then keeps it instead of choosing one.
@@ -167,34 +216,46 @@ def optimize(
             f"the weights alone ({spec.num_parameters() / 1e9:.1f} B parameters) do not fit in "
             f"{headroom.cpu:.0%} of host memory ({hw.cpu_memory / 1e9:.0f} GB)"
         )
-    cost = PolicyCost(spec, work, hw, dtype, headroom, kv_dtype, quant)
+    model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant)
     # Policy checks the names (and the count) as the grid points' policies did
-    attention, experts = tuple(attention), tuple(experts)
-    places = [Policy(1, 1, a, x, resident or 0) for a in attention for x in experts]
-    best: tuple[float, int] | None = None  # tokens/s and batch of the best so far
-    chosen: Policy | None = None
+    places = [Policy(1, 1, a, x, resident or 0) for a in tuple(attention) for x in tuple(experts)]
     mu_max = n_max if max_micro_batch is None else max(1, min(n_max, max_micro_batch))
-    for mu in micro_batch_sizes(mu_max) if mus is None else [m for m in mus if m <= mu_max]:
-        for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
-            n = mu * n_ub
-            for place in places:
-                att_gpu, exp_gpu = place.attention is Side.DEVICE, place.experts is Side.DEVICE
-                for r_c in KV_GPU_FRACTIONS if att_gpu else (0.0,):
-                    if resident is None:
-                        # a point that provably loses to the best so far would not have replaced
-                        # it: skipping it leaves the same best (the same sequence of bests)
-                        if _cannot_beat(cost.ceiling(n, mu, att_gpu, exp_gpu, r_c), n, best):
-                            continue
-                        found = best_resident(cost, n, mu, att_gpu, exp_gpu, r_c)
-                    else:  # one count, one estimate: nothing to save
-                        point = cost(n, mu, att_gpu, exp_gpu, resident, r_c)
-                        found = (point, resident) if point[4] <= cost.cpu_capacity else None
-                    if found is not None and _beats(found[0][0], n, best):
-                        best = (found[0][0], n)
-                        chosen = Policy(n, mu, place.attention, place.experts, found[1], r_c)
-    if chosen is None:
+    points = [
+        (mu * n_ub, mu)
+        for mu in (micro_batch_sizes(mu_max) if mus is None else [m for m in mus if m <= mu_max])
+        for n_ub in (micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max])
+    ]
+    g = make_grid(points, [(p.attention is Side.DEVICE, p.experts is Side.DEVICE) for p in places])
+    if resident is None:
+        tokens, counts = best_resident(model, g)
+    else:  # one count for every point
+        point = g.cost(model, resident)
+        tokens = np.where(point.cpu_bytes <= model.cpu_capacity, point.tokens, -math.inf)
+        counts = np.full(tokens.shape, resident)
+    best: tuple[float, int] | None = None  # tokens/s and batch of the best so far
+    chosen = -1
+    fitting = np.flatnonzero(tokens > -math.inf)
+    # Most points cannot replace the best so far; left out, they leave the same sequence of bests.
+    # Once a point is seen the best is at most a tie (rel 1e-9) below it, and each later change either
+    # rises or drops by at most a tie: with P points the best stays above the earlier points' largest
+    # throughput times (1 - 1e-9)^(P+1), so a point a tie below that cannot beat it (2x for rounding).
+    seen = np.maximum.accumulate(np.concatenate(([-math.inf], tokens[fitting][:-1])))
+    fitting = fitting[tokens[fitting] >= seen * (1 - 2e-9 * (len(fitting) + 2))]
+    for i, t, n in zip(fitting.tolist(), tokens[fitting].tolist(), g.n[fitting].tolist(), strict=True):
+        if _beats(t, n, best):
+            best, chosen = (t, n), i
+    if chosen < 0:
         raise ValueError("no policy fits: the dense weights and one micro-batch exceed device memory")
-    return estimate(spec, work, hw, chosen, dtype, headroom, kv_dtype, quant)
+    side = {True: Side.DEVICE, False: Side.HOST}
+    policy = Policy(
+        int(g.n[chosen]),
+        int(g.mu[chosen]),
+        side[bool(g.att_gpu[chosen])],
+        side[bool(g.exp_gpu[chosen])],
+        int(counts[chosen]),
+        float(g.r_c[chosen]),
+    )
+    return estimate(spec, work, hw, policy, dtype, headroom, kv_dtype, quant)
 
 
 def brute_force(
@@ -204,7 +265,7 @@ def brute_force(
     mus: Iterable[int],
     n_ubs: Iterable[int],
     dtype: str | None = None,
-    headroom: Headroom = Headroom(),  # noqa: B008
+    headroom: Headroom = Headroom(),
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
 ) -> Estimate | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lightning.hrm.costmodel import NO_QUANT
+from moe_lightning.hrm.layercost import NO_QUANT
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantScheme, scheme_of
 from moe_lightning.weights import ExpertWeights

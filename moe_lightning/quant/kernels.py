@@ -1,8 +1,15 @@
-"""y = x @ W^T for quantized W, by whichever kernel is fastest for the shape on this machine.
+"""y = x @ W^T by whichever kernel is fastest for the shape on this machine, and the quantized W
+(QuantizedLinear: a layer's tensors, in the formats of scheme.py) it runs over.
 
-The kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the int4 "tinygemm"
-kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+), and
-dequantize-then-GEMM everywhere. None is fastest everywhere (on the 2-core AVX2 dev VM the int8
+For dense W the choice is the operand order (dense_linear). CPU BLAS (oneDNN/MKL in torch) is slow
+for x @ W^T when x has few rows: on the 2-core dev VM an expert FFN with 4-64 tokens ran ~2x faster
+as the weight-major product W @ x^T (same FLOPs, the weight streamed once in its stored row-major
+order). From ~128 rows on both orders are alike, and GPUs do not need the trick. The result is a
+transposed view; callers treat it as any (n, out) tensor.
+
+For quantized W the kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the
+int4 "tinygemm" kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+),
+and dequantize-then-GEMM everywhere. None is fastest everywhere (on the 2-core AVX2 dev VM the int8
 kernel is ~4x faster than fp32 GEMM at 8 rows with bf16 activations and 8x slower with fp32 ones;
 docs/quantization.md has the table), so the first call of each (shape, rows bucket, dtype) races
 every candidate on the real operands and keeps the winner: warm-up is when that happens.
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -24,10 +31,9 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.quant import scheme
-from moe_lightning.quant.linear import QuantizedLinear
 from moe_lightning.quant.scheme import QuantFormat
-from moe_lightning.stages.linear import dense_linear
 
+WEIGHT_MAJOR_BELOW = 128  # rows of x under which the weight-major order wins on CPU (dense_linear)
 POLICIES = ("fastest", "exact")
 MAX_BUCKET = 1024
 WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pays for a measurement
@@ -39,6 +45,77 @@ CHOSEN = Gauge(
     "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
     ["shape", "rows", "kernel"],
 )
+
+
+@dataclass(slots=True, eq=False)
+class QuantizedLinear:
+    """A quantized linear layer's tensors (an expert page; the format is in scheme.py)."""
+
+    format: QuantFormat
+    qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K/2)
+    scales: torch.Tensor  # float32 (N,) | (N, K/G)
+    zeros: torch.Tensor | None = None  # float32 (N, K/G) (int4)
+    perm: torch.Tensor | None = None  # int32 (P, K): input order of each of P row blocks (act order)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * (2 if self.format is QuantFormat.INT4 else 1)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1] if self.scales.dim() == 2 else self.in_features
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    def components(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "qweight", self.qweight
+        yield "scales", self.scales
+        if self.zeros is not None:
+            yield "zeros", self.zeros
+        if self.perm is not None:
+            yield "perm", self.perm
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        for _, t in self.components():
+            yield t
+
+    def rows(self, start: int, stop: int) -> QuantizedLinear:
+        """Output rows [start, stop) as views (no perm: the caller applies it)."""
+        return QuantizedLinear(
+            self.format,
+            self.qweight[start:stop],
+            self.scales[start:stop],
+            None if self.zeros is None else self.zeros[start:stop],
+        )
+
+    def to(self, device: torch.device | str) -> QuantizedLinear:
+        moved = {name: t.to(device) for name, t in self.components()}
+        return QuantizedLinear(self.format, **moved)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) weight it stands for, columns in the model's order."""
+        return dequantize(self, dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (M, K) -> (M, N) in x's dtype, by the kernel chosen for this shape."""
+        return quantized_linear(x, self)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: (n, in), weight: (out, in) -> (n, out), in the faster operand order (see the module doc)."""
+    if x.device.type == "cpu" and x.shape[0] < WEIGHT_MAJOR_BELOW:
+        return (weight @ x.T).T
+    return x @ weight.T
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moe_lightning.quant.gptq_config import read_gptq_config
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme, parse_quantize
 
 
 def resolve_scheme(model_dir: str | Path, quantize: str = "auto", group_size: int = 128) -> QuantScheme:
     """auto: the checkpoint's own format (a GPTQ checkpoint's int4, else none). A quantized checkpoint
     loads only in its own format: widening it back or quantizing twice would lose what it holds."""
-    from moe_lightning.quant.gptq import read_gptq_config
-
     gptq = read_gptq_config(model_dir)
     if gptq is None:
         return QuantScheme() if quantize == "auto" else parse_quantize(quantize, group_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lightning.quant.linear import QuantizedLinear
+from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 
 

@@ -13,6 +13,11 @@ backlog cancellation, which used to be that bound, is raised out of its way: pen
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_lightning.config.service import ServiceConfig
+
 import asyncio
 import signal
 import threading
@@ -249,7 +254,7 @@ class AioServiceRuntime(ServiceHooks):
 
 
 def serve_aio(
-    args: Any,
+    config: ServiceConfig,
     owner: str,
     service: str,
     add_fn: Callable[[Any, Any], None],
@@ -266,9 +271,9 @@ def serve_aio(
     the metrics port beside /metrics (beyond loopback only with the API's token, metrics_http.py);
     `concurrency`: the calls it takes at once (after the token check: a caller without one is refused
     as UNAUTHENTICATED however busy the server is)."""
-    log, credentials, _ = prepare_process(args, owner, service)  # the public API checks no internal secret
+    log, credentials, _ = prepare_process(config, owner, service)  # the public API checks no internal secret
     interceptors: tuple[grpc.aio.ServerInterceptor, ...] = (
-        (AioBearerTokenInterceptor(args.auth_token),) if getattr(args, "auth_token", None) else ()
+        (AioBearerTokenInterceptor(config.auth_token),) if getattr(config, "auth_token", None) else ()
     )
     if concurrency is not None:
         interceptors = (*interceptors, concurrency)
@@ -276,15 +281,15 @@ def serve_aio(
     async def life() -> int:
         runtime = AioServiceRuntime(
             service,
-            args.address,
-            args.metrics_port,
-            args.metrics_host,
+            config.address,
+            config.metrics_port,
+            config.metrics_host,
             grace_seconds,
             credentials,
             interceptors,
             max_receive_bytes,
             pages,
-            getattr(args, "auth_token", None),
+            getattr(config, "auth_token", None),
             concurrency.limit if concurrency is not None else None,
         )
         runtime.add_service(add_fn, servicer, service)

@@ -13,7 +13,7 @@ import hmac
 import ipaddress
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import structlog
@@ -99,7 +99,7 @@ class BearerTokenInterceptor(_MetadataTokenInterceptor):
 
 
 class InternalTokenInterceptor(_MetadataTokenInterceptor):
-    """Requires the internal services' shared secret (sent by `upstream.open_channel`)."""
+    """Requires the internal services' shared secret (sent by `with_internal_token`)."""
 
     def __init__(self, token: str) -> None:
         if not token:
@@ -110,6 +110,57 @@ class InternalTokenInterceptor(_MetadataTokenInterceptor):
             f"missing or wrong internal token: internal services take calls only from a process started "
             f"with the same --internal-token ({INTERNAL_TOKEN_ENV})",
         )
+
+
+# The internal services' shared secret this process sends (set once at start-up by
+# internal_guard from --internal-token); None: send nothing.
+_internal_token: str | None = None
+
+
+def set_internal_token(token: str | None) -> None:
+    global _internal_token
+    _internal_token = token or None
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _SendInternalToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds the internal secret to every call of every kind on a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = [*(d.metadata or ()), (INTERNAL_METADATA_KEY, self._token)]
+        return _CallDetails(
+            d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None), d.compression
+        )
+
+    def _call(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    intercept_unary_unary = intercept_unary_stream = _call
+    intercept_stream_unary = intercept_stream_stream = _call
+
+
+def with_internal_token(channel: grpc.Channel) -> grpc.Channel:
+    """`channel` sending this process's internal secret, if it has one, on every call (what
+    `upstream.open_channel` gives every channel it opens)."""
+    if _internal_token:
+        return grpc.intercept_channel(channel, _SendInternalToken(_internal_token))
+    return channel
 
 
 def is_unix(address: str) -> bool:
@@ -159,9 +210,8 @@ def internal_guard(args: Any, service: str) -> tuple[grpc.ServerInterceptor, ...
     shared secret (SystemExit, saying how to fix it), makes the default socket directory private,
     sets the secret this process sends to the services it calls, and returns the interceptor that
     checks it (none without a secret)."""
-    from moe_lightning.flags import default_socket_dir
+    from moe_lightning.config.service import default_socket_dir
     from moe_lightning.service.names import GENERATION
-    from moe_lightning.service.upstream import set_internal_token
 
     token = getattr(args, "internal_token", None) or None
     set_internal_token(token)

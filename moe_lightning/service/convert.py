@@ -11,12 +11,12 @@ import grpc
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.arena_layout import ArenaLayout, Page
-from moe_lightning.hrm.measurements import Measurements
+from moe_lightning.hrm.roofs import Measurements
 from moe_lightning.placement import Placement, Side
-from moe_lightning.plan import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.timeline import Event
 
 _E = TypeVar("_E")

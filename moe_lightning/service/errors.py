@@ -23,10 +23,6 @@ class NotReadyError(ServiceError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class NotFoundError(ServiceError):
-    code = grpc.StatusCode.NOT_FOUND
-
-
 class ResourceExhaustedError(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -8,6 +8,11 @@ accepting, lets in-flight calls finish within the grace period, then runs the cl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moe_lightning.config.service import ServiceConfig
+
 import signal
 import threading
 from collections.abc import Callable, Mapping
@@ -155,7 +160,7 @@ def _safe(fn: Callable[[], None], log: Any) -> None:
 
 
 def prepare_process(
-    args: Any, owner: str, service: str, keep_segments: tuple[str, ...] = ()
+    config: ServiceConfig, owner: str, service: str, keep_segments: tuple[str, ...] = ()
 ) -> tuple[Any, grpc.ServerCredentials | None, tuple[grpc.ServerInterceptor, ...]]:
     """What every service main does before its server exists, threaded or asyncio: logging, torch
     threads, the internal secret it sends and (an internal service) checks (auth.internal_guard: one
@@ -164,29 +169,29 @@ def prepare_process(
     logger, the credentials and the internal-secret interceptors."""
     from moe_lightning.service.auth import internal_guard
     from moe_lightning.service.logs import configure_logging
-    from moe_lightning.shm import sweep_stale
+    from moe_lightning.shm.segment import sweep_stale
 
-    log = configure_logging(owner, args.log_level, args.log_json or None)
-    guard = internal_guard(args, service)
-    threads = getattr(args, "threads", 0)
+    log = configure_logging(owner, config.log_level, config.log_json or None)
+    guard = internal_guard(config, service)
+    threads = getattr(config, "threads", 0)
     if threads > 0:
         import torch
 
         torch.set_num_threads(threads)
-    for name in sweep_stale(args.run_id, owner=owner, at_startup=True, keep=keep_segments):
+    for name in sweep_stale(config.run_id, owner=owner, at_startup=True, keep=keep_segments):
         log.warning("swept_stale_segment", name=name)
     credentials = None
-    if getattr(args, "tls_cert", None) or getattr(args, "tls_key", None):
+    if getattr(config, "tls_cert", None) or getattr(config, "tls_key", None):
         from moe_lightning.service.auth import server_credentials
 
-        if not (args.tls_cert and args.tls_key):
+        if not (config.tls_cert and config.tls_key):
             raise SystemExit("--tls-cert and --tls-key go together")
-        credentials = server_credentials(args.tls_cert, args.tls_key)
+        credentials = server_credentials(config.tls_cert, config.tls_key)
     return log, credentials, guard
 
 
 def bootstrap(
-    args: Any,
+    config: ServiceConfig,
     owner: str,
     service: str,
     add_fn: Callable[[Any, grpc.Server], None],
@@ -196,16 +201,16 @@ def bootstrap(
     max_workers: int = 16,
 ) -> tuple[Any, ServiceRuntime]:
     """`prepare_process`, then a started (live, not yet ready) gRPC server with `servicer` registered."""
-    log, credentials, interceptors = prepare_process(args, owner, service, keep_segments)
-    if getattr(args, "auth_token", None):
+    log, credentials, interceptors = prepare_process(config, owner, service, keep_segments)
+    if getattr(config, "auth_token", None):
         from moe_lightning.service.auth import BearerTokenInterceptor
 
-        interceptors = (*interceptors, BearerTokenInterceptor(args.auth_token))
+        interceptors = (*interceptors, BearerTokenInterceptor(config.auth_token))
     runtime = ServiceRuntime(
         service,
-        args.address,
-        args.metrics_port,
-        args.metrics_host,
+        config.address,
+        config.metrics_port,
+        config.metrics_host,
         max_workers=max_workers,
         grace_seconds=grace_seconds,
         server_credentials=credentials,
@@ -217,7 +222,7 @@ def bootstrap(
 
 
 def serve(
-    args: Any,
+    config: ServiceConfig,
     owner: str,
     service: str,
     add_fn: Callable[[Any, grpc.Server], None],
@@ -239,7 +244,7 @@ def serve(
     `startup_failed`, the runtime stopped (hooks run), exit code 1. Others propagate, traceback and all.
     """
     log, runtime = bootstrap(
-        args,
+        config,
         owner,
         service,
         add_fn,

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.service.auth import INTERNAL_METADATA_KEY, split_host
+from moe_lightning.service.auth import split_host, with_internal_token
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
 from moe_lightning.service.names import WEIGHT_STORE
 from moe_lightning.spec import ModelSpec
@@ -37,49 +36,6 @@ class _Stoppable(Protocol):
     def stopping(self) -> bool: ...
 
 
-# The internal services' shared secret this process sends (set once at start-up by
-# auth.internal_guard from --internal-token); None: send nothing.
-_internal_token: str | None = None
-
-
-def set_internal_token(token: str | None) -> None:
-    global _internal_token
-    _internal_token = token or None
-
-
-class _CallDetails(NamedTuple):
-    method: str
-    timeout: float | None
-    metadata: Any
-    credentials: Any
-    wait_for_ready: bool | None
-    compression: Any
-
-
-class _SendInternalToken(
-    grpc.UnaryUnaryClientInterceptor,
-    grpc.UnaryStreamClientInterceptor,
-    grpc.StreamUnaryClientInterceptor,
-    grpc.StreamStreamClientInterceptor,
-):
-    """Adds the internal secret to every call of every kind on a channel."""
-
-    def __init__(self, token: str) -> None:
-        self._token = token
-
-    def _details(self, d: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = [*(d.metadata or ()), (INTERNAL_METADATA_KEY, self._token)]
-        return _CallDetails(
-            d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None), d.compression
-        )
-
-    def _call(self, continuation: Callable[..., Any], details: grpc.ClientCallDetails, request: Any) -> Any:
-        return continuation(self._details(details), request)
-
-    intercept_unary_unary = intercept_unary_stream = _call
-    intercept_stream_unary = intercept_stream_stream = _call
-
-
 def open_channel(
     address: str, tls_ca: Path | None = None, options: list[tuple[str, Any]] | None = None
 ) -> grpc.Channel:
@@ -91,9 +47,7 @@ def open_channel(
         channel = grpc.secure_channel(address, creds, options=opts)
     else:
         channel = grpc.insecure_channel(address, options=opts)
-    if _internal_token:
-        return grpc.intercept_channel(channel, _SendInternalToken(_internal_token))
-    return channel
+    return with_internal_token(channel)
 
 
 def _cert_names(cert: Path) -> list[str]:

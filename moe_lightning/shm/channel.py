@@ -269,11 +269,6 @@ class TensorChannel:
     def _slot_offset(self, index: int) -> int:
         return HEADER_BYTES + (index % self.slots) * (SLOT_META_BYTES + self.slot_bytes)
 
-    @property
-    def reserved(self) -> int:
-        """Slots reserved but not yet published."""
-        return self._next_write - self._next_publish
-
     def reserve(self, layouts: Sequence[TensorLayout], timeout: float = 30.0) -> OutgoingSlot:
         """Waits for a free slot and lays out tensors of these (dtype, shape) in it."""
         if not self.is_writer:

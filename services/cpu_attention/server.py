@@ -3,7 +3,6 @@ micro-batches handed over by the expert service through shared memory."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -12,10 +11,12 @@ import grpc
 import torch
 
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
-from moe_lightning.flags import EnvDefaultsParser, add_service_flags, add_worker_flags, internal_address, parse_size
+from moe_lightning.config.cpu_attention import CpuAttentionConfig
+from moe_lightning.config.flag import EnvDefaultsParser
+from moe_lightning.config.service import internal_address
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import cached_measurements, measure_attention_side
-from moe_lightning.hrm.measurements import Measurements
+from moe_lightning.hrm.roofs import Measurements
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb, timeline_to_pb
 from moe_lightning.service.errors import NotReadyError
@@ -76,70 +77,55 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-cpu-attention", description=__doc__)
-    add_service_flags(p, internal_address("cpu_attention"))
-    p.add_argument("--weight-store", required=True, help="address of the weight store (for the model spec)")
-    p.add_argument(
-        "--kv-cache-memory",
-        type=parse_size,
-        default=parse_size("2GiB"),
-        help="host memory for the KV cache; --kv-dtype decides how many tokens fit (bf16/fp16 hold twice fp32's)",
-    )
-    p.add_argument(
-        "--kv-dtype",
-        choices=["auto", *KV_DTYPES],
-        default="auto",
-        help="dtype K/V are stored in (attention computes in fp32 whatever it is); auto: the arena's weight dtype",
-    )
-    add_worker_flags(p)
-    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    CpuAttentionConfig.add_cli_args(p, defaults={"address": internal_address("cpu_attention")})
     return p
 
 
-def _start(args: argparse.Namespace, servicer: CpuAttentionServicer, runtime: ServiceRuntime) -> dict[str, Any]:
+def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: ServiceRuntime) -> dict[str, Any]:
     """Sizes and maps the KV cache, calibrates, starts the attention loop; the fields of `serving`."""
-    spec, manifest = fetch_manifest(args.weight_store, stop=runtime)  # the stack cannot start without a model
-    kv_name = arena_dtype(spec, manifest) if args.kv_dtype == "auto" else args.kv_dtype
+    spec, manifest = fetch_manifest(config.weight_store, stop=runtime)  # the stack cannot start without a model
+    kv_name = arena_dtype(spec, manifest) if config.kv_dtype == "auto" else config.kv_dtype
     kv_dtype = KV_DTYPES[kv_name]
-    num_blocks = PagedKVCache.blocks_in(args.kv_cache_memory, spec, args.block_size, kv_dtype, "--kv-cache-memory")
+    num_blocks = PagedKVCache.blocks_in(config.kv_cache_memory, spec, config.block_size, kv_dtype, "--kv-cache-memory")
     worker = AttentionWorker(
         spec,
         num_blocks,
-        args.block_size,
-        args.run_id,
-        handoff_slot_bytes(spec, args.max_tokens_per_handoff, "attn"),
-        slots=args.handoff_slots,
-        timeline=TimelineRecorder(args.timeline, "cpu_attention", keep=args.timeline_keep),
+        config.block_size,
+        config.run_id,
+        handoff_slot_bytes(spec, config.max_tokens_per_handoff, "attn"),
+        slots=config.handoff_slots,
+        timeline=TimelineRecorder(config.timeline, "cpu_attention", keep=config.timeline_keep),
         kv_dtype=kv_dtype,
     )
     key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}"
     measurements = cached_measurements(
         key,
         lambda: measure_attention_side(spec, kv_dtype=kv_dtype),
-        refresh=args.recalibrate,
-        cache_dir=args.profile_cache,
+        refresh=config.recalibrate,
+        cache_dir=config.profile_cache,
     )
-    servicer.ready(worker, measurements, args.max_tokens_per_handoff)
+    servicer.ready(worker, measurements, config.max_tokens_per_handoff)
     runtime.on_shutdown(worker.stop)
     worker.start()
     return {
         "kv_blocks": num_blocks,
-        "block_size": args.block_size,
-        "kv_tokens": num_blocks * args.block_size,
+        "block_size": config.block_size,
+        "kv_tokens": num_blocks * config.block_size,
         "kv_dtype": kv_name,
         "output_channel": worker.output.name,
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    config = CpuAttentionConfig.from_cli_args(build_parser().parse_args(argv))
     servicer = CpuAttentionServicer()
     return serve(
-        args,
+        config,
         "cpu_attention",
         CPU_ATTENTION,
         cpu_attention_pb2_grpc.add_CpuAttentionServicer_to_server,
         servicer,
-        lambda runtime: _start(args, servicer, runtime),
+        lambda runtime: _start(config, servicer, runtime),
     )
 
 

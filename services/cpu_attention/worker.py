@@ -22,14 +22,8 @@ from moe_lightning.handoff import (
 from moe_lightning.kv_cache import KVCacheFullError, PagedKVCache
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS, KV_USAGE, SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
-from moe_lightning.shm import (
-    ChannelClosedError,
-    ChannelTimeoutError,
-    PeerDiedError,
-    Segment,
-    TensorChannel,
-    segment_name,
-)
+from moe_lightning.shm.channel import ChannelClosedError, ChannelTimeoutError, PeerDiedError, TensorChannel
+from moe_lightning.shm.segment import Segment, segment_name
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.timeline import TimelineRecorder

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 from prometheus_client import Counter
 
-from moe_lightning.flags import link_flag_error
+from moe_lightning.config.checks import link_flag_error
 from moe_lightning.timeline import TimelineRecorder
 
 # The copy link's busy time; with moe_lightning_expert_wait_seconds_total (its exposed part) it gives

@@ -1,11 +1,10 @@
 """A gpu_expert rank other than 0: started by rank 0 (leader.py), it joins the group, builds its
-slice (worker.py) and then runs what rank 0 sends: each step on its slice, a new session when rank
+slice (rank_builder.py) and then runs what rank 0 sends: each step on its slice, a new session when rank
 0 connects, a stop at shutdown. It has no gRPC server of its own: rank 0 speaks for the group and
 reports each rank's share of a step (its bytes streamed, its time in collectives)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import struct
@@ -14,42 +13,43 @@ import structlog
 import torch
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
+from moe_lightning.config.gpu_expert import GpuExpertConfig
 from moe_lightning.service.convert import layout_from_pb, step_plan_from_pb
 from moe_lightning.service.logs import configure_logging
 from moe_lightning.service.upstream import fetch_manifest
 from moe_lightning.tensor_parallel import Shard
+from services.gpu_expert.rank_builder import build_worker, claim_device, rank_device
 from services.gpu_expert.ranks import Command, RankGroup, RankGroupError
-from services.gpu_expert.worker import build_worker, claim_device, rank_device
 
 CONNECT = struct.Struct("<qqq")  # the CONNECT payload: session, rank 0's output and input channel slots
 
 
-def rank_threads(args: argparse.Namespace, world: int) -> int:
+def rank_threads(config: GpuExpertConfig, world: int) -> int:
     """torch threads of one rank: --threads, or on a CPU device the cores shared out among the ranks."""
-    if args.threads > 0 or world == 1:
-        return args.threads
-    if torch.device(args.device).type != "cpu":
+    if config.threads > 0 or world == 1:
+        return config.threads
+    if torch.device(config.device or "cpu").type != "cpu":
         return 0
     return max(1, len(os.sched_getaffinity(0)) // world)  # the cores this process may run on
 
 
-def follower_main(args: argparse.Namespace) -> int:
-    shard = Shard(args.tp_rank, args.gpus)
-    log = configure_logging(f"gpu_expert.rank{shard.rank}", args.log_level, args.log_json or None)
+def follower_main(config: GpuExpertConfig) -> int:
+    shard = Shard(config.tp_rank, config.gpus)
+    log = configure_logging(f"gpu_expert.rank{shard.rank}", config.log_level, config.log_json or None)
     structlog.contextvars.bind_contextvars(rank=shard.rank)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # rank 0 is gone or stops us: nothing to hand back
-    if threads := rank_threads(args, shard.world):
+    if threads := rank_threads(config, shard.world):
         torch.set_num_threads(threads)
-    spec, manifest = fetch_manifest(args.weight_store)
+    spec, manifest = fetch_manifest(config.weight_store)
     layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
-    device = rank_device(args.device, shard, args.tp_same_device)
+    device = rank_device(config.device, shard, config.tp_same_device)
     claim_device(device)
     try:
         group = RankGroup(
-            spec, shard, device, args.tp_backend, args.tp_timeout, args.tp_rendezvous, args.tp_startup_timeout
+            spec, shard, device, config.tp_backend, config.tp_timeout, config.tp_rendezvous, config.tp_startup_timeout
         )
-        worker = build_worker(args, spec, manifest, layout, shard, group)
-        group.wait_all_ready(args.tp_startup_timeout)
+        worker = build_worker(config, spec, manifest, layout, shard, group)
+        group.wait_all_ready(config.tp_startup_timeout)
     except RankGroupError as exc:
         log.error("startup_failed", error=str(exc))
         return 1

@@ -23,8 +23,13 @@ from moe_lightning.handoff import AttentionHandoff, QKVHandoff, ReleaseHandoff
 from moe_lightning.kv_cache import KVCacheFullError
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.service.metrics import HANDOFF_LATENCY, HANDOFF_WORK, HANDOFFS
-from moe_lightning.shm import ChannelClosedError, ChannelTimeoutError, PeerDiedError, TensorChannel
-from moe_lightning.shm.channel import OutgoingSlot
+from moe_lightning.shm.channel import (
+    ChannelClosedError,
+    ChannelTimeoutError,
+    OutgoingSlot,
+    PeerDiedError,
+    TensorChannel,
+)
 from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
 
 

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from moe_lightning.plan import SequenceWork
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.stages import embed_tokens
 from moe_lightning.stages.attention import AttentionPlan
+from moe_lightning.step_protocol import SequenceWork
 
 
 @dataclass(slots=True)

@@ -31,9 +31,9 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from moe_lightning.plan import RankStep
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import RankStep
 from moe_lightning.tensor_parallel import Shard, kv_heads, kv_owner, query_heads
 
 T = TypeVar("T")

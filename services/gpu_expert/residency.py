@@ -12,11 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from moe_lightning.flags import format_size
-
-
-class DeviceBudgetError(ValueError):
-    """The budget cannot hold what must be on the device; raised at start, never mid-run."""
+from moe_lightning.config.checks import DeviceBudgetError, check_dense_fits
+from moe_lightning.config.units import format_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,10 +87,7 @@ def plan_residency(
         return plan(num_experts, 0, 0)
     slots = (budget - dense_bytes) // expert_bytes if budget > dense_bytes else 0
     if not stream:
-        if budget < dense_bytes:
-            raise DeviceBudgetError(
-                f"--device-memory {format_size(budget)} cannot hold the dense weights ({format_size(dense_bytes)})"
-            )
+        check_dense_fits(budget, dense_bytes)  # the launcher asked the same before it started anything
         return plan(int(slots) // len(sparse), 0, int(slots) % len(sparse))
     for r in range(num_experts - 1, -1, -1):
         ring = 2 * (num_experts - r)

@@ -3,7 +3,6 @@ and experts) and the head for each step the orchestrator sends; returns the samp
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -17,16 +16,10 @@ import torch
 from prometheus_client import Counter, Gauge
 
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
-from moe_lightning.flags import (
-    EnvDefaultsParser,
-    add_kernel_flags,
-    add_link_flags,
-    add_service_flags,
-    add_tensor_parallel_flags,
-    add_worker_flags,
-    internal_address,
-    parse_size,
-)
+from moe_lightning.config.checks import check_device_flags, check_splittable
+from moe_lightning.config.flag import EnvDefaultsParser
+from moe_lightning.config.gpu_expert import GpuExpertConfig
+from moe_lightning.config.service import internal_address
 from moe_lightning.service.convert import (
     layout_from_pb,
     measurements_to_pb,
@@ -38,12 +31,12 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import GPU_EXPERT
 from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.service.upstream import fetch_manifest
-from moe_lightning.tensor_parallel import Shard, check_splittable
+from moe_lightning.tensor_parallel import Shard
 from services.gpu_expert.follower import CONNECT, follower_main, rank_threads
 from services.gpu_expert.leader import GroupLeader
+from services.gpu_expert.rank_builder import Worker, build_worker, claim_device, rank_device
 from services.gpu_expert.ranks import Command, RankGroup, RankGroupError
 from services.gpu_expert.runner import ExpertRunner
-from services.gpu_expert.worker import Worker, build_worker, claim_device, rank_device
 
 STEP_EXIT_WAIT = 10.0  # seconds cleanup waits for a running step
 DEVICE_BYTES = Gauge("moe_lightning_device_weight_bytes", "Weight bytes held on the device")
@@ -172,68 +165,22 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-gpu-expert", description=__doc__)
-    add_service_flags(p, internal_address("gpu_expert"))
-    p.add_argument("--weight-store", required=True, help="address of the weight store")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:N]")
-    p.add_argument(
-        "--device-memory",
-        type=parse_size,
-        default=None,
-        help="device memory budget for weights and the device KV cache, e.g. 16GiB (default: the device's free "
-        "memory less what the CUDA runtime, the activations of the largest micro-batch and the head need)",
-    )
-    p.add_argument(
-        "--device-kv-memory",
-        type=parse_size,
-        default=0,
-        help="device memory for a KV cache, so the policy may place attention on the device (default 0: never)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="device KV cache block size in tokens")
-    p.add_argument(
-        "--no-overlap",
-        action="store_true",
-        help="baseline schedule: copy each layer's experts when needed, one micro-batch at a time",
-    )
-    add_worker_flags(p)
-    add_kernel_flags(p)
-    p.add_argument(
-        "--experts-placement",
-        choices=["auto", "gpu", "cpu"],
-        default="auto",
-        help="the orchestrator's --experts-placement, for what to warm up: cpu chooses the host's quantized-expert "
-        "kernels at start (otherwise they are chosen on first use, if the plan ever places experts there); "
-        "the placement in force is the one each step's plan carries",
-    )
-    add_link_flags(p)
-    p.add_argument(
-        "--residency-interval",
-        type=int,
-        default=256,
-        help="decode steps between hot-expert residency updates when experts stream (0 = never)",
-    )
-    add_tensor_parallel_flags(p)
-    p.add_argument(
-        "--count-syncs",
-        action="store_true",
-        help="count the host's synchronisations with the device in each step (CUDA; for checks: "
-        "moe_lightning_cuda_syncs_total, slower)",
-    )
+    GpuExpertConfig.add_cli_args(p, defaults={"address": internal_address("gpu_expert")})
     return p
 
 
 def _start(
-    args: argparse.Namespace, argv: Sequence[str], servicer: GpuExpertServicer, runtime: ServiceRuntime
+    config: GpuExpertConfig, argv: Sequence[str], servicer: GpuExpertServicer, runtime: ServiceRuntime
 ) -> dict[str, Any]:
     """Maps the arena, plans what stays on the device, calibrates (with N ranks: starts the others and
     forms the group first); the fields of the `serving` line."""
     log = runtime.log
-    spec, manifest = fetch_manifest(args.weight_store, stop=runtime)
+    spec, manifest = fetch_manifest(config.weight_store, stop=runtime)
     layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
-    shard = Shard(0, args.gpus)
+    shard = Shard(0, config.gpus)
     check_splittable(spec, shard.world, layout.expert_scheme())
     group = None
-    if args.tp_same_device and args.tp_backend != "gloo" and args.device.startswith("cuda"):
-        raise ValueError("--tp-same-device needs --tp-backend gloo: NCCL refuses two ranks on one device")
+    check_device_flags(config.device, config.link_bandwidth, config.tp_same_device, config.tp_backend)
     if shard.world > 1:
         if layout.ranks() != shard.world:
             raise ValueError(
@@ -242,14 +189,14 @@ def _start(
             )
         leader = GroupLeader(shard.world, argv)
         runtime.on_shutdown(lambda: leader.stop(idle=_idle(servicer)))
-        device = rank_device(args.device, shard, args.tp_same_device)
+        device = rank_device(config.device, shard, config.tp_same_device)
         claim_device(device)
-        timeouts = (args.tp_timeout, leader.rendezvous, args.tp_startup_timeout)
-        leader.group = group = RankGroup(spec, shard, device, args.tp_backend, *timeouts)
-    worker = build_worker(args, spec, manifest, layout, shard, group)
+        timeouts = (config.tp_timeout, leader.rendezvous, config.tp_startup_timeout)
+        leader.group = group = RankGroup(spec, shard, device, config.tp_backend, *timeouts)
+    worker = build_worker(config, spec, manifest, layout, shard, group)
     runtime.on_shutdown(lambda: worker.close(idle=_idle(servicer)))
     if group is not None:
-        group.wait_all_ready(args.tp_startup_timeout)
+        group.wait_all_ready(config.tp_startup_timeout)
         servicer.on_group_failure = lambda reason: leader.fail(reason, lambda r: servicer.group_failed(r, runtime))
         leader.watch(servicer.step_lock, servicer.on_group_failure)
     m = worker.measurements
@@ -281,19 +228,20 @@ def _idle(servicer: GpuExpertServicer) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
-    if args.tp_rank > 0:
-        return follower_main(args)
-    if threads := rank_threads(args, args.gpus):
-        args.threads = threads
-    servicer = GpuExpertServicer(args.max_tokens_per_handoff)
+    config = GpuExpertConfig.from_cli_args(build_parser().parse_args(argv))
+    if config.device is None:
+        config.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if config.tp_rank > 0:
+        return follower_main(config)
+    config.threads = rank_threads(config, config.gpus)
+    servicer = GpuExpertServicer(config.max_tokens_per_handoff)
     code = serve(
-        args,
+        config,
         "gpu_expert",
         GPU_EXPERT,
         gpu_expert_pb2_grpc.add_GpuExpertServicer_to_server,
         servicer,
-        lambda runtime: _start(args, argv, servicer, runtime),
+        lambda runtime: _start(config, argv, servicer, runtime),
     )
     return 1 if servicer.failed else code
 

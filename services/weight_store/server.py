@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,20 +13,15 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
-from moe_lightning.flags import (
-    EnvDefaultsParser,
-    add_quantize_flags,
-    add_service_flags,
-    internal_address,
-    positive_int,
-)
-from moe_lightning.quant.resolve import resolve_scheme
+from moe_lightning.config.checks import check_splittable, resolve_expert_scheme
+from moe_lightning.config.flag import EnvDefaultsParser
+from moe_lightning.config.service import internal_address
+from moe_lightning.config.weight_store import WeightStoreConfig
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import WEIGHT_STORE
 from moe_lightning.service.runtime import ServiceRuntime, serve
-from moe_lightning.spec import DTYPE_CHOICES, ModelSpec, resolve_dtype
-from moe_lightning.tensor_parallel import check_splittable
+from moe_lightning.spec import ModelSpec, resolve_dtype
 from moe_lightning.tokenizer import TextTokenizer
 from services.weight_store.store import ARENA, READY, LoadReport, WeightArena
 
@@ -65,29 +59,7 @@ class WeightStoreServicer(weight_store_pb2_grpc.WeightStoreServicer):
 
 def build_parser() -> EnvDefaultsParser:
     p = EnvDefaultsParser(prog="moe-lightning-weight-store", description=__doc__)
-    add_service_flags(p, internal_address("weight_store"))
-    p.add_argument("--model", required=True, type=Path, help="HF checkpoint directory")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="dtype of the arena's weights (auto: the checkpoint's 16-bit dtype when a GPU is visible, else float32)",
-    )
-    add_quantize_flags(p)
-    p.add_argument(
-        "--tensor-parallel",
-        type=positive_int,
-        default=1,
-        help="gpu_expert's ranks (its --gpus): each expert is laid out as that many slices, one range each",
-    )
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="where the converted copy is kept (default: ~/.cache/moe-lightning/arena; in a container, a volume)",
-    )
-    p.add_argument("--no-cache", action="store_true", help="neither read nor write the converted copy")
-    p.add_argument("--no-progress", action="store_true")
+    WeightStoreConfig.add_cli_args(p, defaults={"address": internal_address("weight_store")})
     return p
 
 
@@ -102,32 +74,38 @@ def default_cache_dir() -> Path | None:
 
 
 def _start_explained(
-    args: argparse.Namespace, servicer: WeightStoreServicer, runtime: ServiceRuntime
+    config: WeightStoreConfig, servicer: WeightStoreServicer, runtime: ServiceRuntime
 ) -> dict[str, Any]:
     """_start; a failure of a kind not expected from a bad checkpoint or a full /dev/shm keeps its traceback
     in the log (serve() logs only the message), since it may be a bug rather than bad input."""
     try:
-        return _start(args, servicer, runtime)
+        return _start(config, servicer, runtime)
     except (ValueError, OSError):
         raise  # CheckpointError and the like: the message names the file and says what is wrong
     except Exception:
-        structlog.get_logger().exception("startup_unexpected_error", model=str(args.model))
+        structlog.get_logger().exception("startup_unexpected_error", model=str(config.model))
         raise
 
 
-def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: ServiceRuntime) -> dict[str, Any]:
+def _start(config: WeightStoreConfig, servicer: WeightStoreServicer, runtime: ServiceRuntime) -> dict[str, Any]:
     """Fills the arena (or adopts a predecessor's); the fields of the `serving` line."""
-    spec = ModelSpec.from_pretrained(args.model)
-    tokenizer = TextTokenizer.from_model_dir(args.model)
+    c = config
+    spec = ModelSpec.from_pretrained(c.model)
+    tokenizer = TextTokenizer.from_model_dir(c.model)
     if tokenizer is not None:
-        tokenizer.check_fits(spec.vocab_size, args.model)
-    dtype = resolve_dtype(args.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    cache_dir = None if args.no_cache else args.cache_dir or default_cache_dir()
-    scheme = resolve_scheme(args.model, args.quantize, args.quantize_group_size)
-    check_splittable(spec, args.tensor_parallel, scheme)
-    arena = WeightArena(args.model, spec, dtype, cache_dir, args.run_id, scheme, args.tensor_parallel)
+        tokenizer.check_fits(spec.vocab_size, c.model)
+    dtype = resolve_dtype(c.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    cache_dir = None if c.no_cache else c.cache_dir or default_cache_dir()
+    # the launcher asked these before it started anything (config.checks.check_stack); alone, here
+    scheme = resolve_expert_scheme(spec, c.model, c.quantize, c.quantize_group_size, c.tensor_parallel)
+    if c.quantize == "int4" and c.quantize_group_size is None:
+        runtime.log.info(
+            "int4_group_size", chosen=scheme.group_size, why="the largest of 128, 64, 32 dividing every width"
+        )
+    check_splittable(spec, c.tensor_parallel, scheme)
+    arena = WeightArena(c.model, spec, dtype, cache_dir, c.run_id, scheme, c.tensor_parallel)
     runtime.on_shutdown(arena.close)  # before the load: a load that fails still releases the arena
-    report = arena.load(progress=not args.no_progress)
+    report = arena.load(progress=not c.no_progress)
     servicer.ready(arena, report)
     ARENA_BYTES.set(arena.layout.total_bytes)
     PAGES.set(len(arena.layout.pages))
@@ -137,7 +115,7 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
         "region": arena.segment.name,
         "bytes": arena.layout.total_bytes,
         "experts": scheme.key(),
-        "tensor_parallel": args.tensor_parallel,
+        "tensor_parallel": c.tensor_parallel,
         "from_cache": report.from_cache,
         "adopted": report.adopted,
         "load_seconds": round(report.seconds, 3),
@@ -145,15 +123,15 @@ def _start(args: argparse.Namespace, servicer: WeightStoreServicer, runtime: Ser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    servicer = WeightStoreServicer(args.model)
+    config = WeightStoreConfig.from_cli_args(build_parser().parse_args(argv))
+    servicer = WeightStoreServicer(config.model)
     return serve(
-        args,
+        config,
         "weight_store",
         WEIGHT_STORE,
         weight_store_pb2_grpc.add_WeightStoreServicer_to_server,
         servicer,
-        lambda runtime: _start_explained(args, servicer, runtime),
+        lambda runtime: _start_explained(config, servicer, runtime),
         # anything: a checkpoint is operator input, and whatever it makes fail (a bad file, a full /dev/shm,
         # a library's own error) must release the arena and exit 1 naming the file, not leave a segment behind
         failures=(Exception,),

@@ -19,9 +19,17 @@ from prometheus_client import Gauge
 from tqdm import tqdm
 
 from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
-from moe_lightning.quant import QuantScheme
-from moe_lightning.shm import Segment, segment_name
-from moe_lightning.shm.segment import SHM_DIR, adopt, leftover_stat, pid_alive, read_leftover, stale_segments
+from moe_lightning.quant.scheme import QuantScheme
+from moe_lightning.shm.segment import (
+    SHM_DIR,
+    Segment,
+    adopt,
+    leftover_stat,
+    pid_alive,
+    read_leftover,
+    segment_name,
+    stale_segments,
+)
 from moe_lightning.spec import ModelSpec
 
 READ_CHUNK = 256 << 20
@@ -205,10 +213,6 @@ class WeightArena:
             self.log.warning("arena_copy_failed", error=str(exc))
         finally:
             COPY_PENDING.set(0)
-
-    def wait_for_copy(self, timeout: float | None = None) -> None:
-        if self._writer is not None:
-            self._writer.join(timeout)
 
     def close(self) -> None:
         self._closing.set()

@@ -4,7 +4,6 @@ service, server.py) and every other rank (follower.py) build alike."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,23 +12,28 @@ import torch
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2
 from moe_lightning.arena import ArenaLayout, weights_from_arena
+from moe_lightning.config.checks import DeviceBudgetError, share_budget
+from moe_lightning.config.gpu_expert import GpuExpertConfig
+from moe_lightning.config.units import DeviceShare
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import cached_measurements, expert_side_key, measure_expert_side
-from moe_lightning.hrm.measurements import Measurements, simulated_link
+from moe_lightning.hrm.roofs import Measurements, simulated_link
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.quant import kernels
 from moe_lightning.service.convert import DTYPE_FROM_PB
-from moe_lightning.shm import Segment, TensorChannel, segment_name
-from moe_lightning.spec import DTYPES, ModelSpec
+from moe_lightning.shm.channel import TensorChannel
+from moe_lightning.shm.segment import Segment, segment_name
+from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import Shard, rank_spec
 from moe_lightning.timeline import TimelineRecorder
+from moe_lightning.torch_dtypes import DTYPES
 from services.gpu_expert.copy_engine import make_copy_engine
 from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.memory import default_budget
 from services.gpu_expert.pager import ExpertPager
 from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
 from services.gpu_expert.ranks import RankGroup
-from services.gpu_expert.residency import DeviceBudgetError, ResidencyPlan, plan_residency
+from services.gpu_expert.residency import ResidencyPlan, plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
 # the host's experts on a GPU box, where each GEMM is slow: decode-sized buckets at start, more on use
@@ -104,7 +108,7 @@ def _device_kv_cache(
 
 
 def build_worker(
-    args: argparse.Namespace,
+    config: GpuExpertConfig,
     spec: ModelSpec,
     manifest: weight_store_pb2.GetManifestResponse,
     layout: ArenaLayout,
@@ -112,19 +116,19 @@ def build_worker(
     group: RankGroup | None,
 ) -> Worker:
     log = structlog.get_logger()
-    device = rank_device(args.device, shard, args.tp_same_device)
+    device = rank_device(config.device, shard, config.tp_same_device)
     claim_device(device)  # again for a group's ranks (no-op); for one rank, its context on its own device
     mine = rank_spec(spec, shard)
     itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
     # rank 0 also holds the whole layer's q/k/v and attention result for the hand-off: the spec's
     budget, reserve = default_budget(
-        device, spec if shard.leads else mine, args.max_tokens_per_handoff, itemsize, head=shard.leads
+        device, spec if shard.leads else mine, config.max_tokens_per_handoff, itemsize, head=shard.leads
     )
-    if args.device_memory is not None:
-        if device.type == "cuda" and args.device_memory > budget:
-            log.warning("device_memory_above_free", asked=args.device_memory, free_less_reserve=budget)
-        budget = args.device_memory
-    elif reserve:
+    if isinstance(config.device_memory, int):
+        if device.type == "cuda" and config.device_memory > budget:
+            log.warning("device_memory_above_free", asked=config.device_memory, free_less_reserve=budget)
+        budget = config.device_memory
+    elif reserve and config.device_memory is None:
         log.info("device_memory_default", budget=budget, kept_back=reserve)
     arena = Segment.attach(manifest.region)
     closers: list[Callable[[bool], None]] = [lambda idle: arena.close()]
@@ -139,7 +143,10 @@ def build_worker(
         dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
     else:  # the rank's slices of the dense weights (and the head on rank 0)
         dense_bytes = weights.nbytes() - spec.total_experts * expert_bytes
-    weight_budget = budget - args.device_kv_memory
+    if isinstance(config.device_memory, DeviceShare):  # the dense weights and that share of the experts
+        budget = share_budget(config.device_memory, dense_bytes, expert_bytes, spec.total_experts)
+        budget += config.device_kv_memory
+    weight_budget = budget - config.device_kv_memory
     shape = (spec.num_layers, spec.num_experts, expert_bytes, dense_bytes, weight_budget)
     try:
         residency = plan_residency(*shape, dense_layers=spec.dense_layers)
@@ -147,41 +154,41 @@ def build_worker(
         residency = plan_residency(*shape, stream=False, dense_layers=spec.dense_layers)
         log.warning("no_streaming_buffer", reason=str(exc), experts_placement="host only")
     name = "gpu_expert" if shard.world == 1 else f"gpu_expert.rank{shard.rank}"
-    timeline = TimelineRecorder(args.timeline, name, keep=args.timeline_keep if shard.leads else 0)
+    timeline = TimelineRecorder(config.timeline, name, keep=config.timeline_keep if shard.leads else 0)
     closers.append(lambda idle: timeline.close())
-    engine = make_copy_engine(device, timeline, args.link_bandwidth)
-    pager = ExpertPager(weights, residency, device, timeline, lookahead=not args.no_overlap, engine=engine)
+    engine = make_copy_engine(device, timeline, config.link_bandwidth)
+    pager = ExpertPager(weights, residency, device, timeline, lookahead=not config.no_overlap, engine=engine)
     closers.append(lambda idle: pager.close())
-    kv = _device_kv_cache(mine, device, weights.layers[0].wo.dtype, args.device_kv_memory, args.block_size)
+    kv = _device_kv_cache(mine, device, weights.layers[0].wo.dtype, config.device_kv_memory, config.block_size)
     output, link = None, None
     if shard.leads:
         output = TensorChannel.create(
-            segment_name(args.run_id, "gpu_expert", "qkv"),
-            args.handoff_slots,
-            handoff_slot_bytes(spec, args.max_tokens_per_handoff, "qkv"),
+            segment_name(config.run_id, "gpu_expert", "qkv"),
+            config.handoff_slots,
+            handoff_slot_bytes(spec, config.max_tokens_per_handoff, "qkv"),
         )
         link = HandoffLink(output, device)
         closers.append(lambda idle: link.close(unpin=idle))
     # as it computes: resident, else buffer slots, else on the host
     experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
-    kernels.configure(args.expert_kernels)
+    kernels.configure(config.expert_kernels)
     scheme = layout.expert_scheme()
     dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
     if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
         kernels.warm_up([experts[0].w13, experts[0].w2], dtype)
         host = weights.layers[first].experts[0]  # computed where it lives, when experts are placed there
-        if rows := host_warm_up_rows(args.experts_placement, residency, host.device != experts[0].device):
+        if rows := host_warm_up_rows(config.experts_placement, residency, host.device != experts[0].device):
             kernels.warm_up([host.w13, host.w2], dtype, max_rows=rows)
         log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
     dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
     measurements = cached_measurements(
         expert_side_key(device, dtype, mine, scheme),
         lambda: measure_expert_side(experts, str(device), budget, dtype=dtype, dense=dense, scheme=scheme),
-        refresh=args.recalibrate,
-        cache_dir=args.profile_cache,
+        refresh=config.recalibrate,
+        cache_dir=config.profile_cache,
     )
-    if args.link_bandwidth is not None:  # the simulated link is the link the planner must see (not cached)
-        measurements = simulated_link(measurements, args.link_bandwidth)
+    if config.link_bandwidth is not None:  # the simulated link is the link the planner must see (not cached)
+        measurements = simulated_link(measurements, config.link_bandwidth)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the calibration buffers' blocks go back to the device for activations
     runner = ExpertRunner(
@@ -191,12 +198,11 @@ def build_worker(
         link,
         pager,
         kv,
-        residency_interval=args.residency_interval,
+        residency_interval=config.residency_interval,
         timeline=timeline,
-        overlap=not args.no_overlap,
-        count_syncs=args.count_syncs,
-        shard=shard,
-        group=group,
+        overlap=not config.no_overlap,
+        count_syncs=config.count_syncs,
+        group=group,  # the shard is the group's (one rank alone: SOLO)
     )
     log.info(
         "residency",

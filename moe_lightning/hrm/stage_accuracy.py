@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moe_lightning.hrm.costmodel import Estimate
-from moe_lightning.plan import StepTimings
+from moe_lightning.step_protocol import StepTimings
 
 # row -> the cost-model stages (stage_seconds keys, per layer) it sums; "layer" is layer_seconds
 PREDICTED_STAGES: dict[str, tuple[str, ...]] = {

@@ -1,0 +1,30 @@
+"""Every value set a flag, an environment variable or a config field may take, defined once.
+
+Parsers, the services' configs and the code that resolves `auto` all read these tuples; a test
+(tests/test_config_flags.py) fails when a parser offers a different set. No torch here: the command
+line, the planner and the HTTP gateway import this without paying torch's import.
+"""
+
+from __future__ import annotations
+
+AUTO = "auto"
+
+# the weights' and KV cache's floating-point dtypes (torch attribute names)
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_CHOICES = (AUTO, *DTYPE_NAMES)  # auto: by device (moe_lightning.spec.resolve_dtype)
+KV_DTYPE_CHOICES = (AUTO, *DTYPE_NAMES)  # auto: the weights' dtype
+
+# the expert pages' format (docs/quantization.md)
+QUANTIZE_FORMATS = ("none", "int8", "int4")
+QUANTIZE_CHOICES = (AUTO, *QUANTIZE_FORMATS)  # auto: the checkpoint's own (int4 for GPTQ, else none)
+INT4_GROUP_SIZES = (128, 64, 32)  # tried in this order when no group size is given
+PER_ROW_GROUP = -1  # one int4 group per row
+
+# where attention and non-resident experts run (docs/hrm.md); auto: the HRM picks
+ATTENTION_PLACEMENTS = (AUTO, "cpu", "gpu")
+EXPERTS_PLACEMENTS = (AUTO, "gpu", "cpu")
+
+EXPERT_KERNELS = ("fastest", "exact")  # gpu_expert's quantized GEMMs
+TP_BACKENDS = (AUTO, "nccl", "gloo")  # the ranks' all-reduces; auto: NCCL on CUDA, gloo on CPU
+DEVICE_TYPES = ("cpu", "cuda")  # a device is one of these, cuda with an optional :index
+LOG_LEVELS = ("debug", "info", "warning", "error")

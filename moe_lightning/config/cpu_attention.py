@@ -1,0 +1,19 @@
+"""cpu_attention's config: its KV cache on the host, and the worker flags it shares with gpu_expert."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moe_lightning.config import flags
+from moe_lightning.config.flag import REQUIRED, option
+from moe_lightning.config.service import ServiceConfig, WorkerConfig
+
+DEFAULT_KV_CACHE_MEMORY = 2 << 30
+
+
+@dataclass(kw_only=True)
+class CpuAttentionConfig(WorkerConfig, ServiceConfig):
+    weight_store: str = option(flags.WEIGHT_STORE, REQUIRED)
+    kv_cache_memory: int = option(flags.KV_CACHE_MEMORY, DEFAULT_KV_CACHE_MEMORY)
+    kv_dtype: str = option(flags.KV_DTYPE, "auto")  # auto: the arena's weight dtype (the manifest says it)
+    block_size: int = option(flags.BLOCK_SIZE, 16)

@@ -1,0 +1,349 @@
+"""The per-layer decode cost of the Hierarchical Roofline Model: the one formula.
+
+Each resource has a roofline: time = max(flops / peak, bytes / bandwidth); data that crosses the
+host-device link pays bytes / link bandwidth. With CGOPipe overlapping the three resources, a layer
+takes as long as its slowest resource plus the pipeline fill (one micro-batch's share of the other
+compute resource); throughput is N / (L * that). When the "device" is the host itself (a CPU-only
+run) nothing overlaps: the device and host times add and there is no link.
+
+Symbols (docs/design.md): h1 hidden, h2 expert intermediate, E experts, k top-k, nh/nkv heads, d head
+dim, s prompt length, n generation length, b bytes per weight, N batch, mu micro-batch, n_ub = N / mu.
+
+Expert pages may be quantized (`quant`, a QuantScheme): a page then holds its weights at
+`quant.bytes_per_weight` (scales and zeros included) while the dense weights stay in the model dtype.
+That changes what the link carries, what the memories hold and what the expert GEMM reads; its speed
+per kernel is in hrm/kernels.py.
+
+CostModel.layer() takes the policy as Python scalars or as numpy arrays that broadcast: estimate()
+asks it for one policy, the search (hrm/optimizer.py) for a whole grid at once, so the two cannot
+disagree. Scalars run on Python's operators (numpy's per-call cost would be most of estimate()'s time),
+arrays on numpy's, through the same expressions. Only operations whose result IEEE 754 fixes appear
+(+ - * / correctly rounded; max, min, ceil, selection exact), so a grid's element is the scalar
+policy's value to the bit (the search breaks ties with a tolerance: an ulp could tip one). The one
+power, (1 - k/E)^mu, is Python's in both, as numpy's SIMD pow may round differently from libm's.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+from moe_lightning.config.choices import DTYPE_NAMES
+from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.kernels import KernelRoof, expert_kernels
+from moe_lightning.quant.scheme import QuantScheme
+from moe_lightning.spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    prompt_len: float  # s: average prompt tokens
+    gen_len: int  # n: tokens generated per request
+
+    def __post_init__(self) -> None:
+        if self.prompt_len <= 0 or self.gen_len <= 0:
+            raise ValueError("prompt length and generation length must be positive")
+
+    @property
+    def avg_context(self) -> float:
+        """Average attended context over the decode: s + n/2."""
+        return self.prompt_len + self.gen_len / 2
+
+    @property
+    def max_context(self) -> float:
+        return self.prompt_len + self.gen_len
+
+
+@dataclass(frozen=True, slots=True)
+class Headroom:
+    gpu: float = 0.86  # usable share of device memory (the reference's value)
+    cpu: float = 0.80  # usable share of host memory
+
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # keyed by config/choices.py DTYPE_NAMES
+NO_QUANT = QuantScheme()  # expert pages in the model dtype
+Values = float | np.ndarray  # one policy's number, or a grid's
+
+
+class _Ops(NamedTuple):
+    """What the formula needs beyond + - * /, for Python scalars or for numpy arrays."""
+
+    maximum: Callable[[Any, Any], Any]
+    minimum: Callable[[Any, Any], Any]
+    ceil: Callable[[Any], Any]
+    where: Callable[[Any, Any, Any], Any]  # both values already computed
+    invert: Callable[[Any], Any]  # of a condition
+    take: Callable[[list[float], Any], Any]  # values[index]
+
+
+SCALARS = _Ops(max, min, math.ceil, lambda c, x, y: x if c else y, operator.not_, operator.getitem)
+ARRAYS = _Ops(np.maximum, np.minimum, np.ceil, np.where, np.logical_not, lambda v, i: np.asarray(v)[i])
+
+
+def dtype_bytes(name: str, what: str = "dtype") -> int:
+    """Bytes per element of a resolved dtype. 'auto' is the commands' to resolve (by device) before
+    planning: the model cannot guess it, so it says so instead of failing on a lookup."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"the HRM needs a resolved {what}, one of {', '.join(DTYPE_NAMES)}; got {name!r}")
+    return DTYPE_BYTES[name]
+
+
+def distinct_experts(tokens: float, spec: ModelSpec) -> float:
+    """Expected experts touched by `tokens` tokens routing uniformly to top-k of E."""
+    e, k = spec.num_experts, spec.top_k
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def sparse_share(spec: ModelSpec) -> float:
+    """The share of layers with experts; the rest (Qwen-MoE's dense layers) run one dense MLP. The
+    model is per layer, so per-layer expert and MLP work is this share's average over all layers."""
+    return spec.num_sparse_layers / spec.num_layers
+
+
+def page_bytes_per_weight(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> float:
+    """Average bytes per weight of an expert page: w13 (2I, D) has D inputs per row, w2 (D, I) has I."""
+    h1, h2 = spec.hidden_size, spec.intermediate_size
+    return (2 * quant.bytes_per_weight(h1, b) + quant.bytes_per_weight(h2, b)) / 3
+
+
+def weight_bytes(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> dict[str, float]:
+    h1, h2, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
+    pb = page_bytes_per_weight(spec, b, quant)
+    attn = h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
+    f = sparse_share(spec)
+    # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device; so
+    # does a dense layer's MLP
+    ffn_dense = f * (e * h1 + 3 * h1 * spec.shared_expert_size) + (1 - f) * 3 * h1 * spec.dense_intermediate_size
+    return {
+        "expert": 3 * h1 * h2 * pb,  # one expert page
+        "layer_experts": 3 * h1 * h2 * e * pb,  # W_l of a sparse layer
+        "layer_dense": (attn + 2 * h1 + ffn_dense) * b,  # averaged over the layers
+        "embed_head": spec.vocab_size * h1 * b * (1 if spec.tie_word_embeddings else 2) + h1 * b,
+    }
+
+
+class Stage(NamedTuple):
+    seconds: Values  # per layer
+    present: Values  # whether the policy has this stage (estimate() lists only those)
+    work: tuple[Values, Values] | None = None  # (flops, bytes) of a compute stage, for the roofline plot
+    link_bytes: Values | None = None  # what a link stage carries
+
+
+class LayerCost(NamedTuple):
+    """One policy's (or, element by element, a grid's) verdict."""
+
+    stages: dict[str, Stage]  # in the order the resources sum them
+    kernels: dict[str, Values]  # expert stage -> index into CostModel.kernels[stage]
+    gpu: Values  # each resource's total per layer
+    cpu: Values
+    link: Values
+    layer: Values  # seconds per layer
+    tokens: Values  # tokens per second
+    gpu_bytes: Values
+    cpu_bytes: Values
+    kv_host_bytes: Values  # the part of cpu_bytes that is the host KV cache
+
+
+def _pick(
+    ops: _Ops, kernels: tuple[KernelRoof, ...], flops: Values, weights: Values, peak: float, bw: float
+) -> tuple[Values, Values, tuple[Values, Values]]:
+    """The stage's time by the fastest kernel (the first of the fastest, as the services pick by
+    measuring), that kernel's index, and the work as the dense roofs see it (flops over the kernel's
+    share of the peak, the bytes it moves). Ranked by the stage's own roof: KernelRoof.seconds groups
+    the division differently, the same ranking for shares of the peak that are powers of 2 (1, 0.25)."""
+    first, *others = kernels
+    work = flops / first.flops, weights * first.traffic
+    best, idx = ops.maximum(work[0] / peak, work[1] / bw), 0
+    for i, kernel in enumerate(others, 1):
+        f, nbytes = flops / kernel.flops, weights * kernel.traffic
+        t = ops.maximum(f / peak, nbytes / bw)
+        faster = t < best
+        best, idx = ops.where(faster, t, best), ops.where(faster, i, idx)
+        work = (ops.where(faster, f, work[0]), ops.where(faster, nbytes, work[1]))
+    return best, idx, work
+
+
+class CostModel:
+    """What every policy of one (spec, workload, machine, dtypes, headroom, page format) shares,
+    derived once; layer() adds the policy. `dtype`: the weights' (default the spec's), also the device
+    KV cache's; `kv_dtype`: the host KV cache's (cpu_attention's --kv-dtype; default the weights')."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        work: Workload,
+        hw: HardwareProfile,
+        dtype: str | None,
+        headroom: Headroom,
+        kv_dtype: str | None = None,
+        quant: QuantScheme = NO_QUANT,
+    ) -> None:
+        self.spec, self.work, self.hw, self.quant = spec, work, hw, quant
+        self.b = b = dtype_bytes(dtype or spec.dtype)
+        kv_b = dtype_bytes(kv_dtype, "kv_dtype") if kv_dtype else b
+        self.w = weight_bytes(spec, b, quant)
+        page_bpw = page_bytes_per_weight(spec, b, quant)
+        self.kv_host_token = 2 * spec.kv_size * kv_b  # K and V of one token in one layer, host cache
+        self.kv_device_token = 2 * spec.kv_size * b  # ... device cache (in the weights' dtype)
+        self.total_experts = spec.total_experts
+        self.kernels = {  # one machine: the expert GEMM's calibrated roofs are the device-side ones
+            "gpu_experts": expert_kernels(hw, quant, b, page_bpw, True),
+            "cpu_experts": expert_kernels(hw, quant, b, page_bpw, hw.shared_host_device),
+        }
+        self.gpu_capacity = headroom.gpu * (hw.cpu_memory if hw.shared_host_device else hw.gpu_memory)
+        self.cpu_capacity = headroom.cpu * hw.cpu_memory
+
+    def _distinct(self, tokens: Values) -> Values:
+        """distinct_experts() per element, its power by Python's (see the module's docstring)."""
+        if not isinstance(tokens, np.ndarray):
+            return distinct_experts(tokens, self.spec)
+        values, inverse = np.unique(tokens, return_inverse=True)
+        touched = np.array([distinct_experts(int(t), self.spec) for t in values.ravel()])
+        return touched[inverse].reshape(np.shape(tokens))
+
+    def layer(
+        self,
+        n: npt.ArrayLike,
+        mu: npt.ArrayLike,
+        att_gpu: npt.ArrayLike,
+        exp_gpu: npt.ArrayLike,
+        resident: npt.ArrayLike,
+        r_c: npt.ArrayLike,
+        overlap: bool = True,
+    ) -> LayerCost:
+        """N, mu, attention on the device?, experts on the device?, resident pages (of L x E), share of
+        the KV cache on the device: scalars or arrays that broadcast. `overlap=False`: the overlap-off
+        baseline schedule (gpu_expert --no-overlap: every stage waits for the one before, a layer's
+        experts copied when it starts), where the resources' times add up."""
+        if not any(isinstance(v, np.ndarray) for v in (n, mu, att_gpu, exp_gpu, resident, r_c)):
+            return self._layer(
+                SCALARS, int(n), int(mu), bool(att_gpu), bool(exp_gpu), int(resident), float(r_c), overlap
+            )
+        types = (np.int64, np.int64, bool, bool, np.int64, np.float64)
+        args = [np.asarray(v, dtype=t) for v, t in zip((n, mu, att_gpu, exp_gpu, resident, r_c), types, strict=True)]
+        return self._layer(ARRAYS, *args, overlap)
+
+    def _layer(
+        self, ops: _Ops, n: Any, mu: Any, att_gpu: Any, exp_gpu: Any, resident: Any, r_c: Any, overlap: bool
+    ) -> LayerCost:
+        spec, hw, w, b = self.spec, self.hw, self.w, self.b
+        shared = hw.shared_host_device
+        n_ub = n // mu
+        h1, h2, k, q, kv = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.q_size, spec.kv_size
+        layers, ctx = spec.num_layers, self.work.avg_context
+        f = sparse_share(spec)
+        total = self.total_experts
+        resident = ops.minimum(resident, total)
+        streamed = (total - resident) / layers  # per layer, on average
+        # experts on the CPU: the non-resident ones compute on the host where they live, resident ones
+        # still on the device; on the GPU every expert computes there and the non-resident ones stream
+        host_share = ops.where(exp_gpu, 0.0, (total - resident) / total)
+        on_device, on_host = host_share < 1.0, host_share > 0.0
+        buffered = ops.ceil((total - resident) / spec.num_sparse_layers)  # the most a layer streams
+        gpu_roofs, cpu_roofs = (hw.gpu_flops, hw.gpu_bandwidth), (hw.cpu_flops, hw.cpu_bandwidth)
+        stages: dict[str, Stage] = {}
+
+        def roof(
+            stage: str, flops: Values, nbytes: Values, roofs: tuple[float, float], present: Any, share: float = 1.0
+        ) -> None:
+            seconds = ops.maximum(flops / roofs[0], nbytes / roofs[1]) * share
+            stages[stage] = Stage(seconds, present, (flops * share, nbytes * share))
+
+        # --- device: dense projections, router, (experts), (attention), head amortised per layer -----
+        dense_flops = 2 * n * (h1 * (q + 2 * kv) + q * h1)
+        dense_flops = dense_flops + 2 * n * (f * (h1 * spec.num_experts + 3 * h1 * spec.shared_expert_size))
+        dense_flops = dense_flops + 2 * n * (1 - f) * 3 * h1 * spec.dense_intermediate_size
+        roof("gpu_dense", dense_flops, n_ub * w["layer_dense"], gpu_roofs, True)  # each micro-batch re-reads
+        expert_flops = 2 * n * k * 3 * h1 * h2 * f
+        expert_weights = 3 * h1 * h2 * f  # weights of one expert, averaged over the layers
+        chosen: dict[str, Values] = {}  # expert stage -> its kernel's index
+        host_roofs = gpu_roofs if shared else cpu_roofs
+        for stage, weights, roofs, present, share in (
+            ("gpu_experts", n_ub * self._distinct(mu) * expert_weights, gpu_roofs, on_device, 1 - host_share),
+            # the host reads each needed expert once a step
+            ("cpu_experts", self._distinct(n) * expert_weights, host_roofs, on_host, host_share),
+        ):
+            seconds, chosen[stage], (kflops, kbytes) = _pick(ops, self.kernels[stage], expert_flops, weights, *roofs)
+            stages[stage] = Stage(seconds * share, present, (kflops * share, kbytes * share))
+        if shared:  # one memory: "streaming" is a memcpy that reads and writes every streamed expert each step
+            copy = exp_gpu & (streamed != 0)
+            stages["gpu_expert_copy"] = Stage(2 * streamed * w["expert"] / hw.gpu_bandwidth, copy)
+        attn_flops = 4 * n * ctx * q
+        roof("cpu_attention", attn_flops, n * ctx * self.kv_host_token, cpu_roofs, ops.invert(att_gpu))
+        roof("gpu_attention", attn_flops, n * ctx * self.kv_device_token, gpu_roofs, att_gpu)
+        head_bytes = spec.vocab_size * h1 * b
+        roof("gpu_head", 2 * n * h1 * spec.vocab_size, head_bytes, gpu_roofs, True, share=1 / layers)
+
+        # --- link: streamed experts, activations to/from CPU stages, KV when attention is on GPU ------
+        def over_link(stage: str, nbytes: Values, bandwidth: float, present: Any) -> None:
+            stages[stage] = Stage(nbytes / bandwidth, present, link_bytes=nbytes)
+
+        if shared:
+            # a CPU device behind a simulated link: only the expert pages are held to the link's rate
+            # (the hand-offs stay in shared memory); the memcpy above still takes the shared cores' time
+            over_link("link_weights", streamed * w["expert"], hw.h2d_bandwidth, copy & hw.simulated_link)
+        else:
+            over_link("link_weights", streamed * w["expert"], hw.h2d_bandwidth, exp_gpu)
+            over_link("link_experts_io", 2 * n * h1 * b, hw.h2d_bandwidth, ops.invert(exp_gpu) & on_host)
+            over_link("link_qkv", n * (q + 2 * kv) * b, hw.d2h_bandwidth, ops.invert(att_gpu))
+            over_link("link_attn_out", n * q * b, hw.h2d_bandwidth, ops.invert(att_gpu))
+            over_link("link_kv", (1 - r_c) * n * ctx * self.kv_host_token, hw.h2d_bandwidth, att_gpu)
+
+        # each resource sums its stages in order; a stage the policy lacks adds an exact 0
+        totals = {"gpu": 0.0, "cpu": 0.0, "link": 0.0}
+        for name, stage in stages.items():
+            side = name.split("_", 1)[0]
+            totals[side] = totals[side] + ops.where(stage.present, stage.seconds, 0.0)
+        gpu, cpu, link = totals["gpu"], totals["cpu"], totals["link"]
+        # Shared host/device: one set of cores and one memory, so compute never overlaps compute; a
+        # simulated link still runs beside it. Otherwise CGOPipe hides the smaller of CPU and GPU work
+        # behind the other only across micro-batches: one micro-batch's share of it stays exposed
+        # (pipeline fill), all of it when n_ub = 1. With overlap off nothing hides anything.
+        if not overlap:
+            layer = gpu + cpu + link
+        elif shared:
+            layer = ops.maximum(gpu + cpu, link)
+        else:
+            layer = ops.maximum(ops.maximum(gpu, cpu), link) + (gpu + cpu - ops.maximum(gpu, cpu)) / n_ub
+        running = layer > 0
+        tokens = ops.where(running, n / ops.where(running, layer * layers, 1.0), math.inf)
+
+        # --- memory -----------------------------------------------------------------------------
+        dense_all = layers * w["layer_dense"] + w["embed_head"]
+        kv_device = n * self.work.max_context * self.kv_device_token * layers
+        activations = mu * (4 * h1 + q + 2 * kv + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
+        # a kernel's per-call copies of the largest expert linear (w13, 2I x D): dequantized or
+        # repacked (one call at a time: the largest kernel's, on the side it runs)
+        scratch = {
+            stage: ops.where(stages[stage].present, ops.take(self._scratch(stage, 2 * h2 * h1), chosen[stage]), 0.0)
+            for stage in chosen
+        }
+        device_scratch = scratch["gpu_experts"]
+        if shared:
+            device_scratch = ops.maximum(device_scratch, scratch["cpu_experts"])
+        activations = activations + device_scratch
+        gpu_bytes = dense_all + activations
+        gpu_bytes = gpu_bytes + resident * w["expert"]
+        # double buffer for one layer's streamed experts
+        gpu_bytes = gpu_bytes + ops.where(exp_gpu & (buffered != 0) & (not shared), 2 * buffered * w["expert"], 0.0)
+        device_kv = r_c * kv_device + mu * self.work.max_context * self.kv_device_token
+        gpu_bytes = gpu_bytes + ops.where(att_gpu, device_kv, 0.0)
+        kv_host_bytes = (1 - r_c) * (n * self.work.max_context * self.kv_host_token * layers)
+        cpu_bytes = spec.num_sparse_layers * w["layer_experts"] + dense_all + kv_host_bytes
+        cpu_bytes = cpu_bytes + n * (q * 2 + 2 * kv) * b * 2  # staging for hand-offs
+        if shared:  # one memory: count it once, against the host
+            cpu_bytes = cpu_bytes + (activations + ops.where(att_gpu, r_c * kv_device, 0.0))
+            gpu_bytes = cpu_bytes
+        else:
+            cpu_bytes = cpu_bytes + scratch["cpu_experts"]
+        return LayerCost(stages, chosen, gpu, cpu, link, layer, tokens, gpu_bytes, cpu_bytes, kv_host_bytes)
+
+    def _scratch(self, stage: str, weights: int) -> list[float]:
+        """Each of the stage's kernels' scratch for a linear of `weights` weights."""
+        return [kernel.scratch_bytes(weights) for kernel in self.kernels[stage]]

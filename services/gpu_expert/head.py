@@ -1,0 +1,55 @@
+"""The head of a step: rank 0 samples each sequence's next token and answers for the group; the
+other ranks of a tensor-parallel group hold no LM head and answer nothing (docs/parallel.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from moe_lightning.sampling import SamplingParams, sample, token_logprobs
+from moe_lightning.spec import ModelSpec
+from moe_lightning.stages import head_logits
+from moe_lightning.step_protocol import SequenceWork
+from moe_lightning.weights import ModelWeights
+from services.gpu_expert.clock import StageClock
+from services.gpu_expert.micro_batch import MicroBatchState
+
+Samplers = dict[int, tuple[SamplingParams, torch.Generator | None]]  # each sequence's random stream
+
+
+class Head:
+    def __init__(self, spec: ModelSpec, weights: ModelWeights, samplers: Samplers, clock: StageClock) -> None:
+        self.spec, self.weights, self.samplers, self.clock = spec, weights, samplers, clock
+
+    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict]:
+        """The logits of each sequence's last row, its sampled token and log-probabilities."""
+        t0 = self.clock.mark()
+        hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
+        logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
+        chosen = [self.samplers[w.seq_id] for w in works]
+        tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
+        logprobs = {
+            w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
+            for b, (w, c) in enumerate(zip(works, chosen, strict=True))
+            if c[0].logprobs
+        }
+        self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
+        return tokens, logprobs
+
+    def seq_ids(self, works: list[SequenceWork]) -> list[int]:
+        return [w.seq_id for w in works]
+
+
+class NoHead:
+    """A rank other than 0: rank 0 samples and reports the step."""
+
+    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict]:
+        return [], {}
+
+    def seq_ids(self, works: list[SequenceWork]) -> list[int]:
+        return []
+
+
+def head_part(
+    leads: bool, spec: ModelSpec, weights: ModelWeights, samplers: Samplers, clock: StageClock
+) -> Head | NoHead:
+    return Head(spec, weights, samplers, clock) if leads else NoHead()
