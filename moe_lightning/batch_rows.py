@@ -4,9 +4,10 @@ the library, must not import a command module."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Any
+
+from moe_lightning.config.job import RowDefaults
 
 INT32 = (-(2**31), 2**31 - 1)  # max_new_tokens, top_k and token ids are int32 fields of GenerationInput
 UINT64 = (0, 2**64 - 1)  # the seed
@@ -71,7 +72,7 @@ def _as_token_ids(ids: Any, i: int) -> list[int]:
     return [_as_int(t, "prompt_ids", i) for t in ids]
 
 
-def row_prompt(row: dict[str, Any], defaults: argparse.Namespace, i: int) -> Any:
+def row_prompt(row: dict[str, Any], defaults: RowDefaults, i: int) -> Any:
     """Row `i` of the input as a Prompt: its own fields where it has them, else the flags'. A field of
     the wrong type is a RowError naming the row and the value, before anything is generated."""
     from moe_lightning.client import Prompt

@@ -12,7 +12,6 @@ call that comes next."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
 
+from moe_lightning.config.job import NodeJob, RowDefaults
 from moe_lightning.output_files import OutputFileError, check_output_dir, check_output_file, output_file
 
 NOBODY = 65534
@@ -543,10 +543,11 @@ def test_run_refuses_its_output_before_anything_starts(
 # --- rows of the input -----------------------------------------------------------------------------
 
 
-def _defaults() -> argparse.Namespace:
-    return argparse.Namespace(
-        max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=[], ignore_eos=False
-    )
+def _defaults() -> RowDefaults:
+    return RowDefaults(max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0, seed=None, stop=[], ignore_eos=False)
+
+
+JOB = NodeJob(_defaults(), None, None, False, 64, 0, "")
 
 
 @pytest.mark.parametrize(
@@ -568,14 +569,14 @@ def _defaults() -> argparse.Namespace:
     ],
 )
 def test_a_bad_field_names_its_row(row: dict[str, object], message: str) -> None:
-    from moe_lightning.commands.run_job import row_prompt
+    from moe_lightning.batch_rows import row_prompt
 
     with pytest.raises(ValueError, match=f"^{message}"):
         row_prompt(row, _defaults(), 17)
 
 
 def test_good_rows_convert_exactly() -> None:
-    from moe_lightning.commands.run_job import row_prompt
+    from moe_lightning.batch_rows import row_prompt
 
     p = row_prompt({"prompt_ids": [1.0, 2], "max_new_tokens": "12", "seed": 2**63, "stop": "END"}, _defaults(), 0)
     assert p.token_ids == [1, 2] and p.max_new_tokens == 12 and p.seed == 2**63
@@ -600,9 +601,9 @@ def test_the_rows_of_a_ray_part_are_checked_as_a_node_converts_them() -> None:
     from moe_lightning.cluster.parts import Part
 
     good, bad = pa.table({"prompt": ["a", "b"]}), pa.table({"prompt": ["a", "b"], "max_new_tokens": ["3", "x"]})
-    assert check_part(Part(4, 6), _defaults(), good) is None
-    assert check_part(Part(4, 6), _defaults(), bad) == "row 5: max_new_tokens must be an integer, got 'x'"
-    assert check_part(Part(4, 6), _defaults(), bad.slice(0, 1), bad.slice(1)) is not None  # a part in two blocks
+    assert check_part(Part(4, 6), JOB, good) is None
+    assert check_part(Part(4, 6), JOB, bad) == "row 5: max_new_tokens must be an integer, got 'x'"
+    assert check_part(Part(4, 6), JOB, bad.slice(0, 1), bad.slice(1)) is not None  # a part in two blocks
 
 
 def test_a_ray_job_refuses_a_bad_row_before_any_stack_starts(

@@ -29,6 +29,7 @@ from moe_lightning.cluster.parts import (
     split,
     write_file,
 )
+from moe_lightning.config.job import NodeJob
 from moe_lightning.config.stack import StackConfig
 
 PARTS_PER_ACTOR = 2  # in flight per node: the next part's requests queue while the last finishes
@@ -66,7 +67,7 @@ def check_rows(blocks: dict[Part, Any], args: argparse.Namespace) -> None:
     import ray
 
     check = ray.remote(check_part)
-    job = ray.put(args)
+    job = ray.put(NodeJob.from_cli_args(args))
     found = ray.get([check.remote(part, job, *ds.to_arrow_refs()) for part, ds in blocks.items()])
     bad = next((why for why in found if why is not None), None)
     if bad is not None:
@@ -106,7 +107,9 @@ def run_on_ray(args: argparse.Namespace) -> int:
     for i, node in enumerate(nodes):
         stack = None if args.addr else stack_fields(args, f"{args.run_id or 'ray'}-n{i}")
         strategy = NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        actors.append(actor_cls.options(scheduling_strategy=strategy).remote(stack, args.addr, args))
+        actors.append(
+            actor_cls.options(scheduling_strategy=strategy).remote(stack, args.addr, NodeJob.from_cli_args(args))
+        )
     where = ray.get([a.where.remote() for a in actors])
     sys.stderr.write(f"{len(actors)} node(s): " + ", ".join(f"{n[:8]} at {addr}" for n, addr, _ in where) + "\n")
     stats: list[dict[str, Any]] = []

@@ -4,7 +4,6 @@ batch the stack's HRM planned."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from typing import Any
@@ -13,16 +12,17 @@ import pyarrow as pa
 
 from moe_lightning.batch_rows import RowError, completion_columns, row_prompt
 from moe_lightning.cluster.parts import Part, output_dir, with_keys, write_part
+from moe_lightning.config.job import NodeJob
 
 SERVING_TIMEOUT = 300.0  # a restarting stack (a service died) comes back within this
 
 
-def part_prompts(table: pa.Table, part: Part, job: argparse.Namespace) -> list[Any]:
+def part_prompts(table: pa.Table, part: Part, job: NodeJob) -> list[Any]:
     """A part's rows as Prompts (row_prompt, each named by its row's index in the whole input)."""
-    return [row_prompt(r, job, part.start + i) for i, r in enumerate(table.to_pylist())]
+    return [row_prompt(r, job.rows, part.start + i) for i, r in enumerate(table.to_pylist())]
 
 
-def check_part(part: Part, job: argparse.Namespace, *tables: pa.Table) -> str | None:
+def check_part(part: Part, job: NodeJob, *tables: pa.Table) -> str | None:
     """The first bad field in a part's rows (the RowError's message, naming the row), or None: run by
     the driver as a Ray task per part before any stack starts (`tables`: the part's blocks, which Ray
     hands the task where they are, never through the driver)."""
@@ -34,7 +34,7 @@ def check_part(part: Part, job: argparse.Namespace, *tables: pa.Table) -> str | 
 
 
 class NodeStack:
-    def __init__(self, stack: dict[str, Any] | None, addr: str | None, job: argparse.Namespace) -> None:
+    def __init__(self, stack: dict[str, Any] | None, addr: str | None, job: NodeJob) -> None:
         """`stack`: StackConfig fields to start one on this node (stopped with the actor); else `addr`,
         a stack already running on this node (e.g. 127.0.0.1:50051 on each)."""
         import ray

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from moe_lightning.config import flags
+from moe_lightning.config.job import RowDefaults
 
 
 def token_ids(text: str) -> list[int]:
@@ -16,13 +17,7 @@ def token_ids(text: str) -> list[int]:
 
 
 def add_sampling_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
-    flags.SEED.add_to(p)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    RowDefaults.add_cli_args(p)
 
 
 def add_client_flags(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from moe_lightning.batch_rows import completion_columns, row_prompt
 from moe_lightning.commands.common import add_client_flags, add_sampling_flags, add_where_flags
 from moe_lightning.config import flags
 from moe_lightning.config.checks import link_flag_error
+from moe_lightning.config.job import RowDefaults
 from moe_lightning.config.stack import EXPOSURE, StackConfig
 
 
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         check_output_file(args.output, args.overwrite)  # before the job, not after an hour of it
         table = read_prompts(args.input)
-        prompts = [row_prompt(r, args, i) for i, r in enumerate(table.to_pylist())]
+        defaults = RowDefaults.from_cli_args(args)
+        prompts = [row_prompt(r, defaults, i) for i, r in enumerate(table.to_pylist())]
 
         def submit(addr: str) -> int:
             return _submit(args, addr, table, prompts)
