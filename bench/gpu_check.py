@@ -217,7 +217,7 @@ class GpuCheck(PhaseRunner):
         result.unlink(missing_ok=True)
         argv = [str(REPO / "bench" / "gpu_check.py"), "_offload", "--model", str(model_dir)]
         argv += ["--max-memory", str(b["weights_bytes"]), "--total-memory", str(b["total_bytes"])]
-        argv += ["--num-prompts", str(n), "--gen-len", str(a.gen_len), "--json-out", str(result)]
+        argv += ["--num-prompts", str(n), "--gen-len", str(a.gen_len), "--json", str(result)]
         # its load, out-of-memory halving and a few chunks of its batch: later chunks only repeat them
         argv += ["--seconds", str(max(10.0, min(75.0, timeout - 20)))]
         argv += ["--dtype", "float32" if a.dry_run else "bfloat16"]  # bf16 matmul is emulated on small CPUs

@@ -62,7 +62,7 @@ def main() -> int:
         f"host and device shared: {profile.shared_host_device}"
     )
     print(
-        f"policy that ran: batch {ran.batch} = {ran.num_micro_batches} x {ran.micro_batch}, attention on "
+        f"policy that ran: batch {ran.batch} = {ran.num_micro_batches} x {ran.micro_batch_size}, attention on "
         f"{ran.attention.value}, experts on {ran.experts.value}, {ran.resident_experts} of {spec.total_experts} "
         f"expert pages resident; {dec.steps:.0f} decode steps"
     )
@@ -78,7 +78,7 @@ def main() -> int:
                 {
                     "policy": {
                         "batch": ran.batch,
-                        "micro_batch": ran.micro_batch,
+                        "micro_batch": ran.micro_batch_size,
                         "attention": ran.attention.value,
                         "experts": ran.experts.value,
                         "resident_experts": ran.resident_experts,

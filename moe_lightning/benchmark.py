@@ -110,7 +110,7 @@ def run_batch(
     if "kv_cache_memory" not in stack:
         kv_dtype = cfg.kv_dtype if cfg.kv_dtype != "auto" else s.weight_dtype()  # auto: the arena's, as cpu_attention
         spec = ModelSpec.from_pretrained(model)
-        cfg.kv_cache_memory = str(kv_cache_bytes(spec, [len(p) for p in batch], gen, kv_dtype))
+        cfg.kv_cache_memory = int(kv_cache_bytes(spec, [len(p) for p in batch], gen, kv_dtype))
     s.start()
     try:
         ep = s.endpoints()

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import grpc
 
 from moe_lightning.commands import bench, demo_model, generate, plan, profile, run_job, timeline, up
-from moe_lightning.config.flag import EnvDefaultsParser
+from moe_lightning.config.flag import CommandParser, EnvDefaultsParser
 from moe_lightning.service.logs import guard_standard_streams
 
 COMMANDS = {
@@ -26,7 +26,7 @@ COMMANDS = {
 
 def build_parser() -> EnvDefaultsParser:
     parser = EnvDefaultsParser(prog="moe-lightning", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=EnvDefaultsParser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for name, module in COMMANDS.items():
         module.add_parser(sub, name)
     return parser

@@ -135,7 +135,7 @@ class InFlight:
     chunk_size: int  # prompts per BatchGenerate call
     chunks: int  # BatchGenerate calls in flight
     planned_batch: int  # the server's max_batch_size when this was decided
-    micro_batch: int  # the server's micro-batch size (0: one micro-batch)
+    micro_batch_size: int  # the server's micro-batch size (0: one micro-batch)
     max_queue: int  # requests the server lets wait (0: unknown)
     bound: str  # "planned batch", "queue" or "given"
 
@@ -145,8 +145,8 @@ class InFlight:
 
     def describe(self) -> str:
         plan = f"planned batch {self.planned_batch}"
-        if self.micro_batch:
-            plan += f" ({-(-self.planned_batch // self.micro_batch)} micro-batches x {self.micro_batch})"
+        if self.micro_batch_size:
+            plan += f" ({-(-self.planned_batch // self.micro_batch_size)} micro-batches x {self.micro_batch_size})"
         why = {
             "planned batch": f"the server's {plan}, plus one chunk so its queue never runs dry",
             "queue": f"the server's {plan}, bounded by its queue of {self.max_queue}",

@@ -106,7 +106,8 @@ class Stack:
         return self.config.compose(wiring)[name]
 
     def _args(self, name: str) -> list[str]:
-        return self.service_config(name).to_argv() + self.config.extra.get(name, [])
+        wiring = Wiring(self.addresses, self.metrics_ports, self.weight_dtype())
+        return self.config.argv(wiring)[name] + self.config.extra.get(name, [])
 
     def check(self) -> StackCheck:
         """The start-up refusals that need no process (config.checks), before any is spawned: the

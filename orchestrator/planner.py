@@ -135,7 +135,7 @@ class Planner:
         POLICY.info(
             {
                 "batch_size": str(p.batch),
-                "micro_batch_size": str(p.micro_batch),
+                "micro_batch_size": str(p.micro_batch_size),
                 "attention": p.attention,
                 "experts": p.experts,
                 "resident_experts": str(p.resident_experts),
@@ -154,8 +154,8 @@ class Planner:
             "replanned",
             reason=reason,
             **detail,
-            old_policy=f"N={old.policy.batch} mu={old.policy.micro_batch}",
-            new_policy=f"N={self.policy.batch} mu={self.policy.micro_batch}",
+            old_policy=f"N={old.policy.batch} mu={old.policy.micro_batch_size}",
+            new_policy=f"N={self.policy.batch} mu={self.policy.micro_batch_size}",
             old_tokens_per_second=round(old.tokens_per_second, 2),
             new_tokens_per_second=round(self.estimate.tokens_per_second, 2),
         )

@@ -317,7 +317,7 @@ class Scheduler:
         if self.planner.fixed_batch is None:
             self.config.max_batch_size = policy.batch
         if self.planner.fixed_micro_batch is None:
-            self.config.micro_batch_size = policy.micro_batch
+            self.config.micro_batch_size = policy.micro_batch_size
         metrics.publish_config(self.config)
         # attention placement never changes: its KV lives there
         self.batcher.placement = Placement(self.batcher.placement.attention, policy.experts)

@@ -131,14 +131,14 @@ def _start(
     kv = capacity.kv_cache(policy.attention)  # the cache attention reads: its KV lives there for good
     schedule = SchedulerConfig(
         config.max_batch_size if config.max_batch_size is not None else policy.batch,
-        config.micro_batch_size if config.micro_batch_size is not None else policy.micro_batch,
+        config.micro_batch_size if config.micro_batch_size is not None else policy.micro_batch_size,
         config.max_queue if config.max_queue is not None else default_max_queue(config.max_batch_size),
         config.max_prefill_tokens,
     )
     log.info(
         "planned",
         batch_size=policy.batch,
-        micro_batch_size=policy.micro_batch,
+        micro_batch_size=policy.micro_batch_size,
         predicted_decode_tokens_per_second=round(planner.estimate.tokens_per_second, 2),
         binding=planner.estimate.binding,
         placement=str(policy.placement),

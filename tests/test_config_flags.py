@@ -140,7 +140,7 @@ def test_the_stack_composes_the_five_and_each_reads_back_its_own(
         back = cls.from_cli_args(importlib.import_module(module).build_parser().parse_args(argv))
         assert back == dataclasses.replace(config, **{k: None for k in ("auth_token",) if hasattr(config, k)})
     gpu = stack.compose(wiring)["gpu_expert"]
-    assert isinstance(gpu, GpuExpertConfig) and gpu.device_memory == DeviceShare(0.25) and gpu.gpus == 2
+    assert isinstance(gpu, GpuExpertConfig) and gpu.device_memory == DeviceShare(25.0) and gpu.gpus == 2
 
 
 def test_an_environment_value_outside_the_choices_is_refused_naming_the_variable() -> None:
@@ -274,3 +274,49 @@ def test_the_weight_store_picks_and_logs_the_int4_group_size(tiny_model: Path) -
 
     check = check_stack(stack)
     assert check.quantize_group_size == 64 and "group size 64" in check.notes[0]
+
+
+def test_what_the_stack_sets_beats_the_environment_its_children_inherit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`up --quantize auto` under MOE_LIGHTNING_QUANTIZE=int8: the weight store must still run auto,
+    and the orchestrator listen where `up` waits for it, though both equal the services' defaults."""
+    for variable, value in [("QUANTIZE", "int8"), ("GPUS", "2"), ("ADDRESS", "0.0.0.0:7777"), ("KV_DTYPE", "float16")]:
+        monkeypatch.setenv(f"MOE_LIGHTNING_{variable}", value)
+    stack = StackConfig(model=tmp_path, port=50051, http_port=8000)
+    names = stack.services
+    wiring = Wiring(
+        {"gateway": "127.0.0.1:8000", "orchestrator": "127.0.0.1:50051"} | {n: f"unix:///{n}" for n in names[:3]},
+        dict.fromkeys(names, 0),
+        "float32",
+    )
+    argv = stack.argv(wiring)
+    parsed = {
+        n: SERVICE_PARSERS[n][1].from_cli_args(
+            importlib.import_module(SERVICE_PARSERS[n][0]).build_parser().parse_args(a)
+        )
+        for n, a in argv.items()
+    }
+    assert parsed["weight_store"].quantize == "auto" and parsed["weight_store"].tensor_parallel == 1
+    assert parsed["gpu_expert"].gpus == 1 and parsed["cpu_attention"].kv_dtype == "auto"
+    assert parsed["orchestrator"].address == "127.0.0.1:50051" and parsed["gateway"].address == "127.0.0.1:8000"
+
+
+def test_a_bad_environment_value_is_only_the_error_of_the_command_that_takes_it() -> None:
+    env = {**os.environ, "MOE_LIGHTNING_QUANTIZE": "int3", "MOE_LIGHTNING_LOG_LEVEL": "INFO"}
+    r = subprocess.run(
+        [sys.executable, "-m", "moe_lightning.cli", "timeline", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr  # timeline has no --quantize
+    from orchestrator.server import build_parser
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("MOE_LIGHTNING_LOG_LEVEL", "WARNING")  # any case, as logging takes it
+        assert (
+            build_parser().parse_args(["--weight-store", "w", "--gpu-expert", "g", "--cpu-attention", "c"]).log_level
+            == "warning"
+        )

@@ -247,7 +247,7 @@ def test_the_stack_with_streamed_experts_matches_transformers(
 
 @pytest.mark.parametrize("arch", ["olmoe", "qwen2-moe", "qwen3-moe", "dbrx"])
 def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
-    """`make-demo-model --arch` needs no transformers to write, and transformers loads what it wrote
+    """`make-demo-model --family` needs no transformers to write, and transformers loads what it wrote
     with the right class and computes the same logits we do."""
     from moe_lightning.demo_model import PRESETS, write_demo_model
 

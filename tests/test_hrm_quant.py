@@ -118,7 +118,7 @@ def test_planner_plans_with_the_stack_page_format() -> None:
 def test_online_correction_scales_the_measured_expert_roofs() -> None:
     hw = replace(HOST, expert_format="int8", expert_flops=5e10, expert_bandwidth=1e9)
     p = Planner(SPEC, hw, Workload(64, 32), "float32", kv_tokens=10**6, config=PlannerConfig(patience=3), quant=INT8)
-    batch = p.policy.micro_batch
+    batch = p.policy.micro_batch_size
     s = estimate(SPEC, p.workload, hw, Policy(batch, batch), "float32", quant=INT8).stage_seconds
     device = 2 * (s["gpu_dense"] + s["gpu_experts"]) * SPEC.num_layers  # the device runs at half the speed
     slow = StepTimings(StepKind.DECODE, pre_attention=int(0.1 * device * 1e9), post_attention=int(0.9 * device * 1e9))

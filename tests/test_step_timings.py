@@ -96,11 +96,11 @@ def test_planner_does_not_take_an_exposed_copy_for_a_slow_device() -> None:
         attention_wait=int(pred["attention"] * L * 1e9),
     )
     for _ in range(10):
-        assert p.observe_step(p.policy.batch, p.policy.micro_batch, t) is None
+        assert p.observe_step(p.policy.batch, p.policy.micro_batch_size, t) is None
     assert p.profile == HOST
     prefill = StepTimings(StepKind.PREFILL, pre_attention=10**12, post_attention=10**12)
     for _ in range(10):  # prefill timings are not a decode step's
-        assert p.observe_step(p.policy.batch, p.policy.micro_batch, prefill) is None
+        assert p.observe_step(p.policy.batch, p.policy.micro_batch_size, prefill) is None
     assert p.profile == HOST
 
 

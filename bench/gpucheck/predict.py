@@ -115,7 +115,7 @@ def hrm_prediction(
         "batch_cap": batch_cap,
         "policy": {k: str(v) for k, v in asdict(policy).items()},
         "batch": policy.batch,
-        "micro_batch": policy.micro_batch,
+        "micro_batch": policy.micro_batch_size,
         "micro_batches": policy.num_micro_batches,
         "workload": {"average_prompt_tokens": work.prompt_len, "gen_len": gen_len},
         "binding": ours.binding,

@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         f"{n} prompts (average {avg:.0f}, longest {max(map(len, prompts))} tokens), {args.gen_len} generated each\n"
     )
     if args.compare_quantize is None:  # a share of the weights: of this stack's arena
-        args.device_memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, None, None)
+        args.device_memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, None, None, args.gpus)
     trace_dir = Path(tempfile.mkdtemp(prefix="moe-lightning-bench-"))
     results: dict[str, Any] = {"prompts": n, "average_prompt_tokens": avg, "gen_len": args.gen_len}
     if args.compare_quantize is not None:  # the formats against each other, nothing else
@@ -224,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
 
             def one(fmt: Any, placement: str = placement) -> dict[str, Any]:
                 memory = device_memory_for(
-                    args.device_memory, args.model, spec, args.dtype, fmt, args.quantize_group_size
+                    args.device_memory, args.model, spec, args.dtype, fmt, args.quantize_group_size, args.gpus
                 )
                 tag = f"{fmt.value}{placement}"
                 run = _ours(args, prompts, tag, trace_dir, device_memory=memory, experts=placement, quantize=fmt.value)

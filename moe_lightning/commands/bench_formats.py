@@ -35,6 +35,7 @@ def device_memory_for(
     dtype: str,
     fmt: QuantFormat | None,
     group_size: int | None,
+    world: int = 1,
 ) -> int | None:
     """`--device-memory` as gpu_expert takes it: "25%" is the dense weights plus that share of the
     expert pages, in the run's expert format (`fmt` None: the checkpoint's own), so every format
@@ -43,7 +44,7 @@ def device_memory_for(
         return asked
     from moe_lightning.arena_layout import ArenaLayout
 
-    scheme = resolve_expert_scheme(spec, model, "auto" if fmt is None else fmt.value, group_size)
+    scheme = resolve_expert_scheme(spec, model, "auto" if fmt is None else fmt.value, group_size, world)
     dense, expert = dense_and_expert_bytes(ArenaLayout.for_spec(spec, dtype, scheme), spec)
     return share_budget(asked, dense, expert, spec.total_experts)
 

@@ -126,7 +126,7 @@ def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workloa
         label = quant.format.value + (f" g{quant.group_size}" if quant.format is QuantFormat.INT4 else "")
         lines.append(
             f"{label:<10} {est.page_bytes / 1e6:8.1f} {p.resident_experts:>5}/{spec.total_experts:<4} "
-            f"{f'{p.batch} = {p.num_micro_batches} x {p.micro_batch}':>20} "
+            f"{f'{p.batch} = {p.num_micro_batches} x {p.micro_batch_size}':>20} "
             f"{link_bytes_per_step(spec, est)['total'] / 1e9:13.2f} {est.binding:>6} "
             f"{est.tokens_per_second:9.1f} {est.tokens_per_second / base:7.2f}x"
         )

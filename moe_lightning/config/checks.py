@@ -61,15 +61,19 @@ def resolve_expert_scheme(
     spec: ModelSpec, model_dir: Path | None, quantize: str, group_size: int | None, world: int = 1
 ) -> QuantScheme:
     """The expert pages' format every command and service runs for --quantize: auto is the
-    checkpoint's own (a GPTQ checkpoint's int4, else none; a model known only by name: none), and an
-    int4 group size left out is int4_group_size's."""
+    checkpoint's own (a GPTQ checkpoint's int4, else none; a model known only by name: none), a GPTQ
+    checkpoint keeps its own groups, and an int4 group size left out is int4_group_size's."""
+    from moe_lightning.quant.gptq_config import read_gptq_config
     from moe_lightning.quant.resolve import resolve_scheme
     from moe_lightning.quant.scheme import parse_quantize
 
-    size = resolve_group_size(spec, quantize, group_size, world)
     if model_dir is None:
-        return parse_quantize("none" if quantize == "auto" else quantize, size)
-    return resolve_scheme(model_dir, quantize, size)
+        return parse_quantize(
+            "none" if quantize == "auto" else quantize, resolve_group_size(spec, quantize, group_size, world)
+        )
+    if read_gptq_config(model_dir) is not None:  # its own format and groups (or a refusal of another)
+        return resolve_scheme(model_dir, quantize, group_size or INT4_GROUP_SIZES[0])
+    return resolve_scheme(model_dir, quantize, resolve_group_size(spec, quantize, group_size, world))
 
 
 def check_splittable(spec: ModelSpec, world: int, scheme: QuantScheme | None = None) -> None:
@@ -166,16 +170,18 @@ def check_stack(stack: StackConfig) -> StackCheck:
     device flags, the budget vs the dense weights and the attention placement. Raises ValueError
     (ModelSpecError, CheckpointError, TensorParallelError, DeviceBudgetError) with the service's words."""
     from moe_lightning.arena_layout import ArenaLayout
+    from moe_lightning.quant.gptq_config import read_gptq_config
     from moe_lightning.spec import ModelSpec, resolve_dtype
 
     notes = []
     spec = ModelSpec.from_pretrained(stack.model)
     dtype = resolve_dtype(stack.dtype, spec.dtype, stack.device)
-    group_size = stack.quantize_group_size
-    if stack.quantize == "int4" and group_size is None:
-        group_size = int4_group_size(spec, stack.gpus)
+    scheme = resolve_expert_scheme(spec, stack.model, stack.quantize, stack.quantize_group_size, stack.gpus)
+    defaulted = stack.quantize == "int4" and stack.quantize_group_size is None and not scheme.act_order
+    group_size = None
+    if defaulted and read_gptq_config(stack.model) is None:
+        group_size = scheme.group_size
         notes.append(f"--quantize int4: group size {group_size}, the largest of 128, 64, 32 that divides every width")
-    scheme = resolve_expert_scheme(spec, stack.model, stack.quantize, group_size, stack.gpus)
     check_splittable(spec, stack.gpus, scheme)
     layout = ArenaLayout.for_spec(spec, dtype, scheme)  # a group size that does not divide a width fails here
     check_device_flags(stack.device, stack.link_bandwidth, False, "auto")
@@ -187,4 +193,4 @@ def check_stack(stack: StackConfig) -> StackCheck:
             budget = share_budget(budget, dense, expert, spec.total_experts) + device_kv
         check_dense_fits(budget - device_kv, dense)
     check_attention_placement(stack.attention_placement, device_kv)
-    return StackCheck(dtype, group_size if scheme.format.value == "int4" else None, tuple(notes))
+    return StackCheck(dtype, group_size, tuple(notes))

@@ -27,4 +27,4 @@ EXPERTS_PLACEMENTS = (AUTO, "gpu", "cpu")
 EXPERT_KERNELS = ("fastest", "exact")  # gpu_expert's quantized GEMMs
 TP_BACKENDS = (AUTO, "nccl", "gloo")  # the ranks' all-reduces; auto: NCCL on CUDA, gloo on CPU
 DEVICE_TYPES = ("cpu", "cuda")  # a device is one of these, cuda with an optional :index
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # any case on the command line

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -82,7 +82,18 @@ def _text(value: Any) -> str:
 class EnvDefaultsParser(argparse.ArgumentParser):
     """An ArgumentParser whose options take their default from MOE_LIGHTNING_<DEST> when set (an empty
     value counts as unset, as compose's `${VAR:-}` passes one), checked as the flag's own value would
-    be: its type, and its choices."""
+    be: its type, and its choices. A bad value is an error as the parser is built (a service's)."""
+
+    defer_env_errors = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.env_errors: list[str] = []
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        if self.env_errors:
+            self.error(self.env_errors[0])
+        return super().parse_known_args(args, namespace)
 
     def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:  # type: ignore[override]
         action = super().add_argument(*args, **kwargs)
@@ -95,6 +106,14 @@ class EnvDefaultsParser(argparse.ArgumentParser):
 
     def add_mutually_exclusive_group(self, **kwargs: Any) -> Any:
         return _EnvGroup(super().add_mutually_exclusive_group(**kwargs), self)
+
+
+class CommandParser(EnvDefaultsParser):
+    """A subcommand's parser: a bad environment value is its error only when this subcommand is the one
+    run (`moe-lightning` builds every subcommand's parser, and MOE_LIGHTNING_QUANTIZE means nothing to
+    `timeline`)."""
+
+    defer_env_errors = True
 
 
 class _EnvGroup:
@@ -130,7 +149,11 @@ def _env_default(parser: argparse.ArgumentParser, action: argparse.Action) -> No
         try:
             action.default = _env_value(action, raw)
         except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
-            parser.error(f"{env}={raw!r} ({action.option_strings[0]}): {exc}")
+            message = f"{env}={raw!r} ({action.option_strings[0]}): {exc}"
+            if not getattr(parser, "defer_env_errors", False):
+                parser.error(message)
+            parser.env_errors.append(message)  # type: ignore[attr-defined]
+            return
         action.required = False
     if action.help and action.help is not argparse.SUPPRESS:
         action.help += f" [env {env}]"
@@ -199,14 +222,14 @@ class CliConfig:
                 kwargs[f.name] = getattr(ns, f.name)
         return cls(**(kwargs | overrides))
 
-    def to_argv(self) -> list[str]:
-        """The command line that gives this config back: the values other than the defaults (a value
-        left at its default lets the process's environment decide, as it would by hand), secrets aside
-        (those go by environment: ps shows argv)."""
+    def to_argv(self, explicit: Collection[str] = ()) -> list[str]:
+        """The command line that gives this config back: the values other than the defaults, and those
+        of `explicit` fields even at their default (a value left at its default lets the process's
+        environment decide, as it would by hand); secrets never (those go by environment: ps shows argv)."""
         out: list[str] = []
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if "flag" in f.metadata and not _is_default(f, value):
+            if "flag" in f.metadata and (f.name in explicit or not _is_default(f, value)):
                 out += f.metadata["flag"].argv(value)
         return out
 

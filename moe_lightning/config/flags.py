@@ -131,7 +131,7 @@ MICRO_BATCH_SIZE = Flag(
 )
 
 # --- logs (every process)
-LOG_LEVEL = Flag("--log-level", "the least severe log lines written", choices=choices.LOG_LEVELS)
+LOG_LEVEL = Flag("--log-level", "the least severe log lines written", type=str.lower, choices=choices.LOG_LEVELS)
 LOG_JSON = Flag("--log-json", "JSON logs even on a terminal", action="store_true")
 
 # --- wiring, identity and files of a stack

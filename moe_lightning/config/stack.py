@@ -99,6 +99,15 @@ class StackConfig(CliConfig):
 
     def compose(self, wiring: Wiring) -> dict[str, CliConfig]:
         """Each of this stack's processes' own config."""
+        return {name: cls(**fields) for name, (cls, fields) in self._composed(wiring).items()}
+
+    def argv(self, wiring: Wiring) -> dict[str, list[str]]:
+        """Each process's command line: every field the stack sets written out, even at the process's
+        default (else a MOE_LIGHTNING_ variable in the environment the children inherit would win over
+        what `up` was told), the others only where they differ from it."""
+        return {name: cls(**fields).to_argv(explicit=fields) for name, (cls, fields) in self._composed(wiring).items()}
+
+    def _composed(self, wiring: Wiring) -> dict[str, tuple[type[CliConfig], dict[str, Any]]]:
         return {name: _COMPOSE[name](self, wiring) for name in self.services}
 
 
@@ -117,9 +126,9 @@ def _service(c: StackConfig, w: Wiring, name: str) -> dict[str, object]:
     return {"address": w.addresses[name], "metrics_port": w.metrics_ports[name], "run_id": c.run_id}
 
 
-def _weight_store(c: StackConfig, w: Wiring) -> WeightStoreConfig:
-    return WeightStoreConfig(
-        **_service(c, w, "weight_store"),  # type: ignore[arg-type]
+def _weight_store(c: StackConfig, w: Wiring) -> tuple[type[WeightStoreConfig], dict[str, Any]]:
+    return WeightStoreConfig, dict(
+        **_service(c, w, "weight_store"),
         model=c.model,
         dtype=w.weight_dtype,
         quantize=c.quantize,
@@ -130,9 +139,9 @@ def _weight_store(c: StackConfig, w: Wiring) -> WeightStoreConfig:
     )
 
 
-def _cpu_attention(c: StackConfig, w: Wiring) -> CpuAttentionConfig:
-    return CpuAttentionConfig(
-        **_service(c, w, "cpu_attention"),  # type: ignore[arg-type]
+def _cpu_attention(c: StackConfig, w: Wiring) -> tuple[type[CpuAttentionConfig], dict[str, Any]]:
+    return CpuAttentionConfig, dict(
+        **_service(c, w, "cpu_attention"),
         weight_store=w.addresses["weight_store"],
         kv_cache_memory=c.kv_cache_memory,
         kv_dtype=c.kv_dtype,
@@ -140,9 +149,9 @@ def _cpu_attention(c: StackConfig, w: Wiring) -> CpuAttentionConfig:
     )
 
 
-def _gpu_expert(c: StackConfig, w: Wiring) -> GpuExpertConfig:
-    return GpuExpertConfig(
-        **_service(c, w, "gpu_expert"),  # type: ignore[arg-type]
+def _gpu_expert(c: StackConfig, w: Wiring) -> tuple[type[GpuExpertConfig], dict[str, Any]]:
+    return GpuExpertConfig, dict(
+        **_service(c, w, "gpu_expert"),
         weight_store=w.addresses["weight_store"],
         device=c.device,
         gpus=c.gpus,
@@ -155,11 +164,11 @@ def _gpu_expert(c: StackConfig, w: Wiring) -> GpuExpertConfig:
     )
 
 
-def _orchestrator(c: StackConfig, w: Wiring) -> OrchestratorConfig:
+def _orchestrator(c: StackConfig, w: Wiring) -> tuple[type[OrchestratorConfig], dict[str, Any]]:
     a = w.addresses
     tls = c.tls_cert is not None and c.tls_key is not None
-    return OrchestratorConfig(
-        **_service(c, w, "orchestrator"),  # type: ignore[arg-type]
+    return OrchestratorConfig, dict(
+        **_service(c, w, "orchestrator"),
         weight_store=a["weight_store"],
         gpu_expert=a["gpu_expert"],
         cpu_attention=a["cpu_attention"],
@@ -175,12 +184,12 @@ def _orchestrator(c: StackConfig, w: Wiring) -> OrchestratorConfig:
     )
 
 
-def _gateway(c: StackConfig, w: Wiring) -> GatewayConfig:
+def _gateway(c: StackConfig, w: Wiring) -> tuple[type[GatewayConfig], dict[str, Any]]:
     """On the API's host, over the API (its token by environment, its TLS)."""
     from moe_lightning.service.auth import is_loopback
 
     tls = c.tls_cert is not None and c.tls_key is not None
-    return GatewayConfig(
+    return GatewayConfig, dict(
         address=w.addresses["gateway"],
         api=w.addresses["orchestrator"],
         tls_cert=c.tls_cert if tls else None,

@@ -56,10 +56,14 @@ class DeviceShare:
     """`--device-memory 25%`: the dense weights plus this share of the expert pages (in the arena's
     format), so every format keeps the same experts on the device and streams the rest."""
 
-    fraction: float
+    percent: float  # as given: argv carries it back bit for bit
+
+    @property
+    def fraction(self) -> float:
+        return self.percent / 100
 
     def __str__(self) -> str:
-        return f"{self.fraction * 100:g}%"
+        return f"{self.percent!r}%"
 
 
 def parse_device_memory(text: str | int) -> int | DeviceShare:
@@ -68,14 +72,14 @@ def parse_device_memory(text: str | int) -> int | DeviceShare:
     if not raw.endswith("%"):
         return parse_size(raw)
     try:
-        fraction = float(raw.removesuffix("%")) / 100
+        percent = float(raw.removesuffix("%"))
     except ValueError:
-        fraction = math.nan
-    if not 0 < fraction <= 1:
+        percent = math.nan
+    if not 0 < percent <= 100:
         raise argparse.ArgumentTypeError(
             f"expected a size like 16GiB or a share of the weights in (0%, 100%] like 25%, got {text!r}"
         )
-    return DeviceShare(fraction)
+    return DeviceShare(percent)
 
 
 def parse_rate(text: str) -> float:
@@ -133,14 +137,14 @@ non_negative_int = at_least(0)
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
-    """A parser of numbers > 0 (and finite) of `kind`."""
+    """A parser of numbers > 0 of `kind`."""
 
     def parse(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-        if not (value > 0 and math.isfinite(value)):
+        if not value > 0:  # inf is allowed: no limit (a timeout of inf waits for good)
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
         return value
 

@@ -1,6 +1,6 @@
-"""The cost model's inputs (workload, policy, headroom), its verdict (Estimate) and estimate(), the
-verdict on one policy. The formula itself, shared with the search, is hrm/layercost.py; its helpers
-are re-exported here, where the rest of the code has always imported them.
+"""A policy (what the HRM chooses), its verdict (Estimate) and estimate(), the verdict on one
+policy. The formula itself, shared with the search, and its inputs (Workload, Headroom) are
+hrm/layercost.py's.
 """
 
 from __future__ import annotations
@@ -17,15 +17,16 @@ from moe_lightning.spec import ModelSpec
 @dataclass(frozen=True, slots=True)
 class Policy:
     batch: int  # N sequences decoded per step
-    micro_batch: int  # mu sequences per micro-batch
+    micro_batch_size: int  # mu sequences per micro-batch
     attention: Side = Side.HOST  # where attention runs ("cpu" / "gpu" accepted)
     experts: Side = Side.DEVICE  # where non-resident expert FFNs run
     resident_experts: int = 0  # (layer, expert) pages kept on the device, of L * E (r_w = this / (L * E))
     kv_gpu_fraction: float = 0.0  # r_c: share of the KV cache on the device (attention on GPU)
 
     def __post_init__(self) -> None:
-        if self.batch < 1 or self.micro_batch < 1 or self.batch % self.micro_batch:
-            raise ValueError(f"batch ({self.batch}) must be a positive multiple of micro_batch ({self.micro_batch})")
+        if self.batch < 1 or self.micro_batch_size < 1 or self.batch % self.micro_batch_size:
+            mu = self.micro_batch_size
+            raise ValueError(f"batch ({self.batch}) must be a positive multiple of micro_batch_size ({mu})")
         sides = tuple(Side)
         if self.attention not in sides or self.experts not in sides:
             raise ValueError(f"attention and experts must be one of {', '.join(sides)}")
@@ -36,7 +37,7 @@ class Policy:
 
     @property
     def num_micro_batches(self) -> int:
-        return self.batch // self.micro_batch
+        return self.batch // self.micro_batch_size
 
     @property
     def placement(self) -> Placement:
@@ -86,7 +87,7 @@ def estimate(
     model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant)
     cost = model.layer(
         policy.batch,
-        policy.micro_batch,
+        policy.micro_batch_size,
         policy.attention is Side.DEVICE,
         policy.experts is Side.DEVICE,
         policy.resident_experts,

@@ -72,7 +72,7 @@ def plan_to_dict(
         "gen_len": work.gen_len,
         "policy": {
             "batch_size": p.batch,
-            "micro_batch_size": p.micro_batch,
+            "micro_batch_size": p.micro_batch_size,
             "num_micro_batches": p.num_micro_batches,
             "attention": p.attention,
             "experts": p.experts,
@@ -124,7 +124,7 @@ def explain(
     lines = [
         f"{name} ({spec.num_parameters() / 1e9:.1f} B parameters, {spec.dtype}) on {hw.name}: "
         f"prompt {work.prompt_len:g} tokens, {work.gen_len} generated",
-        f"policy     batch {p.batch} = {p.num_micro_batches} micro-batches x {p.micro_batch}; attention on "
+        f"policy     batch {p.batch} = {p.num_micro_batches} micro-batches x {p.micro_batch_size}; attention on "
         f"{p.attention}, experts on {p.experts}; {p.resident_experts} of {spec.total_experts} "
         f"expert pages resident on the device"
         + (f"; {p.kv_gpu_fraction:.0%} of the KV cache on the device" if p.attention == "gpu" else ""),

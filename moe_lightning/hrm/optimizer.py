@@ -89,20 +89,6 @@ def _better(a: Estimate, b: Estimate | None) -> bool:
     return _beats(a.tokens_per_second, a.policy.batch, None if b is None else (b.tokens_per_second, b.policy.batch))
 
 
-def _beats(tokens: float, batch: int, best: tuple[float, int] | None) -> bool:
-    """Whether (tokens/s, batch) is better than `best`'s: same speed, the smaller batch (less memory,
-    latency)."""
-    if best is None:
-        return True
-    if not math.isclose(tokens, best[0], rel_tol=1e-9):
-        return tokens > best[0]
-    return batch < best[1]
-
-
-def _better(a: Estimate, b: Estimate | None) -> bool:
-    return _beats(a.tokens_per_second, a.policy.batch, None if b is None else (b.tokens_per_second, b.policy.batch))
-
-
 def best_resident(model: CostModel, g: Grid) -> tuple[np.ndarray, np.ndarray]:
     """Per point, the resident count that is best among those that fit, and its tokens/s (-inf where
     none fits). Memory is linear in the count: hrm_reference.best_resident's steps, on arrays."""

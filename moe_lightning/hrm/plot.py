@@ -50,7 +50,7 @@ def plot_roofline(hw: HardwareProfile, est: Estimate, title: str, out: Path | IO
         ax.annotate(stage, (flops / nbytes, flops / seconds), textcoords="offset points", xytext=(5, -12), fontsize=8)
     p = est.policy
     ax.set_title(
-        f"{title}\nN={p.batch}, mu={p.micro_batch}, attention on {p.attention}, "
+        f"{title}\nN={p.batch}, mu={p.micro_batch_size}, attention on {p.attention}, "
         f"{est.tokens_per_second:,.0f} tok/s predicted, bound by {est.binding}",
         fontsize=10,
     )

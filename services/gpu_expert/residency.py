@@ -101,5 +101,5 @@ def plan_residency(
         f"and one layer's streamed experts ({format_size(num_experts * expert_bytes)}): at least "
         f"{format_size(dense_bytes + num_experts * expert_bytes)} is needed "
         f"({format_size(dense_bytes + 2 * num_experts * expert_bytes)} for a full double buffer), "
-        "or compute the streamed experts on the host (--experts-placement host)"
+        "or compute the streamed experts on the host (--experts-placement cpu)"
     )

@@ -17,6 +17,7 @@ from moe_lightning.config.checks import check_splittable, resolve_expert_scheme
 from moe_lightning.config.flag import EnvDefaultsParser
 from moe_lightning.config.service import internal_address
 from moe_lightning.config.weight_store import WeightStoreConfig
+from moe_lightning.quant.gptq_config import read_gptq_config
 from moe_lightning.service.convert import model_info_to_pb, pages_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import WEIGHT_STORE
@@ -98,7 +99,7 @@ def _start(config: WeightStoreConfig, servicer: WeightStoreServicer, runtime: Se
     cache_dir = None if c.no_cache else c.cache_dir or default_cache_dir()
     # the launcher asked these before it started anything (config.checks.check_stack); alone, here
     scheme = resolve_expert_scheme(spec, c.model, c.quantize, c.quantize_group_size, c.tensor_parallel)
-    if c.quantize == "int4" and c.quantize_group_size is None:
+    if c.quantize == "int4" and c.quantize_group_size is None and read_gptq_config(c.model) is None:
         runtime.log.info(
             "int4_group_size", chosen=scheme.group_size, why="the largest of 128, 64, 32 dividing every width"
         )
