@@ -161,7 +161,7 @@ def _services(up: UpProcess) -> dict[str, int]:
     """Service name -> pid of the up process's children (from their `python -m <module>`)."""
     from moe_lightning.launcher import SERVICES
 
-    modules = {module: name for name, (module, _) in SERVICES.items()}
+    modules = {kind.module: name for name, kind in SERVICES.items()}
     out = {}
     for child in _children(up.proc.pid):
         argv = _cmdline(child)

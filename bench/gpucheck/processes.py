@@ -66,7 +66,7 @@ def _live_services(pid: int) -> dict[Path, int]:
     `python -m <module> ... --run-id <run>`, as the launcher starts it)."""
     from moe_lightning.launcher import SERVICES
 
-    names = {module: name for name, (module, _) in SERVICES.items()}
+    names = {kind.module: name for name, kind in SERVICES.items()}
     live = {}
     for child in _descendants(pid):
         try:
