@@ -24,7 +24,6 @@ from typing import IO
 
 from moe_lightning.children import free_port, port_in_use, spawner, with_parent_death
 from moe_lightning.config.checks import StackCheck, check_stack
-from moe_lightning.config.flag import CliConfig
 from moe_lightning.config.stack import INTERNAL, SERVICE_NAMES, StackConfig, Wiring
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
@@ -99,11 +98,6 @@ class Stack:
             return resolve_dtype(c.dtype, ModelSpec.from_pretrained(c.model).dtype, c.device)
         except (OSError, ValueError):
             return c.dtype  # an unreadable checkpoint: the weight store says what is wrong with it
-
-    def service_config(self, name: str) -> CliConfig:
-        """`name`'s own config for this start (its addresses and ports picked by prepare())."""
-        wiring = Wiring(self.addresses, self.metrics_ports, self.weight_dtype())
-        return self.config.compose(wiring)[name]
 
     def _args(self, name: str) -> list[str]:
         wiring = Wiring(self.addresses, self.metrics_ports, self.weight_dtype())

@@ -1,10 +1,10 @@
 """A flag declared once (`Flag`), the parser that reads its environment variable, and the base of
 every process's typed config (`CliConfig`: add_cli_args / from_cli_args / to_argv).
 
-A process's config is a dataclass whose fields name their Flag (`option(FLAG, default)`), and that
-inherits what every service takes (config/service.py); the field's name is the flag's dest. The flag's type, choices and
-help live in the Flag; its default in the config that uses it (gpu_expert's --device defaults to a
-visible GPU, `up`'s to cpu). docs/configuration.md has the whole picture.
+A process's config is a dataclass whose fields name their Flag (`option(FLAG, default)`) and that
+inherits what every service takes (config/service.py); the field's name is the flag's dest. The
+flag's type, choices and help live in the Flag; its default in the config that uses it (gpu_expert's
+--device defaults to a visible GPU, `up`'s to cpu). docs/configuration.md has the whole picture.
 """
 
 from __future__ import annotations
@@ -39,10 +39,6 @@ class Flag:
     @property
     def dest(self) -> str:
         return self.name.lstrip("-").replace("-", "_")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.dest.upper()
 
     def add_to(self, parser: Any, default: Any = None, required: bool = False) -> argparse.Action:
         """Adds this flag to a parser (or an argument group) with a use's default."""
