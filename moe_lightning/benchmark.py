@@ -22,7 +22,6 @@ from moe_lightning.launcher import Stack
 from moe_lightning.private_paths import private_dir
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import StepKind, StepTimings
-from moe_lightning.torch_dtypes import DTYPES
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
 KV_BLOCK_SIZE = 16  # cpu_attention's --block-size default: the unit the orchestrator reserves KV in
@@ -40,7 +39,7 @@ def kv_cache_bytes(
     0.14 GiB, where a fixed 4 GiB cost /dev/shm room the weight arena needs (bench/gpucheck/budget.py)."""
     blocks = sum(-(-(n + gen) // block_size) for n in prompt_lengths)
     blocks = max(KV_FLOOR_BLOCKS, math.ceil(blocks * KV_MARGIN))
-    return blocks * PagedKVCache.bytes_per_block(spec, block_size, DTYPES[kv_dtype])
+    return blocks * PagedKVCache.bytes_per_block(spec, block_size, kv_dtype)  # by kv_format name: int8 too
 
 
 def bench_log_prefix(run_id: str) -> str:

@@ -93,6 +93,7 @@ class Completion:
     total_seconds: float
     # per generated token, when asked: {"token_id", "logprob", "top_token_ids", "top_logprobs"}
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    preemptions: int = 0  # times the server preempted it (docs/kv-cache.md); the output is the same
 
     @classmethod
     def from_pb(cls, m: generation_pb2.GenerationOutput) -> Completion:
@@ -107,6 +108,7 @@ class Completion:
             m.timings.time_to_first_token_ns / 1e9,
             m.timings.total_ns / 1e9,
             _logprobs(m.logprobs),
+            m.preemptions,
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import torch
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.output_text import OutputText
 from moe_lightning.request import GenerationRequest, GenerationResult
-from moe_lightning.sampling import sample
+from moe_lightning.sampling import SequenceSampler, sample
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import (
     AttentionMetadata,
@@ -66,7 +66,7 @@ class _Sequence:
     index: int
     request: GenerationRequest
     output: OutputText  # its token ids, finish reason and text
-    generator: torch.Generator | None
+    sampler: SequenceSampler  # its parameters and random stream
 
 
 def forward_step(
@@ -102,7 +102,10 @@ class InProcessEngine:
         block_size: int = 16,
         device: torch.device | str = "cpu",
         kv_shuffle_seed: int | None = None,
+        kv_dtype: torch.dtype | str | None = None,
     ) -> None:
+        """`kv_dtype`: the KV cache's format (a float dtype, or "int8" as cpu_attention's --kv-dtype int8);
+        default the weights' dtype."""
         self.spec = spec
         self.weights = weights
         self.tokenizer = tokenizer
@@ -110,6 +113,7 @@ class InProcessEngine:
         self.device = torch.device(device)
         self.dtype = weights.embed.dtype
         self.kv_shuffle_seed = kv_shuffle_seed
+        self.kv_dtype = self.dtype if kv_dtype is None else kv_dtype
 
     @torch.inference_mode()
     def generate(
@@ -120,11 +124,13 @@ class InProcessEngine:
         for r in requests:
             validate(r, limits)
         seqs = [
-            _Sequence(i, r, OutputText(r, self.spec.eos_token_ids, self.tokenizer), r.sampling.make_generator())
+            _Sequence(i, r, OutputText(r, self.spec.eos_token_ids, self.tokenizer), SequenceSampler.start(r.sampling))
             for i, r in enumerate(requests)
         ]
         blocks = sum(blocks_needed(r, self.block_size) for r in requests)
-        cache = PagedKVCache(self.spec, max(blocks, 1), self.block_size, self.dtype, self.device, self.kv_shuffle_seed)
+        cache = PagedKVCache(
+            self.spec, max(blocks, 1), self.block_size, self.kv_dtype, self.device, self.kv_shuffle_seed
+        )
         stats = GenerationStats(prompt_tokens=sum(len(r.prompt_ids) for r in requests))
         active = seqs
         t0 = time.perf_counter()
@@ -135,7 +141,9 @@ class InProcessEngine:
         while True:
             if on_logits is not None:
                 on_logits(step, [s.index for s in active], logits)
-            next_ids = sample(logits, [s.request.sampling for s in active], [s.generator for s in active]).tolist()
+            next_ids = sample(
+                logits, [s.sampler.params for s in active], [s.sampler.next_generator() for s in active]
+            ).tolist()
             for s, tok in zip(active, next_ids, strict=True):
                 _, reason = s.output.append(tok)  # no stream: the text is read at the end
                 if reason is not None:

@@ -1,14 +1,32 @@
-"""Paged KV cache: fixed-size blocks, a free list, and a block table per sequence."""
+"""Paged KV cache: fixed-size blocks, a free list, and a block table per sequence.
+
+It stores K/V in one of kv_format's formats: a float dtype, or int8 values with an fp32 scale per token
+per KV head (docs/kv-cache.md).
+"""
 
 from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
+from moe_lightning import kv_format
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import AttentionMetadata
+from moe_lightning.stages.attention import AttentionMetadata, Int8KV, KVCache
+
+KVStorage = tuple[KVCache, KVCache]  # (k, v) of all layers: (L, NB, BS, K, Hd) tensors, or Int8KV
+# a view of `shape` elements of `dtype` at a byte offset into some memory, as Segment.tensor makes
+ViewFn = Callable[[int, torch.dtype, tuple[int, ...]], torch.Tensor]
+SCALE_ALIGN = 64  # an int8 cache's scales start on a cache line after the values
+
+
+def format_name(fmt: str | torch.dtype) -> str:
+    """The kv_format name of `fmt`: a format name, or a float torch dtype (the device cache passes its
+    weights' dtype)."""
+    name = fmt if isinstance(fmt, str) else str(fmt).removeprefix("torch.")
+    return kv_format.check_format(name)
 
 
 class KVCacheFullError(RuntimeError):
@@ -39,26 +57,34 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """K and V storage for all layers: (L, NB, BS, K, Hd) each, plus per-sequence bookkeeping."""
+    """K and V storage for all layers: (L, NB, BS, K, Hd) each (for int8, an Int8KV: those values and
+    (L, NB, BS, K) scales), plus per-sequence bookkeeping."""
 
     def __init__(
         self,
         spec: ModelSpec,
         num_blocks: int,
         block_size: int = 16,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         shuffle_seed: int | None = None,
-        storage: tuple[torch.Tensor, torch.Tensor] | None = None,
+        storage: KVStorage | None = None,
     ) -> None:
-        """`storage`, when given, is the (k, v) memory to use, e.g. views into shared memory."""
+        """`dtype`: a float dtype or a kv_format name ("int8"). `storage`, when given, is the (k, v)
+        memory to use, e.g. views into shared memory (`storage_in`)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        self.format = format_name(dtype)
         shape = self.storage_shape(spec, num_blocks, block_size)
-        if storage is None:
-            storage = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        if storage is None and kv_format.is_quantized(self.format):
+            storage = self.storage_in(_zeros(device), spec, num_blocks, block_size, self.format)
+        elif storage is None:
+            t = getattr(torch, self.format)
+            storage = (torch.zeros(shape, dtype=t, device=device), torch.zeros(shape, dtype=t, device=device))
         elif tuple(storage[0].shape) != shape or tuple(storage[1].shape) != shape:
             raise ValueError(f"KV storage must have shape {shape}")
+        elif isinstance(storage[0], Int8KV) != kv_format.is_quantized(self.format):
+            raise ValueError(f"KV storage does not hold the {self.format} format")
         self.k, self.v = storage
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)
@@ -70,12 +96,40 @@ class PagedKVCache:
         return (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
 
     @staticmethod
-    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block across all layers: the unit a KV memory budget is divided into."""
-        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+    def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype | str) -> int:
+        """K and V of one block across all layers, scales included: the unit a KV memory budget is divided
+        into. `dtype`: a kv_format name, or a float torch dtype."""
+        per_token = kv_format.bytes_per_token(format_name(dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        return block_size * per_token
 
     @classmethod
-    def blocks_in(cls, nbytes: int, spec: ModelSpec, block_size: int, dtype: torch.dtype, budget: str) -> int:
+    def storage_bytes(cls, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype | str) -> int:
+        """Bytes `storage_in` lays `num_blocks` out in: the blocks, and for int8 up to SCALE_ALIGN of padding
+        before the scales (outside the budget `blocks_in` divides: a cache line, not a block)."""
+        fmt = format_name(dtype)
+        if not kv_format.is_quantized(fmt):
+            return num_blocks * cls.bytes_per_block(spec, block_size, fmt)
+        values = 2 * _numel(cls.storage_shape(spec, num_blocks, block_size))
+        scales = 2 * _numel(cls.storage_shape(spec, num_blocks, block_size)[:-1]) * kv_format.SCALE_BYTES[fmt]
+        return _aligned(values) + scales
+
+    @classmethod
+    def storage_in(
+        cls, view: ViewFn, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype | str
+    ) -> KVStorage:
+        """(k, v) storage for `num_blocks` in memory that `view` maps (Segment.tensor: shared memory), in
+        `storage_bytes` bytes: K then V values; for int8, then K's scales and V's."""
+        fmt = format_name(dtype)
+        shape = cls.storage_shape(spec, num_blocks, block_size)
+        if not kv_format.is_quantized(fmt):
+            kv = view(0, getattr(torch, fmt), (2, *shape))  # K, then V: the two halves of the block budget
+            return kv[0], kv[1]
+        values = view(0, torch.int8, (2, *shape))
+        scales = view(_aligned(values.numel()), torch.float32, (2, *shape[:-1]))
+        return Int8KV(values[0], scales[0]), Int8KV(values[1], scales[1])
+
+    @classmethod
+    def blocks_in(cls, nbytes: int, spec: ModelSpec, block_size: int, dtype: torch.dtype | str, budget: str) -> int:
         """Whole blocks a KV memory budget of `nbytes` holds; `budget` names it (the flag) in the
         error, since a budget below one block is an operator's mistake to report at start-up."""
         per_block = cls.bytes_per_block(spec, block_size, dtype)
@@ -135,3 +189,19 @@ class PagedKVCache:
         """Fraction of blocks in use."""
         a = self.allocator
         return 1.0 - a.num_free / a.num_blocks
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // SCALE_ALIGN) * SCALE_ALIGN
+
+
+def _zeros(device: torch.device | str) -> ViewFn:
+    """A ViewFn over fresh zeroed memory of its own (the offsets do not matter: each view is separate)."""
+    return lambda _offset, dtype, shape: torch.zeros(shape, dtype=dtype, device=device)

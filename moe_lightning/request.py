@@ -34,6 +34,7 @@ class GenerationResult:
     finish_reason: str
     prompt_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, when asked
+    preemptions: int = 0  # times its KV was freed and its tokens re-prefilled (orchestrator/batcher.py)
 
     @property
     def completion_tokens(self) -> int:

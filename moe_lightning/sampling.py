@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,6 +66,56 @@ class SamplingParams:
         gen = torch.Generator(device=device)
         gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
         return gen
+
+    def with_seed(self) -> SamplingParams:
+        """These parameters with a seed fixed: a drawn one when none was asked for, so a sequence that
+        is preempted and re-prefilled on another step resumes the same stream (greedy needs none)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=secrets.randbits(63))
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, draw: int) -> int:
+    """The seed of a stream's `draw`-th draw: splitmix64 of (seed, draw), so draw i depends on the two
+    numbers alone and not on how many steps produced the draws before it."""
+    z = (seed + (draw + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass(slots=True)
+class SequenceSampler:
+    """One sequence's sampling parameters and random stream, where the head keeps them.
+
+    Each draw reseeds the generator from (seed, draw index): a sequence preempted and re-prefilled
+    (docs/kv-cache.md) is given the draws it had made and continues its stream exactly, while one
+    generator object per sequence keeps the per-token cost to a reseed."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    seed: int
+    draws: int = 0  # draws made so far: the index of the next
+
+    @classmethod
+    def start(cls, params: SamplingParams, draws: int = 0, device: torch.device | str = "cpu") -> SequenceSampler:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = None
+        if not params.greedy:
+            import torch
+
+            generator = torch.Generator(device=device)
+        return cls(params, generator, seed, draws)
+
+    def next_generator(self) -> torch.Generator | None:
+        """The generator for the next draw (None when greedy), seeded for it."""
+        if self.generator is not None:
+            self.generator.manual_seed(draw_seed(self.seed, self.draws))
+        self.draws += 1
+        return self.generator
 
 
 def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

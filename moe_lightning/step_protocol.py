@@ -19,7 +19,10 @@ class SequenceWork:
     seq_id: int
     token_ids: list[int]  # new tokens: the prompt at prefill, the last sampled token at decode
     start: int  # tokens of this sequence already in the KV cache
-    sampling: SamplingParams | None = None  # set on the sequence's first step only
+    sampling: SamplingParams | None = None  # set on the sequence's first step only (and on a re-prefill)
+    # with `sampling`: the random draws the sequence made before this step. 0 on its first step; a sequence
+    # preempted and re-prefilled (docs/kv-cache.md) resumes its stream at the tokens it had generated
+    draws: int = 0
 
 
 @dataclass(slots=True)

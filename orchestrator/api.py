@@ -270,6 +270,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 total_ns=int((t.finished - t.arrival) * 1e9),
             ),
             logprobs=self.logprobs_pb(r.logprobs),
+            preemptions=r.preemptions,
         )
 
     # ---- RPCs ----------------------------------------------------------------------------------

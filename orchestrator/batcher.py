@@ -4,20 +4,30 @@ Pure bookkeeping, as nano-vllm's and vLLM's schedulers are: no threads, no clock
 scheduler loop (`scheduler.py`) owns the thread and the backend, and calls `schedule()` -> one
 `StepPlan`, runs it, then `update(output)` -> the tokens each sequence got and which finished.
 
-Admission is first come, first served: a request is admitted once the KV blocks for its whole
-budget (prompt + max_new_tokens) are free, so a running sequence never finds the cache full. A
-step prefills the sequences admitted for it, or, when none were, decodes every running one.
-Finished sequences return their blocks at once and are listed in the next plan's `release`.
+Admission is first come, first served. By default (`kv_admission="need"`, docs/kv-cache.md) a
+sequence takes KV blocks as it grows: its prompt's at admission, one more each time a decode crosses
+a block. When a step's growth does not fit, the most recently arrived running sequences are
+preempted: their blocks are freed (the next plan releases them in the workers), and they go back to
+the front of the queue to be re-prefilled, prompt and generated tokens together, once blocks free
+up; the re-prefill's sampled token is their next, drawn at the same place in their random stream.
+`kv_admission="reserve"` keeps the older rule: the blocks of prompt + max_new_tokens are taken at
+admission, so nothing is ever preempted and fewer sequences run.
+
+A step prefills (or re-prefills, in chunks of at most max_prefill_tokens) the sequences admitted for
+it, or, when none were, decodes every running one. Finished sequences return their blocks at once
+and are listed in the next plan's `release`.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moe_lightning.batching import balance
+from moe_lightning.config.choices import KV_ADMISSIONS
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.request import GenerationRequest
@@ -28,6 +38,9 @@ from moe_lightning.validation import blocks_needed
 from orchestrator.backend import KVCapacity
 
 FINISH_CANCELLED = "cancelled"
+# free blocks kept back at admission while anything runs (vLLM's watermark): a cache filled to the last
+# block by new prompts would preempt on the very next decode step
+WATERMARK = 0.01
 
 
 @dataclass(slots=True)
@@ -36,6 +49,7 @@ class SchedulerConfig:
     micro_batch_size: int = 0  # 0: one micro-batch per step
     max_queue: int = 1024
     max_prefill_tokens: int = 8192  # per micro-batch; also the longest prompt accepted
+    kv_admission: str = KV_ADMISSIONS[0]  # need or reserve: see the module docstring
 
 
 @dataclass(slots=True, eq=False)  # identity: thousands are looked up per step
@@ -45,9 +59,14 @@ class Sequence:
     seq_id: int
     request: GenerationRequest
     text: OutputText  # the generated tokens, when they are done, and their text
-    blocks: int  # KV blocks reserved for prompt + max_new_tokens
+    blocks: int = 0  # KV blocks it holds now (in the workers' caches)
+    cached: int = 0  # its tokens in the KV cache once the step scheduled last has run
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     admitted: bool = False
+    preemptions: int = 0
+    # its last step was a chunk short of its end, whose sampled token it did not keep: the workers'
+    # stream for it moved on, so the next step carries its place (`draws`) again
+    stream_ahead: bool = False
     cancelled: bool = False  # set from any thread; acted on by the next schedule()
     finish_reason: str | None = None  # the text's, or "cancelled"
 
@@ -59,12 +78,21 @@ class Sequence:
     def output(self) -> list[int]:
         return self.text.token_ids
 
+    @property
+    def length(self) -> int:
+        """Prompt and generated tokens."""
+        return self.prompt_len + len(self.output)
+
+    @property
+    def decoding(self) -> bool:
+        """Everything but its last token is cached: the next step feeds that one."""
+        return self.cached == self.length - 1
+
 
 @dataclass(slots=True)
 class ScheduledStep:
     plan: StepPlan
     sequences: list[Sequence]  # the plan's sequences, in plan order
-    admitted: list[Sequence]  # admitted for this step (its prefill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +104,32 @@ class NewToken:
     finish_reason: str | None  # set when this token ended the sequence
 
 
+@dataclass(slots=True)
+class BatcherCounters:
+    """Totals since start, for the metrics and a job's summary."""
+
+    preemptions: int = 0
+    recomputed_tokens: int = 0  # tokens re-prefilled after preemptions
+    decode_steps: int = 0
+    decode_sequences: int = 0  # summed over decode steps: / decode_steps = the mean decode batch
+
+    @property
+    def mean_decode_batch(self) -> float:
+        return self.decode_sequences / self.decode_steps if self.decode_steps else 0.0
+
+
 class Batcher:
     def __init__(self, kv: KVCapacity, config: SchedulerConfig, placement: Placement | None = None) -> None:
+        if config.kv_admission not in KV_ADMISSIONS:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSIONS)}; got {config.kv_admission!r}")
         self.kv = kv
         self.config = config
         self.placement = placement or Placement()  # sent with every plan
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: deque[Sequence] = deque()  # never admitted yet; --max-queue bounds these alone
+        self.preempted: deque[Sequence] = deque()  # admitted before waiting ones, oldest first
         self.running: dict[int, Sequence] = {}  # by seq id, in admission order
         self.free_blocks = kv.blocks
+        self.counters = BatcherCounters()
         self._release_next: list[int] = []
         self._seq_ids = itertools.count(1)
         self._step_ids = itertools.count(1)
@@ -93,7 +139,10 @@ class Batcher:
         """Queues a validated request; RESOURCE_EXHAUSTED when the queue is full."""
         if len(self.waiting) >= self.config.max_queue:
             raise ResourceExhaustedError(f"the request queue is full ({self.config.max_queue}); retry later")
-        seq = Sequence(next(self._seq_ids), request, text, blocks_needed(request, self.kv.block_size))
+        seeded = request.sampling.with_seed()  # its stream must survive a preemption (sampling.py)
+        if seeded is not request.sampling:
+            request = replace(request, sampling=seeded)
+        seq = Sequence(next(self._seq_ids), request, text)
         self.waiting.append(seq)
         return seq
 
@@ -103,6 +152,8 @@ class Batcher:
         gone = {s.seq_id for s in seqs}
         if any(s.seq_id in gone for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if s.seq_id not in gone)
+        if any(s.seq_id in gone for s in self.preempted):
+            self.preempted = deque(s for s in self.preempted if s.seq_id not in gone)
         for seq in seqs:
             if self.running.pop(seq.seq_id, None) is not None:
                 self._free(seq)
@@ -110,8 +161,9 @@ class Batcher:
     def reset(self, kv: KVCapacity) -> list[Sequence]:
         """A new backend session: every sequence is dropped (the workers lost their state) and every
         block is free. Returns the dropped sequences."""
-        dropped = [*self.running.values(), *self.waiting]
+        dropped = [*self.running.values(), *self.preempted, *self.waiting]
         self.running.clear()
+        self.preempted.clear()
         self.waiting.clear()
         self.kv = kv
         self.free_blocks = kv.blocks
@@ -121,7 +173,12 @@ class Batcher:
     @property
     def idle(self) -> bool:
         """Nothing to run and nothing to release."""
-        return not self.waiting and not self.running and not self._release_next
+        return not self.queued and not self.running and not self._release_next
+
+    @property
+    def queued(self) -> list[Sequence]:
+        """Every sequence not running, in admission order: the preempted, then the waiting."""
+        return [*self.preempted, *self.waiting]
 
     @property
     def kv_usage(self) -> float:
@@ -129,22 +186,33 @@ class Batcher:
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self, on_admit: Callable[[Sequence], None] | None = None) -> ScheduledStep | None:
-        """The next step, or None when nothing runs. `on_admit` sees each admitted sequence before
-        the next is considered (the planner's workload feedback may change the batch size)."""
-        admitted = self._admit(on_admit)
-        seqs = admitted or list(self.running.values())
+        """The next step, or None when nothing runs. `on_admit` sees each sequence at its first
+        admission, before the next is considered (the planner's workload feedback may change the
+        batch size)."""
+        # re-prefills that span steps: their blocks were taken at admission, so they never preempt
+        resuming = [s for s in self.running.values() if not s.decoding]
+        admitted = self._admit(on_admit) if not resuming else []
+        prefill = resuming + admitted
+        if prefill:
+            return ScheduledStep(self._prefill_plan(prefill), prefill)
+        if self.running:
+            self._make_room(list(self.running.values()), 1)
+        seqs = list(self.running.values())
         if not seqs and not self._release_next:
             return None  # (with releases pending, an empty plan drops the workers' state now, not at the next request)
-        kind = StepKind.PREFILL if admitted else StepKind.DECODE
-        return ScheduledStep(self._plan(seqs, kind), seqs, admitted)
+        if seqs:
+            self.counters.decode_steps += 1
+            self.counters.decode_sequences += len(seqs)
+        return ScheduledStep(self._decode_plan(seqs), seqs)
 
     def update(self, step: ScheduledStep, out: StepOutput) -> list[NewToken]:
-        """Appends each sequence's sampled token; the finished leave the running batch."""
+        """Appends each sequence's sampled token; the finished leave the running batch. A chunk of a
+        re-prefill that does not reach the sequence's end samples nothing it keeps."""
         by_seq = dict(zip(out.seq_ids, out.token_ids, strict=True))
         tokens = []
         for seq in step.sequences:
-            if seq.seq_id not in by_seq or seq.seq_id not in self.running:
-                continue  # removed while the step ran
+            if seq.seq_id not in by_seq or seq.seq_id not in self.running or seq.cached != seq.length:
+                continue  # removed or preempted while the step ran, or a chunk short of its end
             token = by_seq[seq.seq_id]
             delta, reason = seq.text.append(token)
             lp = out.logprobs.get(seq.seq_id)
@@ -157,58 +225,138 @@ class Batcher:
             tokens.append(NewToken(seq, token, lp, delta, reason))
         return tokens
 
-    # ---- internals ------------------------------------------------------------------------------
-    def _free(self, seq: Sequence) -> None:
-        if seq.admitted:
-            self.free_blocks += seq.blocks
-            self._release_next.append(seq.seq_id)
+    def step_failed(self, step: ScheduledStep) -> None:
+        """A step that failed may not have reached the workers: the releases it carried go with the next
+        plan again (releasing what a worker no longer holds is a no-op), else a preempted sequence would
+        come back to a cache that still holds its old blocks."""
+        again = [s for s in step.plan.release if s not in self._release_next]
+        self._release_next = [*again, *self._release_next]
 
     def drop_cancelled(self) -> list[Sequence]:
         """Takes out the sequences cancelled since the last call (finish_reason "cancelled")."""
-        dropped = [s for s in (*self.waiting, *self.running.values()) if s.cancelled]
+        dropped = [s for s in (*self.queued, *self.running.values()) if s.cancelled]
         for seq in dropped:
             seq.finish_reason = FINISH_CANCELLED
         self.remove(dropped)
         return dropped
 
+    # ---- internals ------------------------------------------------------------------------------
+    def _free(self, seq: Sequence) -> None:
+        if seq.admitted:
+            self.free_blocks += seq.blocks
+            seq.blocks, seq.admitted = 0, False
+            self._release_next.append(seq.seq_id)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.kv.block_size)
+
+    def _growth(self, seq: Sequence, feed: int) -> int:
+        """Blocks `seq` takes for its next `feed` tokens (at most): none while its reservation lasts."""
+        return max(0, self._blocks_for(seq.cached + min(feed, seq.length - seq.cached)) - seq.blocks)
+
+    def _make_room(self, seqs: list[Sequence], feed: int) -> None:
+        """Preempts the most recently arrived running sequences until the next `feed` tokens of each
+        of `seqs` still running fit. The oldest is never preempted for a younger one, so it always
+        progresses (check_kv let in only what fits the cache alone)."""
+        need = sum(self._growth(s, feed) for s in seqs)
+        while need > self.free_blocks:
+            victim = self.running[max(self.running)]
+            if victim in seqs:
+                need -= self._growth(victim, feed)
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        del self.running[seq.seq_id]
+        self._free(seq)
+        seq.cached = 0
+        seq.preemptions += 1
+        self.counters.preemptions += 1
+        self.preempted.appendleft(seq)  # the newest first: the oldest preempted ends up at the front
+
+    def _admission_blocks(self, seq: Sequence) -> int:
+        if self.config.kv_admission == "reserve":
+            return blocks_needed(seq.request, self.kv.block_size)
+        # all its tokens, even when its re-prefill spans steps: a chunk that had to preempt for the next
+        # would preempt itself, and the older sequences would wait on it for good
+        return self._blocks_for(seq.length)
+
     def _admit(self, on_admit: Callable[[Sequence], None] | None) -> list[Sequence]:
         new: list[Sequence] = []
         budget = self.config.max_prefill_tokens
+        watermark = 0 if self.config.kv_admission == "reserve" else math.ceil(WATERMARK * self.kv.blocks)
         try:
-            while self.waiting and len(self.running) + len(new) < self.config.max_batch_size:
-                seq = self.waiting[0]
-                if seq.blocks > self.free_blocks:
+            while len(self.running) + len(new) < self.config.max_batch_size:
+                queue = self.preempted or self.waiting
+                if not queue:
+                    break
+                seq = queue[0]
+                blocks = self._admission_blocks(seq)
+                running = len(self.running) + len(new)
+                # a preempted sequence comes back once every running one has a block to grow into: else it
+                # would be preempted again within a few steps, its whole re-prefill spent on them
+                reserve = max(watermark, running) if seq.preemptions else watermark
+                if blocks > self.free_blocks - (reserve if running else 0):
                     break  # first come, first served: wait for KV to free up
-                self.waiting.popleft()
-                self.free_blocks -= seq.blocks
-                seq.admitted = True
+                queue.popleft()
+                self.free_blocks -= blocks
+                seq.blocks, seq.admitted = blocks, True
                 new.append(seq)
-                if on_admit is not None:
+                if seq.preemptions:
+                    self.counters.recomputed_tokens += seq.length
+                elif on_admit is not None:
                     on_admit(seq)
-                budget -= seq.prompt_len
+                budget -= min(seq.length, self.config.max_prefill_tokens)
                 if budget <= 0:
                     break
         finally:  # should on_admit raise, what was admitted is still accounted for: remove() returns its blocks
             self.running.update((s.seq_id, s) for s in new)
         return new
 
-    def _plan(self, seqs: list[Sequence], kind: StepKind) -> StepPlan:
-        if kind is StepKind.PREFILL:
-            works = [SequenceWork(s.seq_id, list(s.request.prompt_ids), 0, s.request.sampling) for s in seqs]
-            mbs: list[list[SequenceWork]] = []
-            tokens = 0  # prompts packed into micro-batches of at most max_prefill_tokens tokens
-            for w in works:
-                if not mbs or tokens + len(w.token_ids) > self.config.max_prefill_tokens:
-                    mbs.append([])
-                    tokens = 0
-                mbs[-1].append(w)
-                tokens += len(w.token_ids)
-        elif not seqs:
-            mbs = []
-        else:  # balanced by context length: micro-batches of equal attention work, no padding
-            works = [SequenceWork(s.seq_id, [s.output[-1]], s.prompt_len + len(s.output) - 1) for s in seqs]
-            size = self.config.micro_batch_size or len(works)
-            contexts = [w.start + 1 for w in works]
-            mbs = [[works[i] for i in group] for group in balance(contexts, -(-len(works) // size))]
+    def _feed(self, seq: Sequence, tokens: int) -> tuple[list[int], int]:
+        """The next `tokens` (at most) of `seq` to compute, and where they start; the batcher's view of
+        its cache grows by them (the step that computes them was just planned)."""
+        start = seq.cached
+        end = min(seq.length, start + tokens)
+        grow = self._blocks_for(end) - seq.blocks
+        if grow > 0:
+            self.free_blocks -= grow
+            seq.blocks += grow
+        seq.cached = end
+        seq.stream_ahead = end < seq.length
+        if seq.output and start == seq.length - 1:  # a decode: the last sampled token
+            return [seq.output[-1]], start
+        prompt = seq.request.prompt_ids
+        return list(prompt[start:end] if end <= len(prompt) else [*prompt, *seq.output][start:end]), start
+
+    def _prefill_plan(self, seqs: list[Sequence]) -> StepPlan:
+        works = []
+        for s in seqs:
+            ids, start = self._feed(s, self.config.max_prefill_tokens)
+            # every chunk carries the sampling parameters: the workers (re)start its stream at `draws`
+            works.append(SequenceWork(s.seq_id, ids, start, s.request.sampling, len(s.output)))
+        mbs: list[list[SequenceWork]] = []
+        tokens = 0  # prompts packed into micro-batches of at most max_prefill_tokens tokens
+        for w in works:
+            if not mbs or tokens + len(w.token_ids) > self.config.max_prefill_tokens:
+                mbs.append([])
+                tokens = 0
+            mbs[-1].append(w)
+            tokens += len(w.token_ids)
+        return self._plan(mbs, StepKind.PREFILL)
+
+    def _decode_plan(self, seqs: list[Sequence]) -> StepPlan:
+        if not seqs:
+            return self._plan([], StepKind.DECODE)
+        works = []
+        for s in seqs:
+            sampling = s.request.sampling if s.stream_ahead else None  # (before _feed clears it)
+            works.append(SequenceWork(s.seq_id, *self._feed(s, 1), sampling, len(s.output) if sampling else 0))
+        # balanced by context length: micro-batches of equal attention work, no padding
+        size = self.config.micro_batch_size or len(works)
+        contexts = [w.start + 1 for w in works]
+        mbs = [[works[i] for i in group] for group in balance(contexts, -(-len(works) // size))]
+        return self._plan(mbs, StepKind.DECODE)
+
+    def _plan(self, mbs: list[list[SequenceWork]], kind: StepKind) -> StepPlan:
         release, self._release_next = self._release_next, []
         return StepPlan(next(self._step_ids), mbs, kind, release, self.placement)

@@ -19,6 +19,11 @@ TPOT = Histogram(
 )
 E2E = Histogram("moe_lightning_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY)
 QUEUE_TIME = Histogram("moe_lightning_request_queue_time_seconds", "Arrival to admission", buckets=_LATENCY)
+PREEMPTIONS = Counter(
+    "moe_lightning_preemptions_total",
+    "Running sequences preempted (KV freed, re-prefilled later) when the cache ran out",
+)
+RECOMPUTED_TOKENS = Counter("moe_lightning_recomputed_tokens_total", "Tokens re-prefilled after preemptions")
 RUNNING = Gauge("moe_lightning_requests_running", "Requests in the running batch")
 WAITING = Gauge("moe_lightning_requests_waiting", "Requests in the queue")
 STEP_SECONDS = Histogram(

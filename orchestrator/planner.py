@@ -1,14 +1,19 @@
 """The HRM in the running stack: plan at start, compare predictions with what the services measure,
 correct the profile and re-plan between batches when they drift apart.
 
+The batch is sized by `kv_rule` (moe_lightning/hrm/layercost.py kv_tokens): "expected", for the
+batcher's default admission (`kv_admission="need"`: sequences take KV blocks as they grow, the most
+recent preempted when the cache runs out), counts each sequence at its steady-state mean s + n/2 plus
+a few standard deviations of the batch's total; "max", for `kv_admission="reserve"`, at s + n.
+
 Per layer of a decode step, the "device" and "attention" rows of moe_lightning/hrm/stage_accuracy.py:
 gpu_expert's compute (pre- plus post-attention less the exposed expert-page waits, host-computed
 experts included) and what it waits for attention (cpu_attention's compute plus the two
 hand-offs), against the cost model at the batch and micro-batch that actually ran. When one
 side is off by more than `threshold` for `patience` consecutive decode steps, that resource's roofs
 are scaled by predicted/measured (so the hand-off cost folds into the attention roof, as it should
-for planning) and the optimizer runs again. The workload (prompt and generation lengths) is learned
-from admitted requests the same way.
+for planning) and the optimizer runs again. The workload (the prompt lengths' mean and spread, the
+generation length) is learned from admitted requests the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from prometheus_client import Counter, Gauge, Info
 
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.layercost import NO_QUANT, Workload
+from moe_lightning.hrm.layercost import EXPECTED_USE, NO_QUANT, Workload, check_kv_rule, kv_sequences
 from moe_lightning.hrm.optimizer import optimize
 from moe_lightning.hrm.stage_accuracy import measured_per_layer, predicted_per_layer
 from moe_lightning.quant.scheme import QuantScheme
@@ -67,11 +72,16 @@ class Planner:
         max_micro_batch: int | None = None,
         kv_dtype: str | None = None,
         quant: QuantScheme = NO_QUANT,
+        kv_rule: str = EXPECTED_USE,
+        kv_block_size: int = 1,
     ) -> None:
         """`attention` / `experts`: the placements the running services support (and the operator
         allows); `kv_tokens` is the attention service's cache, `device_kv_tokens` gpu_expert's;
-        `kv_dtype` the dtype the attention service's cache stores (default: the weights'); `quant` the
-        format of the expert pages the weight store serves (default: the model dtype)."""
+        `kv_dtype` the format the attention service's cache stores (default: the weights'); `quant` the
+        format of the expert pages the weight store serves (default: the model dtype). `kv_rule`:
+        "expected" for the batcher's kv_admission "need", "max" for "reserve"
+        (layercost.KV_RULE_FOR_ADMISSION); `kv_block_size`: the caches' tokens per block (a sequence
+        leaves its last block half empty on average)."""
         self.spec = spec
         self.profile = profile
         self.workload = workload
@@ -79,6 +89,9 @@ class Planner:
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype
         self.quant = quant
+        self.kv_rule = check_kv_rule(kv_rule)
+        self.kv_block_size = max(1, kv_block_size)
+        self._prompt_var = workload.prompt_std**2  # of the prompt lengths, learned as their mean is
         self.kv_tokens = {"cpu": kv_tokens, "gpu": device_kv_tokens}
         self.attention = attention
         self.experts = experts
@@ -96,14 +109,26 @@ class Planner:
         self._publish("initial plan")
 
     # ---- planning ------------------------------------------------------------------------------
+    def sequences_held(self, tokens: int) -> int:
+        """How many sequences of the current workload a cache of `tokens` KV tokens holds by the rule
+        (at least one: a cache smaller than the expected request still serves shorter ones)."""
+        w = self.workload
+        # blocks round each sequence up: (B - 1) / 2 tokens on average, as if every prompt were longer
+        blocked = replace(w, prompt_len=w.prompt_len + (self.kv_block_size - 1) / 2)
+        return max(1, kv_sequences(tokens, blocked, self.kv_rule))
+
+    @property
+    def kv_cache_sequences(self) -> int:
+        """The sequences the cache attention reads holds for the current workload."""
+        return self.sequences_held(self.kv_tokens[self.policy.attention])
+
     def _optimize(self) -> Estimate:
         best: Estimate | None = None
         self.alternatives: dict[str, float] = {}  # "attention/experts" -> best predicted tokens/s
         for att in self.attention:
             if self.kv_tokens[att] <= 0:
                 continue  # no KV cache there
-            # at least one sequence: a cache smaller than the expected request still serves shorter ones
-            cap = max(1, min(self.config.batch_cap, int(self.kv_tokens[att] // self.workload.max_context)))
+            cap = min(self.config.batch_cap, self.sequences_held(self.kv_tokens[att]))
             for exp in self.experts:
                 est = optimize(
                     self.spec,
@@ -117,6 +142,7 @@ class Planner:
                     max_micro_batch=self.max_micro_batch,
                     kv_dtype=self.kv_dtype,
                     quant=self.quant,
+                    kv_rule=self.kv_rule,
                 )
                 self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
                 if best is None or est.tokens_per_second > best.tokens_per_second:
@@ -165,9 +191,14 @@ class Planner:
     def observe_request(self, prompt_len: int, max_new_tokens: int) -> Policy | None:
         with self._lock:
             w = self.workload
+            # the exponentially weighted mean and variance (West's update): the spread sizes the headroom
+            diff = prompt_len - w.prompt_len
+            self._prompt_var = (1 - EWMA) * (self._prompt_var + diff * EWMA * diff)
+            # max_new_tokens, not what ran: a sequence's length is not known until it stops
             self.workload = Workload(
-                w.prompt_len + EWMA * (prompt_len - w.prompt_len),
+                w.prompt_len + EWMA * diff,
                 max(1, round(w.gen_len + EWMA * (max_new_tokens - w.gen_len))),
+                self._prompt_var**0.5,
             )
             old = self.planned_workload
             drift = max(
@@ -191,7 +222,14 @@ class Planner:
             p = self.policy
             policy = Policy(n_ub * micro_batch, micro_batch, p.attention, p.experts, p.resident_experts)
             est = estimate(
-                self.spec, self.workload, self.profile, policy, self.dtype, kv_dtype=self.kv_dtype, quant=self.quant
+                self.spec,
+                self.workload,
+                self.profile,
+                policy,
+                self.dtype,
+                kv_dtype=self.kv_dtype,
+                quant=self.quant,
+                kv_rule=self.kv_rule,
             )
             predicted = predicted_per_layer(est)
             for stage in measured:

@@ -24,6 +24,7 @@ from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.errors import ServiceError, ShuttingDownError, UnavailableError, status_for
 from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.spec import ModelSpec
+from moe_lightning.step_protocol import StepKind
 from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.validation import RequestLimits, check_kv
 from orchestrator import metrics
@@ -151,7 +152,7 @@ class Scheduler:
             seq = self.batcher.add(request, text)
             ticket = Ticket(seq, on_tokens)
             self._tickets[seq.seq_id] = ticket
-            metrics.WAITING.set(len(self.batcher.waiting))
+            metrics.WAITING.set(len(self.batcher.waiting) + len(self.batcher.preempted))
             self._cv.notify_all()
         return ticket
 
@@ -163,7 +164,12 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         with self._cv:
             b = self.batcher
-            return {"waiting": len(b.waiting), "running": len(b.running), "free_blocks": b.free_blocks}
+            return {
+                "waiting": len(b.waiting) + len(b.preempted),
+                "running": len(b.running),
+                "free_blocks": b.free_blocks,
+                "preemptions": b.counters.preemptions,
+            }
 
     @property
     def stopping(self) -> bool:
@@ -176,11 +182,11 @@ class Scheduler:
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
-            while (self.batcher.waiting or self.batcher.running) and time.monotonic() < deadline:
+            while (self.batcher.queued or self.batcher.running) and time.monotonic() < deadline:
                 self._cv.wait(0.1)
         with self._cv:
             self._closed = True
-            pending = [*self.batcher.waiting, *self.batcher.running.values()]
+            pending = [*self.batcher.queued, *self.batcher.running.values()]
             self.batcher.remove(pending)
             self._cv.notify_all()
             for seq in pending:
@@ -241,8 +247,10 @@ class Scheduler:
             try:
                 for seq in b.drop_cancelled():
                     self._finish(seq)
+                before = (b.counters.preemptions, b.counters.recomputed_tokens)
                 step = b.schedule(self._admitted)
                 self._publish_gauges()
+                self._count_preemptions(*before)
             except Exception as exc:  # which requests the fault left half-moved is unknown: end them all
                 self.log.exception("scheduler_schedule_crashed")
                 self._fail_all(ServiceError(f"internal error in the scheduler: {exc}; the request was not completed"))
@@ -255,17 +263,27 @@ class Scheduler:
         except Exception as exc:  # a bug must fail this step's requests, never stop the loop
             self.log.exception("scheduler_step_crashed")
             with self._cv:
+                self.batcher.step_failed(step)
                 self._abort(step, ServiceError(f"internal error in the scheduler: {exc}"))
         return True
 
     def _fail_all(self, error: BaseException) -> None:
         """Ends every request not finished yet (lock held); their KV blocks come back and are released."""
         try:
-            self.batcher.remove([*self.batcher.waiting, *self.batcher.running.values()])
+            self.batcher.remove([*self.batcher.queued, *self.batcher.running.values()])
         except Exception:  # even so, every waiter below is told
             self.log.exception("scheduler_remove_failed")
         for ticket in list(self._tickets.values()):
             self._fail(ticket.seq, error)
+
+    def _count_preemptions(self, preemptions: int, recomputed: int) -> None:
+        """The schedule() just made preempted sequences: counted, and logged (lock held)."""
+        c = self.batcher.counters
+        if c.preemptions > preemptions:
+            metrics.PREEMPTIONS.inc(c.preemptions - preemptions)
+            self.log.info("preempted", sequences=c.preemptions - preemptions, free_blocks=self.batcher.free_blocks)
+        if c.recomputed_tokens > recomputed:
+            metrics.RECOMPUTED_TOKENS.inc(c.recomputed_tokens - recomputed)
 
     def _admitted(self, seq: Sequence) -> None:
         """Called by the batcher, with the lock held, as it admits each sequence."""
@@ -290,13 +308,15 @@ class Scheduler:
             if status_for(exc) == grpc.StatusCode.UNAVAILABLE and session == self._session:
                 self.backend_lost.set()  # the supervisor re-wires the stack and resumes
             with self._cv:
+                if session == self._session:  # (a new session's workers hold nothing of the old one's)
+                    self.batcher.step_failed(step)
                 self._abort(step, exc)
             return
         wall = time.perf_counter() - t0
         if not plan.micro_batches:
             return  # it only released finished sequences
         metrics.observe_step(plan.num_sequences, wall, out.timings)
-        if self.planner is not None and not step.admitted:
+        if self.planner is not None and plan.kind is StepKind.DECODE:
             try:  # the planner is advice: its failure must not cost the requests their tokens
                 mu = max(len(mb) for mb in plan.micro_batches)
                 policy = self.planner.observe_step(plan.num_sequences, mu, out.timings)
@@ -344,7 +364,7 @@ class Scheduler:
 
     # ---- outcomes (lock held) --------------------------------------------------------------------
     def _publish_gauges(self) -> None:
-        metrics.WAITING.set(len(self.batcher.waiting))
+        metrics.WAITING.set(len(self.batcher.waiting) + len(self.batcher.preempted))
         metrics.RUNNING.set(len(self.batcher.running))
         metrics.KV_USAGE.set(self.batcher.kv_usage)
 
@@ -358,7 +378,7 @@ class Scheduler:
             self._fail(seq, ServiceError("the request was cancelled", grpc.StatusCode.CANCELLED))
             return
         ticket.result = GenerationResult(
-            seq.output, seq.text.final_text, reason, seq.prompt_len, seq.logprobs[: len(seq.output)]
+            seq.output, seq.text.final_text, reason, seq.prompt_len, seq.logprobs[: len(seq.output)], seq.preemptions
         )
         self._tickets.pop(seq.seq_id)
         try:
@@ -372,6 +392,7 @@ class Scheduler:
                 finish_reason=reason,
                 prompt_tokens=seq.prompt_len,
                 completion_tokens=len(seq.output),
+                preemptions=seq.preemptions,
                 queue_s=round(ticket.admitted - ticket.arrival, 4),
                 ttft_s=round(ticket.first_token - ticket.arrival, 4),
                 e2e_s=round(ticket.finished - ticket.arrival, 4),

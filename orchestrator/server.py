@@ -12,7 +12,7 @@ from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.chat_template import ChatTemplate
 from moe_lightning.config.flag import EnvDefaultsParser
 from moe_lightning.config.orchestrator import OrchestratorConfig
-from moe_lightning.hrm.layercost import Workload
+from moe_lightning.hrm.layercost import KV_RULE_FOR_ADMISSION, MTBENCH_PROMPT_LEN, MTBENCH_PROMPT_STD, Workload
 from moe_lightning.hrm.roofs import profile_from
 from moe_lightning.placement import Side
 from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
@@ -113,7 +113,12 @@ def _start(
         backend.spec,
         # rank 0's roofs, times the ranks: each has its own device, budget and link (docs/parallel.md)
         profile_from(capacity.expert_measurements, capacity.attention_measurements).with_gpus(capacity.ranks),
-        Workload(config.expected_prompt_len, config.expected_gen_len),
+        # until requests come, MT-Bench's spread of prompt lengths around the expected one (as `plan`)
+        Workload(
+            config.expected_prompt_len,
+            config.expected_gen_len,
+            prompt_std=config.expected_prompt_len * MTBENCH_PROMPT_STD / MTBENCH_PROMPT_LEN,
+        ),
         capacity.weight_dtype,
         capacity.kv_cache(Side.HOST).tokens,
         PlannerConfig(patience=10**9) if config.no_replan else None,
@@ -124,6 +129,8 @@ def _start(
         resident_experts=capacity.resident_experts,
         max_micro_batch=capacity.max_handoff_tokens,
         kv_dtype=capacity.kv_dtype,
+        kv_rule=KV_RULE_FOR_ADMISSION[config.kv_admission],
+        kv_block_size=capacity.block_size,
     )
     planner.fixed_batch, planner.fixed_micro_batch = config.max_batch_size, config.micro_batch_size
     pages.planner = planner
@@ -134,6 +141,7 @@ def _start(
         config.micro_batch_size if config.micro_batch_size is not None else policy.micro_batch_size,
         config.max_queue if config.max_queue is not None else default_max_queue(config.max_batch_size),
         config.max_prefill_tokens,
+        config.kv_admission,
     )
     log.info(
         "planned",
@@ -149,7 +157,9 @@ def _start(
         in_force_batch=schedule.max_batch_size,
         in_force_micro_batch=schedule.micro_batch_size,
         kv_cache_dtype=kv.dtype,
-        kv_cache_sequences=kv.tokens // int(planner.workload.max_context),  # of the expected s + n tokens
+        kv_cache_tokens=kv.tokens,
+        kv_admission=config.kv_admission,
+        kv_cache_sequences=planner.kv_cache_sequences,  # of the expected workload, by the admission's rule
     )
     scheduler = Scheduler(
         backend.spec, backend, tokenizer, kv, schedule, None if config.no_replan else planner, policy.placement

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import threading
 
+from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import StepOutput, StepPlan, StepTimings
+
+# the smallest K/V a PagedKVCache can hold: the mirror below keeps its block tables, not its values
+_MIRROR_SPEC = ModelSpec("MixtralForCausalLM", 8, 16, 1, 2, 1, 2, 2, 1, 400)
 
 
 class FakeBackend:
     """Answers a plan as gpu_expert would, with scripted tokens: sequence s's i-th generated token is
-    `script[s][i]` when scripted, else a token that is never EOS. Records every plan. `fail` makes the
-    next step raise it; while `gate` is clear, steps wait for it (a step in flight)."""
+    `script[s][i]` when scripted, else a token that is never EOS; i counts from the `draws` a step with
+    sampling parameters carries, as gpu_expert's random stream does, so a re-prefilled sequence gets the
+    tokens it would have. Records every plan. `fail` makes the next step raise it; while `gate` is
+    clear, steps wait for it (a step in flight). With `kv_blocks`, a real PagedKVCache mirrors what the
+    workers' caches do with each plan (release, then each sequence's new tokens at its start): a
+    batcher that over-commits the cache or disagrees on a length fails the step, as the workers would."""
 
-    def __init__(self, script: dict[int, list[int]] | None = None) -> None:
+    def __init__(self, script: dict[int, list[int]] | None = None, kv_blocks: int = 0, block_size: int = 16) -> None:
         self.script = script or {}
+        self.kv = PagedKVCache(_MIRROR_SPEC, kv_blocks, block_size) if kv_blocks else None
         self.plans: list[StepPlan] = []
         self.generated: dict[int, int] = {}
         self.fail: BaseException | None = None
@@ -28,9 +38,16 @@ class FakeBackend:
         if self.fail is not None:
             error, self.fail = self.fail, None
             raise error
+        if self.kv is not None:
+            for seq in plan.release:
+                self.kv.free(seq)
+            for mb in plan.micro_batches:
+                self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
         seq_ids, tokens = [], []
         for mb in plan.micro_batches:
             for w in mb:
+                if w.sampling is not None:
+                    self.generated[w.seq_id] = w.draws
                 i = self.generated.get(w.seq_id, 0)
                 self.generated[w.seq_id] = i + 1
                 script = self.script.get(w.seq_id)

@@ -7,12 +7,27 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.layercost import NO_QUANT, Headroom, Workload
 from moe_lightning.hrm.optimizer import KV_GPU_FRACTIONS, max_batch, micro_batch_counts, micro_batch_sizes
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
+
+SMALL = ModelSpec.from_hf_config(mixtral_config("tiny"))  # 2 layers x 4 experts: brute force is cheap
+# A machine scaled to SMALL so that both memories and all three roofs matter.
+TOY = HardwareProfile(
+    "toy",
+    gpu_flops=2e9,
+    gpu_bandwidth=4e9,
+    gpu_memory=3.0e6,
+    cpu_flops=4e8,
+    cpu_bandwidth=1e9,
+    cpu_memory=40e6,
+    h2d_bandwidth=2e8,
+    d2h_bandwidth=2e8,
+)
 
 
 def _better(a: Estimate, b: Estimate | None) -> bool:

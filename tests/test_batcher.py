@@ -59,7 +59,7 @@ def test_prefill_then_decode_and_new_arrivals_prefill_first() -> None:
 
 
 def test_admission_is_first_come_first_served_and_waits_for_kv() -> None:
-    b, backend = _batcher(blocks=10, block_size=4), FakeBackend()
+    b, backend = _batcher(blocks=10, block_size=4, kv_admission="reserve"), FakeBackend()
     big = [_add(b, 8, 8) for _ in range(3)]  # 16 tokens = 4 blocks each: two fit in 10
     small = _add(b, 1, 3)  # would fit, but must not overtake the third big request
     plan, _ = _step(b, backend)
@@ -82,7 +82,7 @@ def test_finish_reasons_eos_and_length_and_outputs() -> None:
     eos, length, ignore = _add(b, 2, 6), _add(b, 2, 3), _add(b, 2, 3, ignore_eos=True)
     backend = FakeBackend({eos.seq_id: [11, 12, EOS, 13], ignore.seq_id: [EOS, EOS, EOS]})
     reasons = {}
-    while b.running or b.waiting:
+    while b.running or b.queued:
         _, new = _step(b, backend)
         reasons.update({t.seq.seq_id: t.finish_reason for t in new if t.finish_reason})
     assert reasons == {eos.seq_id: FINISH_EOS, length.seq_id: FINISH_LENGTH, ignore.seq_id: FINISH_LENGTH}
@@ -165,21 +165,156 @@ def test_queue_limit_and_reset() -> None:
 
 
 def test_thousands_of_sequences_all_finish_with_every_block_back() -> None:
-    """At the operating point's size: 3,000 requests through a cache that holds a third of them."""
+    """At the operating point's size: 3,000 requests through a cache that holds a third of them, the
+    workers' caches mirrored by a real PagedKVCache (an over-committed block fails the step)."""
     b = _batcher(blocks=3000, block_size=4, max_batch_size=4096, micro_batch_size=128, max_queue=4096)
-    backend = FakeBackend()
+    backend = FakeBackend(kv_blocks=3000, block_size=4)
     seqs = [_add(b, 1 + i % 7, 1 + i % 11) for i in range(3000)]
     released: list[int] = []
     steps = 0
-    while b.running or b.waiting:
+    while b.running or b.queued:
         plan, _ = _step(b, backend)
         released += plan.release
         steps += 1
-        assert b.free_blocks >= 0
+        # the same blocks free as in the workers, once they drop what the next plan releases
+        kv = backend.kv
+        assert kv is not None
+        releasing = sum(len(kv.tables.get(s, ())) for s in b._release_next)
+        assert b.free_blocks == kv.num_free_blocks + releasing
     step = b.schedule()  # the last finishes are released by a step of their own
     assert step is not None and step.plan.num_sequences == 0
     released += step.plan.release
+    backend.step(step.plan)
     assert b.schedule() is None and b.idle
     assert all(len(s.output) == s.request.max_new_tokens for s in seqs)
-    assert sorted(released) == [s.seq_id for s in seqs] and b.free_blocks == 3000
+    assert sorted(set(released)) == [s.seq_id for s in seqs] and b.free_blocks == 3000
+    assert len(released) == 3000 + b.counters.preemptions  # each preemption released the workers' state once
+    assert backend.kv.num_free_blocks == 3000 and not backend.kv.tables  # type: ignore[union-attr]
     assert steps < 3000  # batched, not one at a time
+
+
+def _run_all(b: Batcher, backend: FakeBackend) -> list[StepPlan]:
+    plans = []
+    while b.running or b.queued:
+        plan, _ = _step(b, backend)
+        plans.append(plan)
+    return plans
+
+
+def _outputs(blocks: int, prompts: list[int], max_new: list[int], **config: object) -> tuple[list[list[int]], Batcher]:
+    b = _batcher(blocks=blocks, block_size=4, **config)  # type: ignore[arg-type]
+    backend = FakeBackend(kv_blocks=blocks, block_size=4)
+    seqs = [_add(b, p, n) for p, n in zip(prompts, max_new, strict=True)]
+    _run_all(b, backend)
+    return [s.output for s in seqs], b
+
+
+def test_by_need_admits_on_the_prompt_and_preempts_the_newest_when_the_cache_runs_out() -> None:
+    b, backend = _batcher(blocks=8, block_size=4), FakeBackend(kv_blocks=8, block_size=4)
+    seqs = [_add(b, 4, 12) for _ in range(4)]  # 16 tokens each at the end: 4 blocks; the cache holds 2 of them
+    plan, _ = _step(b, backend)
+    assert plan.kind is StepKind.PREFILL and plan.num_sequences == 4  # a block each for the prompt: all four in
+    assert b.free_blocks == 4 and all(s.blocks == 1 for s in seqs)
+    plan, _ = _step(b, backend)  # every decode crosses into a second block: 4 more, still fits
+    assert plan.kind is StepKind.DECODE and plan.num_sequences == 4 and b.free_blocks == 0
+    for _ in range(3):
+        plan, _ = _step(b, backend)
+        assert plan.num_sequences == 4 and b.counters.preemptions == 0
+    plan, _ = _step(b, backend)  # the next block for each: the newest two make room for the oldest two
+    assert b.counters.preemptions == 2 and plan.num_sequences == 2
+    assert [w.seq_id for mb in plan.micro_batches for w in mb] == [seqs[0].seq_id, seqs[1].seq_id]
+    assert list(b.preempted) == [seqs[2], seqs[3]] and seqs[2].cached == 0 and seqs[2].blocks == 0
+    assert len(seqs[2].output) == 5  # what they generated stays theirs
+    assert sorted(plan.release) == [seqs[2].seq_id, seqs[3].seq_id]  # the same plan frees them in the workers
+    _run_all(b, backend)
+    for s in seqs:
+        assert len(s.output) == 12
+    re_prefills = [w for p in backend.plans for mb in p.micro_batches for w in mb if w.start == 0 and w.seq_id > 2]
+    assert len(re_prefills) == 4  # the first prefill of each of the two, and one re-prefill each
+    for w in re_prefills[2:]:
+        s = seqs[w.seq_id - 1]
+        assert w.token_ids == [*s.request.prompt_ids, *s.output[: w.draws]] and w.draws == 5
+        assert w.sampling == s.request.sampling  # its stream restarts at draw 5, not 0
+    assert b.free_blocks == 8 and b.counters.recomputed_tokens == 2 * 9
+
+
+def test_preemption_leaves_every_output_as_without_it() -> None:
+    """The fake backend's tokens follow each sequence's draws, as a seeded stream or greedy decoding
+    does: a cache small enough to preempt often must give the outputs of one that never does."""
+    prompts = [1 + (i * 7) % 13 for i in range(60)]
+    max_new = [5 + (i * 5) % 23 for i in range(60)]
+    roomy, _ = _outputs(2000, prompts, max_new)
+    tight, b = _outputs(24, prompts, max_new, max_batch_size=64)
+    reserved, r = _outputs(24, prompts, max_new, kv_admission="reserve")
+    assert b.counters.preemptions > 10 and r.counters.preemptions == 0
+    assert tight == roomy and reserved == roomy
+    assert b.counters.mean_decode_batch > r.counters.mean_decode_batch  # by need, more run at once
+
+
+def test_a_re_prefill_longer_than_the_prefill_budget_runs_in_chunks() -> None:
+    b = _batcher(blocks=12, block_size=4, max_prefill_tokens=8)
+    backend = FakeBackend(kv_blocks=12, block_size=4)
+    old, young = _add(b, 8, 40), _add(b, 8, 40)  # 47 tokens cached at most: 12 blocks, the whole cache
+    plans = _run_all(b, backend)
+    assert len(old.output) == 40 and len(young.output) == 40 and b.counters.preemptions >= 1
+    assert old.preemptions == 0  # the oldest is never preempted for a younger one
+    chunks = [
+        w for p in plans for mb in p.micro_batches for w in mb if w.seq_id == young.seq_id and len(w.token_ids) > 1
+    ]
+    assert max(len(w.token_ids) for w in chunks) == 8 and any(w.start > 0 for w in chunks)
+    assert all(w.draws == chunks[-1].draws for w in chunks if w.start > 0 and w.draws >= 8)
+    roomy, _ = _outputs(100, [8, 8], [40, 40], max_prefill_tokens=8)
+    assert [old.output, young.output] == roomy
+
+
+def test_the_oldest_never_starves_behind_a_stream_of_newcomers() -> None:
+    b, backend = _batcher(blocks=16, block_size=4), FakeBackend(kv_blocks=16, block_size=4)
+    first = _add(b, 4, 40)
+    for step in range(400):
+        if step % 3 == 0:
+            _add(b, 4, 8)
+        if not first.finish_reason:
+            _step(b, backend)
+    assert first.finish_reason == FINISH_LENGTH and first.preemptions == 0
+
+
+def test_a_failed_step_sends_its_releases_again() -> None:
+    """A step that never reached the workers must not lose its releases: a preempted sequence would come
+    back (start 0) to a cache still holding its old blocks, and the workers would refuse the step."""
+    b, backend = _batcher(blocks=8, block_size=4), FakeBackend(kv_blocks=8, block_size=4)
+    seqs = [_add(b, 4, 12) for _ in range(4)]
+    failed = None
+    while b.running or b.queued:
+        before = b.counters.preemptions
+        step = b.schedule()
+        assert step is not None
+        if failed is None and b.counters.preemptions > before:  # the step that preempted: it fails in transit
+            failed = step
+            b.step_failed(step)
+            b.remove([s for s in step.sequences if s.seq_id in b.running])  # what the scheduler's _abort does
+            continue
+        b.update(step, backend.step(step.plan))
+    assert failed is not None and set(failed.plan.release) <= {s.seq_id for s in seqs}
+    plan = b.schedule()
+    if plan is not None:
+        backend.step(plan.plan)
+    kv = backend.kv
+    assert kv is not None and kv.num_free_blocks == 8 and b.free_blocks == 8
+    survivors = [s for s in seqs if s.finish_reason is not None]
+    assert survivors and all(len(s.output) == 12 for s in survivors)  # the preempted ones came back and finished
+
+
+def test_preempted_sequences_do_not_fill_the_request_queue() -> None:
+    b, backend = _batcher(blocks=8, block_size=4, max_queue=2), FakeBackend(kv_blocks=8, block_size=4)
+    for _ in range(2):
+        _add(b, 4, 12)
+    _step(b, backend)
+    for _ in range(2):
+        _add(b, 4, 12)
+    while not b.preempted:
+        _step(b, backend)
+    assert len(b.waiting) == 0 and len(b.preempted) >= 1
+    _add(b, 4, 12)  # two places in the queue, neither taken by a preempted sequence
+    _add(b, 4, 12)
+    with pytest.raises(ResourceExhaustedError, match="queue is full"):
+        _add(b, 4, 12)

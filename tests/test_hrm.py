@@ -10,29 +10,17 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hrm_reference import SMALL, TOY
 
 from moe_lightning.config.choices import DTYPE_NAMES
-from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.archs import ARCHS
 from moe_lightning.hrm.costmodel import Policy, estimate
-from moe_lightning.hrm.hardware import GB, PRESETS, HardwareProfile, load_profile
+from moe_lightning.hrm.hardware import GB, PRESETS, load_profile
 from moe_lightning.hrm.layercost import DTYPE_BYTES, Workload
 from moe_lightning.hrm.optimizer import brute_force, optimize
+from moe_lightning.kv_format import KV_FORMATS
 from moe_lightning.spec import ModelSpec
 
-SMALL = ModelSpec.from_hf_config(mixtral_config("tiny"))  # 2 layers x 4 experts: brute force is cheap
-# A machine scaled to SMALL so that both memories and all three roofs matter.
-TOY = HardwareProfile(
-    "toy",
-    gpu_flops=2e9,
-    gpu_bandwidth=4e9,
-    gpu_memory=3.0e6,
-    cpu_flops=4e8,
-    cpu_bandwidth=1e9,
-    cpu_memory=40e6,
-    h2d_bandwidth=2e8,
-    d2h_bandwidth=2e8,
-)
 WORK = Workload(24, 16)
 
 
@@ -104,8 +92,7 @@ def test_dense_layers_count_as_dense_work() -> None:
         dense_mlp - 2 * 64 * 2048 * 128 / 2  # ... and half the routers are gone
     )
     for spec, est in ((sparse, a), (half, b)):  # host memory: the weights (within norms) plus KV
-        kv = 64 * work.max_context * 2 * spec.kv_size * 2 * spec.num_layers
-        weights = est.cpu_bytes - kv - 64 * (2 * spec.q_size + 2 * spec.kv_size) * 2 * 2
+        weights = est.cpu_bytes - est.kv_host_bytes - 64 * (2 * spec.q_size + 2 * spec.kv_size) * 2 * 2
         assert weights == pytest.approx(spec.num_parameters() * 2, rel=1e-3)
     assert optimize(half, work, hw.with_gpus(4)).fits
 
@@ -119,7 +106,7 @@ def test_nothing_fits_is_a_clear_error() -> None:
 def test_an_unresolved_dtype_is_a_clear_error(dtypes: dict[str, str]) -> None:
     """'auto' is resolved by device before planning (the commands' job): the model names what it takes."""
     spec, work, hw = ARCHS["mixtral-8x7b"], Workload(77, 32), PRESETS["t4"]
-    allowed = ", ".join(DTYPE_NAMES)
+    allowed = ", ".join(KV_FORMATS if "kv_dtype" in dtypes else DTYPE_NAMES)  # a KV cache may also be int8
     with pytest.raises(ValueError, match=f"one of {allowed}; got '{next(iter(dtypes.values()))}'"):
         estimate(spec, work, hw, Policy(8, 8), **dtypes)
     with pytest.raises(ValueError, match=f"resolved {next(iter(dtypes))}, one of {allowed}"):

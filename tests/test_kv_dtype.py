@@ -27,16 +27,17 @@ MTBENCH = Workload(77, 32)  # 109 tokens per sequence at the end
 
 
 def test_host_kv_bytes_follow_the_kv_dtype_not_the_weights() -> None:
-    """The paper's T4 point: 3,116 sequences of ~109 tokens are ~89 GB of fp32 KV, ~45 GB of bf16."""
+    """The paper's T4 point: 3,116 sequences of ~109 tokens are ~89 GB of fp32 KV, ~45 GB of bf16 (the
+    paper's rule: every sequence at its maximum context)."""
     policy = Policy(3116, 82)
-    fp32 = estimate(MIXTRAL, MTBENCH, T4, policy, "bfloat16", kv_dtype="float32")
-    bf16 = estimate(MIXTRAL, MTBENCH, T4, policy, "bfloat16", kv_dtype="bfloat16")
+    fp32 = estimate(MIXTRAL, MTBENCH, T4, policy, "bfloat16", kv_dtype="float32", kv_rule="max")
+    bf16 = estimate(MIXTRAL, MTBENCH, T4, policy, "bfloat16", kv_dtype="bfloat16", kv_rule="max")
     assert fp32.kv_host_bytes == pytest.approx(89.0e9, rel=0.01)
     assert bf16.kv_host_bytes == pytest.approx(fp32.kv_host_bytes / 2)
     assert fp32.cpu_bytes - bf16.cpu_bytes == pytest.approx(bf16.kv_host_bytes)  # nothing else changed
     assert bf16.stage_work["cpu_attention"][1] == pytest.approx(fp32.stage_work["cpu_attention"][1] / 2)
     assert fp32.gpu_bytes == bf16.gpu_bytes  # the device's share is in the weights' dtype either way
-    default = estimate(MIXTRAL, MTBENCH, T4, policy, "bfloat16")  # callers that name no KV dtype: the weights'
+    default = estimate(MIXTRAL, MTBENCH, T4, policy, "bfloat16", kv_rule="max")  # no KV dtype named: the weights'
     assert default.cpu_bytes == bf16.cpu_bytes and default.tokens_per_second == bf16.tokens_per_second
 
 
@@ -51,7 +52,10 @@ def test_a_16_bit_cache_holds_about_twice_the_batch() -> None:
 def test_planner_plans_with_the_attention_services_kv_dtype() -> None:
     spec = SPEC
     host = replace(HOST, gpu_memory=5e9, cpu_memory=5e9)  # a small machine: the KV cache bounds the batch
-    plans = {kv: Planner(spec, host, Workload(64, 32), "float32", 10**7, kv_dtype=kv) for kv in ("float32", "bfloat16")}
+    plans = {
+        kv: Planner(spec, host, Workload(64, 32), "float32", 10**7, kv_dtype=kv, kv_rule="max")
+        for kv in ("float32", "bfloat16")
+    }
     assert Planner(spec, host, Workload(64, 32), "float32", 10**7).kv_dtype == "float32"  # default: the weights'
     per_seq = {kv: p.estimate.kv_host_bytes / p.policy.batch for kv, p in plans.items()}
     assert per_seq["bfloat16"] == pytest.approx(per_seq["float32"] / 2)
@@ -65,6 +69,7 @@ def test_planner_plans_with_the_attention_services_kv_dtype() -> None:
 def test_plan_json_reports_the_sequences_the_host_kv_cache_holds() -> None:
     def plan(*extra: str) -> dict:
         args = ["--arch", "mixtral-8x7b", "--hardware", "t4", "--prompt-len", "77", "--gen-len", "32", *extra]
+        args += ["--kv-rule", "max"]  # each sequence at s + n: 109 tokens
         r = subprocess.run(
             [sys.executable, "-m", "moe_lightning.cli", "plan", *args], capture_output=True, text=True, timeout=60
         )

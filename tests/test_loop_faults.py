@@ -84,7 +84,7 @@ def test_a_batcher_fault_fails_the_requests_with_a_message_and_the_loop_goes_on(
     assert status_for(info.value) == grpc.StatusCode.INTERNAL
     assert "internal error in the scheduler: bookkeeping bug" in str(info.value)
     assert s.alive and s.submit(_request()).wait(10).finish_reason == FINISH_LENGTH  # later requests work
-    assert s.stats() == {"waiting": 0, "running": 0, "free_blocks": KV.blocks}
+    assert s.stats() == {"waiting": 0, "running": 0, "free_blocks": KV.blocks, "preemptions": 0}
 
 
 def test_an_admission_fault_returns_the_admitted_blocks(

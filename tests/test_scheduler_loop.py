@@ -50,7 +50,7 @@ def test_requests_finish_and_stream_their_tokens(loop: tuple[Scheduler, FakeBack
         tokens += sink.get()
     assert tokens == results[0].token_ids
     assert backend.plans[0].kind is StepKind.PREFILL
-    assert s.stats() == {"waiting": 0, "running": 0, "free_blocks": KV.blocks}
+    assert s.stats() == {"waiting": 0, "running": 0, "free_blocks": KV.blocks, "preemptions": 0}
     released = sorted(i for p in backend.plans for i in p.release)
     assert released == sorted(t.seq.seq_id for t in (streamed, *others))  # every finish reached the workers
 

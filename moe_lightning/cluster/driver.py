@@ -181,6 +181,7 @@ def _summary(stats: list[dict[str, Any]], checked: dict[str, Any], wall: float, 
         "prompt_tokens": sum(s["prompt_tokens"] for s in stats),
         "completion_tokens": generated,
         "generated_tokens_per_second": generated / wall,
+        "preemptions": sum(s.get("preemptions", 0) for s in stats),  # KV freed and re-prefilled (docs/kv-cache.md)
         "per_node": per_node,
         "retried_parts": retries,
     }
@@ -190,7 +191,8 @@ def _print(s: dict[str, Any]) -> None:
     sys.stderr.write(
         f"{s['rows']} rows checked (each once) in {s['parts']} parts over {s['nodes']} node(s); this run: "
         f"{s['rows_this_run']} rows, {s['completion_tokens']} generated tokens in {s['wall_seconds']:.1f} s, "
-        f"{s['generated_tokens_per_second']:.1f} tok/s; retried parts: {len(s['retried_parts'])}\n"
+        f"{s['generated_tokens_per_second']:.1f} tok/s; {s['preemptions']} preemptions; retried parts: "
+        f"{len(s['retried_parts'])}\n"
     )
     for node, n in s["per_node"].items():
         sys.stderr.write(

@@ -89,6 +89,7 @@ class NodeStack:
             "rows": part.rows,
             "prompt_tokens": sum(c.prompt_tokens for c in done),
             "completion_tokens": sum(c.completion_tokens for c in done),
+            "preemptions": sum(c.preemptions for c in done),
             "seconds": time.perf_counter() - t0,
         }
 

@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from moe_lightning.spec import ModelSpec
 
 
+# hrm.layercost.KV_RULES, spelled here so that building the parser imports no numpy (tests/test_plan.py)
+KV_RULE_CHOICES = ("expected", "max")
+
+
 def add_parser(sub: Any, name: str) -> None:
     p = sub.add_parser(name, help="pick batch sizes and placement with the hierarchical roofline model")
     what = p.add_mutually_exclusive_group(required=True)
@@ -33,7 +37,27 @@ def add_parser(sub: Any, name: str) -> None:
     flags.GPUS.add_to(p, default=1)
     p.add_argument("--host-memory", type=parse_size, default=None, help="override the profile's host memory")
     p.add_argument("--prompt-len", type=float, default=77, help="average prompt tokens (MT-Bench: 77)")
+    p.add_argument(
+        "--prompt-std",
+        type=float,
+        default=None,
+        help="standard deviation of the prompt lengths (default: MT-Bench's spread, 0.82 x --prompt-len)",
+    )
     flags.GEN_LEN.add_to(p, default=32)
+    p.add_argument(
+        "--kv-rule",
+        choices=KV_RULE_CHOICES,
+        default=KV_RULE_CHOICES[0],
+        help="how the host KV cache holds sequences: expected (KV taken as they grow, the orchestrator's "
+        "--kv-admission need: s + n/2 each on average, plus headroom) or max (reserved at s + n, the paper's rule "
+        "and --kv-admission reserve)",
+    )
+    p.add_argument(
+        "--compare-paper",
+        action="store_true",
+        help="T4 and L4 at gen 32/64/128/256: the paper's rule (16-bit KV, maximum context) against ours "
+        "(8-bit KV or --kv-dtype, expected use), predicted decode tokens/s side by side",
+    )
     flags.DTYPE.add_to(p, default="auto")
     flags.KV_DTYPE.add_to(p, default="auto")  # it decides how many sequences the host holds
     flags.QUANTIZE.add_to(p, default="auto")
@@ -69,7 +93,7 @@ def _profile(args: argparse.Namespace, spec: ModelSpec, quant: QuantScheme) -> H
 def run(args: argparse.Namespace) -> int:
     from moe_lightning.hrm.archs import ARCHS
     from moe_lightning.hrm.explain import explain, host_kv, plan_to_dict
-    from moe_lightning.hrm.layercost import Workload
+    from moe_lightning.hrm.layercost import MTBENCH_PROMPT_LEN, MTBENCH_PROMPT_STD, Workload
     from moe_lightning.hrm.optimizer import optimize
     from moe_lightning.spec import ModelSpec
 
@@ -79,14 +103,17 @@ def run(args: argparse.Namespace) -> int:
         spec, name = ARCHS[args.arch], args.arch
     else:
         spec, name = ModelSpec.from_pretrained(args.model), str(args.model)
-    work = Workload(args.prompt_len, args.gen_len)
+    std = args.prompt_std if args.prompt_std is not None else args.prompt_len * MTBENCH_PROMPT_STD / MTBENCH_PROMPT_LEN
+    work = Workload(args.prompt_len, args.gen_len, std)
+    if args.compare_paper:
+        return _compare_paper(args, spec, name, work)
     if args.compare_quantize:
         return _compare(args, spec, name, work)
     quant = resolve_expert_scheme(spec, args.model, args.quantize, args.quantize_group_size, args.gpus)
     hw = _profile(args, spec, quant)
     dtype, kv_dtype = _dtypes(args, spec, hw)
-    est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant)
-    kv = host_kv(spec, work, hw, dtype, kv_dtype, quant=quant)
+    est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant, kv_rule=args.kv_rule)
+    kv = host_kv(spec, work, hw, dtype, kv_dtype, quant=quant, kv_rule=args.kv_rule)
     if args.plot is not None:
         from moe_lightning.hrm.plot import plot_roofline
 
@@ -109,14 +136,14 @@ def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workloa
         quant = resolve_expert_scheme(spec, None, fmt, args.quantize_group_size, args.gpus)
         hw = _profile(args, spec, quant)
         dtype, kv_dtype = _dtypes(args, spec, hw)
-        plans.append((quant, hw, optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant)))
+        plans.append((quant, hw, optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant, kv_rule=args.kv_rule)))
     if args.json:
         out = {"model": name, "plans": [plan_to_dict(name, spec, work, hw, est) for _, hw, est in plans]}
         sys.stdout.write(json.dumps(out) + "\n")
         return 0
     hw = plans[0][1]
     lines = [
-        f"{name} on {hw.name}: prompt {work.prompt_len:g} tokens, {work.gen_len} generated",
+        f"{name} on {hw.name}: prompt {work.prompt_len:g} tokens, {work.gen_len} generated, KV by {args.kv_rule} use",
         f"{'pages':<10} {'MB/page':>8} {'resident':>10} {'batch = n_ub x mu':>20} {'link GB/step':>13} "
         f"{'bound':>6} {'tokens/s':>9} {'vs none':>8}",
     ]
@@ -129,6 +156,79 @@ def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workloa
             f"{f'{p.batch} = {p.num_micro_batches} x {p.micro_batch_size}':>20} "
             f"{link_bytes_per_step(spec, est)['total'] / 1e9:13.2f} {est.binding:>6} "
             f"{est.tokens_per_second:9.1f} {est.tokens_per_second / base:7.2f}x"
+        )
+    sys.stdout.write("\n".join(lines) + "\n")
+    return 0
+
+
+PAPER_MACHINES = ("t4", "l4")  # the paper's single-GPU machines (design.md)
+PAPER_GEN_LENS = (32, 64, 128, 256)
+PAPER_KV_FORMAT = "int8"  # ours: 8-bit KV (with its scales, kv_format.py)
+
+
+def _compare_paper(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workload) -> int:
+    """The paper's rule (KV in the 16-bit weights' dtype, every sequence at its maximum context) and ours
+    (8-bit KV, expected use): the best plan of each, per machine and generation length."""
+    from dataclasses import replace
+
+    from moe_lightning.hrm.layercost import EXPECTED_USE, MAX_CONTEXT
+    from moe_lightning.hrm.optimizer import optimize
+
+    quant = resolve_expert_scheme(spec, args.model, args.quantize, args.quantize_group_size, args.gpus)
+    rows = []
+    for machine in PAPER_MACHINES:
+        hw = _profile(argparse.Namespace(**{**vars(args), "hardware": machine}), spec, quant)
+        dtype, _ = _dtypes(argparse.Namespace(**{**vars(args), "kv_dtype": "auto"}), spec, hw)
+        ours_kv = PAPER_KV_FORMAT if args.kv_dtype == "auto" else args.kv_dtype
+        for gen in PAPER_GEN_LENS:
+            w = replace(work, gen_len=gen)
+            paper = optimize(spec, w, hw, dtype, kv_dtype=dtype, quant=quant, kv_rule=MAX_CONTEXT)
+            ours = optimize(spec, w, hw, dtype, kv_dtype=ours_kv, quant=quant, kv_rule=EXPECTED_USE)
+            rows.append((hw, gen, paper, ours))
+    if args.json:
+        out = {
+            "model": name,
+            "prompt_len": work.prompt_len,
+            "prompt_std": work.prompt_std,
+            "rows": [
+                {
+                    "hardware": hw.name,
+                    "gen_len": gen,
+                    "paper": {
+                        "kv_format": paper.kv_format,
+                        "kv_rule": paper.kv_rule,
+                        "batch_size": paper.policy.batch,
+                        "micro_batch_size": paper.policy.micro_batch_size,
+                        "predicted_decode_tokens_per_second": paper.tokens_per_second,
+                    },
+                    "ours": {
+                        "kv_format": ours.kv_format,
+                        "kv_rule": ours.kv_rule,
+                        "batch_size": ours.policy.batch,
+                        "micro_batch_size": ours.policy.micro_batch_size,
+                        "predicted_decode_tokens_per_second": ours.tokens_per_second,
+                    },
+                    "ratio": ours.tokens_per_second / paper.tokens_per_second,
+                }
+                for hw, gen, paper, ours in rows
+            ],
+        }
+        sys.stdout.write(json.dumps(out) + "\n")
+        return 0
+    paper_kv, ours_kv = rows[0][2].kv_format, rows[0][3].kv_format
+    lines = [
+        f"{name}: prompts {work.prompt_len:g} +- {work.prompt_std:g} tokens; predicted decode tokens/s",
+        f"paper: KV in {paper_kv} at the maximum context (s + n); ours: KV in {ours_kv} by expected use "
+        "(s + n/2 plus headroom)",
+        f"{'GPU':<10} {'gen':>4}  {'paper N = n_ub x mu':>20} {'tok/s':>7}  {'ours N = n_ub x mu':>20} "
+        f"{'tok/s':>7} {'ratio':>6}",
+    ]
+    for hw, gen, paper, ours in rows:
+        pp, op = paper.policy, ours.policy
+        lines.append(
+            f"{hw.name:<10} {gen:>4}  {f'{pp.batch} = {pp.num_micro_batches} x {pp.micro_batch_size}':>20} "
+            f"{paper.tokens_per_second:7.1f}  {f'{op.batch} = {op.num_micro_batches} x {op.micro_batch_size}':>20} "
+            f"{ours.tokens_per_second:7.1f} {ours.tokens_per_second / paper.tokens_per_second:5.2f}x"
         )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

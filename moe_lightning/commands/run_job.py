@@ -207,9 +207,11 @@ def _submit(args: argparse.Namespace, addr: str, table: Any, prompts: list[Any])
     generated = sum(r.completion_tokens for r in done)
     prompt_tokens = sum(r.prompt_tokens for r in done)
     lat = sorted(r.total_seconds for r in done)
+    preempted = sum(r.preemptions > 0 for r in done)
     sys.stderr.write(
         f"{len(done)} prompts, {prompt_tokens} prompt tokens, {generated} generated tokens in {wall:.2f} s: "
         f"{generated / wall:.1f} generated tok/s; latency p50 {lat[len(lat) // 2]:.2f} s, "
-        f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.2f} s; wrote {args.output}\n"
+        f"p99 {lat[min(len(lat) - 1, int(len(lat) * 0.99))]:.2f} s; {sum(r.preemptions for r in done)} "
+        f"preemptions ({preempted} prompts re-prefilled, docs/kv-cache.md); wrote {args.output}\n"
     )
     return 0

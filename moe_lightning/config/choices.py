@@ -12,7 +12,12 @@ AUTO = "auto"
 # the weights' and KV cache's floating-point dtypes (torch attribute names)
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPE_CHOICES = (AUTO, *DTYPE_NAMES)  # auto: by device (moe_lightning.spec.resolve_dtype)
-KV_DTYPE_CHOICES = (AUTO, *DTYPE_NAMES)  # auto: the weights' dtype
+# the host KV cache's formats (kv_format.KV_FORMATS): the float dtypes, or int8 values with a scale per
+# token per KV head (docs/kv-cache.md); auto: the weights' dtype
+KV_DTYPE_CHOICES = (AUTO, *DTYPE_NAMES, "int8")
+
+# how the scheduler takes KV blocks (orchestrator/batcher.py); the first is the default
+KV_ADMISSIONS = ("need", "reserve")
 
 # the expert pages' format (docs/quantization.md)
 QUANTIZE_FORMATS = ("none", "int8", "int4")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from moe_lightning.config import choices
 from moe_lightning.config.flag import Flag
+from moe_lightning.config.host_memory import parse_kv_cache_memory
 from moe_lightning.config.units import (
     non_negative_int,
     parse_device,
@@ -32,8 +33,9 @@ DTYPE = Flag(
 )
 KV_DTYPE = Flag(
     "--kv-dtype",
-    "dtype the KV cache stores K/V in (attention computes in fp32 over it; bf16/fp16 hold twice fp32's tokens); "
-    "auto: the weights' dtype",
+    "format cpu_attention's KV cache stores K/V in (attention computes in fp32 over it; bf16/fp16 hold twice "
+    "fp32's tokens; int8: 8-bit values with an fp32 scale per token per KV head, ~3.9x fp32's tokens at head dim "
+    "128, dequantized chunk by chunk as attention reads them, docs/kv-cache.md); auto: the weights' dtype",
     choices=choices.KV_DTYPE_CHOICES,
 )
 QUANTIZE = Flag(
@@ -86,8 +88,17 @@ DEVICE_KV_MEMORY = Flag(
 )
 KV_CACHE_MEMORY = Flag(
     "--kv-cache-memory",
-    "host memory for cpu_attention's KV cache; --kv-dtype decides how many tokens fit",
-    type=parse_size,
+    "host memory for cpu_attention's KV cache (--kv-dtype decides how many tokens fit); auto: 90%% of the host "
+    "memory available at start (the arena loaded) less a reserve of 2 GiB or 10%% of the host, within /dev/shm's "
+    "free space",
+    type=parse_kv_cache_memory,
+)
+KV_ADMISSION = Flag(
+    "--kv-admission",
+    "need: a sequence takes KV blocks as it grows, and the newest are preempted (re-prefilled later) when the "
+    "cache runs out; reserve: the blocks of prompt + max_tokens are taken at admission, nothing is preempted, "
+    "fewer sequences run (docs/kv-cache.md)",
+    choices=choices.KV_ADMISSIONS,
 )
 GPUS = Flag(
     "--gpus",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.config import flags
+from moe_lightning.config.choices import KV_ADMISSIONS
 from moe_lightning.config.flag import REQUIRED, Flag, option
 from moe_lightning.config.service import ServiceConfig
 from moe_lightning.config.units import positive_int
@@ -94,6 +95,7 @@ class OrchestratorConfig(ServiceConfig):
     max_queue: int | None = option(MAX_QUEUE)
     max_concurrent_rpcs: int | None = option(MAX_CONCURRENT_RPCS)
     max_prefill_tokens: int = option(MAX_PREFILL_TOKENS, 8192)
+    kv_admission: str = option(flags.KV_ADMISSION, KV_ADMISSIONS[0])
     rpc_threads: int = option(RPC_THREADS, 8)
     drain_seconds: float = option(DRAIN_SECONDS, 30.0)
     stream_interval: int = option(flags.STREAM_INTERVAL, 1)

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.config import flags
+from moe_lightning.config.choices import KV_ADMISSIONS
 from moe_lightning.config.cpu_attention import DEFAULT_KV_CACHE_MEMORY, CpuAttentionConfig
 from moe_lightning.config.flag import REQUIRED, CliConfig, Flag, option
 from moe_lightning.config.gateway import GatewayConfig
 from moe_lightning.config.gpu_expert import GpuExpertConfig
+from moe_lightning.config.host_memory import parse_kv_cache_memory
 from moe_lightning.config.orchestrator import OrchestratorConfig
 from moe_lightning.config.units import DeviceShare, parse_device_memory, parse_size
 from moe_lightning.config.weight_store import WeightStoreConfig
@@ -53,7 +55,8 @@ class StackConfig(CliConfig):
     tls_key: Path | None = option(flags.TLS_KEY)
     tls_ca: Path | None = option(flags.TLS_CA)  # verifies tls_cert in the readiness check (None: the cert itself)
     auth_token: str | None = option(flags.AUTH_TOKEN)  # passed by environment, not argv
-    kv_cache_memory: int = option(flags.KV_CACHE_MEMORY, DEFAULT_KV_CACHE_MEMORY)
+    kv_cache_memory: int | str = option(flags.KV_CACHE_MEMORY, DEFAULT_KV_CACHE_MEMORY)  # bytes, or auto
+    kv_admission: str = option(flags.KV_ADMISSION, KV_ADMISSIONS[0])
     kv_dtype: str = option(flags.KV_DTYPE, "auto")
     dtype: str = option(flags.DTYPE, "auto")
     quantize: str = option(flags.QUANTIZE, "auto")
@@ -74,7 +77,7 @@ class StackConfig(CliConfig):
         if self.run_id is None:
             self.run_id = f"up{os.getpid()}"
         if isinstance(self.kv_cache_memory, str):
-            self.kv_cache_memory = parse_size(self.kv_cache_memory)
+            self.kv_cache_memory = parse_kv_cache_memory(self.kv_cache_memory)
         if isinstance(self.device_kv_memory, str):
             self.device_kv_memory = parse_size(self.device_kv_memory)
         if isinstance(self.device_memory, str):
@@ -174,6 +177,7 @@ def _orchestrator(c: StackConfig, w: Wiring) -> tuple[type[OrchestratorConfig], 
         cpu_attention=a["cpu_attention"],
         max_batch_size=c.max_batch_size,
         micro_batch_size=c.micro_batch_size,
+        kv_admission=c.kv_admission,
         attention_placement=c.attention_placement,
         experts_placement=c.experts_placement,
         chat_template=c.chat_template,

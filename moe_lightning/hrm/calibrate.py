@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from moe_lightning import kv_format
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.layercost import NO_QUANT
 from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
@@ -37,7 +38,7 @@ from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.quant.kernels import dense_linear
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import paged_attention, plan_attention
+from moe_lightning.stages.attention import Int8KV, paged_attention, plan_attention, quantize_int8
 from moe_lightning.stages.moe import expert_ffn
 from moe_lightning.weights import ExpertWeights
 
@@ -138,25 +139,35 @@ def attention_bandwidth(
     context: int = 512,
     block_size: int = 16,
     repeats: int = 3,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
 ) -> float:
-    """KV bytes per second that paged decode attention reads on the host from a cache of `dtype`
-    (counted in that dtype: the cost model multiplies this rate by the cache's own bytes)."""
+    """KV bytes per second that paged decode attention reads on the host from a cache of `dtype` (a float
+    dtype or a kv_format name: "int8" reads int8 values and their scales, dequantizing as it goes), counted
+    in that format's bytes per token, scales included: the cost model multiplies this rate by them."""
     # one layer of attention is all this needs; the spec's dense layers would index past it
     one_layer = ModelSpec(
         **{**spec.to_dict(), "num_layers": 1, "eos_token_ids": tuple(spec.eos_token_ids), "dense_layers": ()}
     )
     blocks = batch * -(-context // block_size)
     cache = PagedKVCache(one_layer, blocks, block_size, dtype=dtype)
-    cache.k.normal_()
-    cache.v.normal_()
     seqs = list(range(batch))
     cache.append(seqs, [context - 1] * batch)
     meta = cache.append(seqs, [1] * batch)
     plan = plan_attention(meta)
-    q = torch.randn(batch, spec.num_heads, spec.head_dim).to(dtype)
+    if isinstance(cache.k, Int8KV) and isinstance(cache.v, Int8KV):
+        for part in (cache.k, cache.v):  # random K/V, quantized as write_kv stores them
+            values, scales = quantize_int8(torch.randn(part.values.shape))
+            part.values.copy_(values)
+            part.scales.copy_(scales)
+        q_dtype = torch.float32  # an int8 cache is attended in fp32, whatever q's dtype
+    else:
+        cache.k.normal_()
+        cache.v.normal_()
+        q_dtype = cache.k.dtype
+    q = torch.randn(batch, spec.num_heads, spec.head_dim).to(q_dtype)
     seconds = _best_seconds(lambda: paged_attention(q, cache.k[0], cache.v[0], plan), torch.device("cpu"), repeats)
-    return batch * context * 2 * spec.kv_size * dtype.itemsize / seconds
+    per_token = kv_format.bytes_per_token(cache.format, 1, spec.num_kv_heads, spec.head_dim)
+    return batch * context * per_token / seconds
 
 
 def link_bandwidth(device: torch.device, nbytes: int = 256 << 20) -> tuple[float, float]:
@@ -302,10 +313,10 @@ def expert_side_key(device: torch.device | str, dtype: torch.dtype, spec: ModelS
 
 
 def measure_attention_side(
-    spec: ModelSpec, contexts: Sequence[int] = (128, 512, 2048), kv_dtype: torch.dtype = torch.float32
+    spec: ModelSpec, contexts: Sequence[int] = (128, 512, 2048), kv_dtype: torch.dtype | str = torch.float32
 ) -> Measurements:
     """cpu_attention's warm-up: the KV read rate of paged decode attention at a few context lengths,
-    over a cache of the dtype the service keeps its KV in."""
+    over a cache of the format the service keeps its KV in (a float dtype, or "int8")."""
     rates = [attention_bandwidth(spec, context=c, dtype=kv_dtype) for c in contexts]
     return Measurements(
         matmul_flops=matmul_flops(torch.device("cpu"), torch.float32),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.layercost import NO_QUANT, CostModel, Headroom, Workload
+from moe_lightning.hrm.layercost import EXPECTED_USE, NO_QUANT, CostModel, Headroom, Workload
 from moe_lightning.placement import Placement, Side
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -62,6 +62,8 @@ class Estimate:
     page_bytes: float = 0.0  # one expert page (w13 + w2) in that format
     link_bytes: dict[str, float] = field(default_factory=dict)  # per layer, per link stage
     kernels: dict[str, str] = field(default_factory=dict)  # expert stage -> the kernel the model assumed
+    kv_rule: str = EXPECTED_USE  # how the KV of the batch was counted (layercost.kv_tokens)
+    kv_format: str = ""  # the host KV cache's format
 
     @property
     def fits(self) -> bool:
@@ -78,13 +80,16 @@ def estimate(
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
     overlap: bool = True,
+    kv_rule: str = EXPECTED_USE,
 ) -> Estimate:
     """`dtype`: the weights' (default the spec's), also the device KV cache's; `kv_dtype`: the host KV
-    cache's (cpu_attention's --kv-dtype; default the weights'); `quant`: the expert pages' format.
-    `overlap=False`: the overlap-off baseline schedule (gpu_expert --no-overlap: every stage waits for
-    the one before, a layer's experts copied when it starts), where the resources' times add up.
+    cache's format (cpu_attention's --kv-dtype, int8 included; default the weights'); `quant`: the
+    expert pages' format. `overlap=False`: the overlap-off baseline schedule (gpu_expert --no-overlap:
+    every stage waits for the one before, a layer's experts copied when it starts), where the
+    resources' times add up. `kv_rule`: "expected" (KV taken as sequences grow) or "max" (reserved at
+    the maximum context, the paper's rule), what the batch's KV costs in memory (layercost.kv_tokens).
     Raises ValueError for a dtype that is not resolved ('auto')."""
-    model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant)
+    model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant, kv_rule)
     cost = model.layer(
         policy.batch,
         policy.micro_batch_size,
@@ -123,4 +128,6 @@ def estimate(
         page_bytes=model.w["expert"],
         link_bytes=link_bytes,
         kernels={name: model.kernels[name][index].name for name, index in cost.kernels.items() if name in seconds},
+        kv_rule=model.kv_rule,
+        kv_format=model.kv_format,
     )

@@ -8,7 +8,15 @@ from typing import Any
 
 from moe_lightning.hrm.costmodel import Estimate
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.layercost import DTYPE_BYTES, NO_QUANT, Headroom, Workload
+from moe_lightning.hrm.layercost import (
+    EXPECTED_USE,
+    MAX_CONTEXT,
+    NO_QUANT,
+    Headroom,
+    Workload,
+    kv_token_bytes,
+    kv_tokens,
+)
 from moe_lightning.hrm.optimizer import max_batch
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -18,12 +26,15 @@ ROOF_NAMES = {"gpu": "device compute/HBM roof", "cpu": "host compute/DRAM roof",
 
 @dataclass(frozen=True, slots=True)
 class HostKV:
-    """The batch the host holds: sequences of s + n tokens whose KV fits in host memory beside the weights."""
+    """The batch the host holds: sequences whose KV, counted by the rule, fits in host memory beside the
+    weights."""
 
-    dtype: str
-    tokens_per_sequence: float  # s + n
-    bytes_per_sequence: float  # K and V of all layers
+    dtype: str  # the KV format
+    tokens_per_sequence: float  # what the rule counts per sequence: s + n ("max"), s + n/2 ("expected")
+    bytes_per_sequence: float  # K and V of all layers for those tokens
     sequences: int
+    rule: str  # layercost.KV_RULES
+    headroom_tokens: float = 0.0  # "expected": kept free for the batch's spread, for `sequences`
 
 
 def host_kv(
@@ -34,10 +45,13 @@ def host_kv(
     kv_dtype: str,
     headroom: Headroom = Headroom(),
     quant: QuantScheme = NO_QUANT,
+    kv_rule: str = EXPECTED_USE,
 ) -> HostKV:
-    per_seq = 2 * spec.kv_size * DTYPE_BYTES[kv_dtype] * spec.num_layers * work.max_context
-    sequences = max_batch(spec, work, hw, dtype, headroom, sys.maxsize, kv_dtype, quant)
-    return HostKV(kv_dtype, work.max_context, per_seq, sequences)
+    tokens = work.max_context if kv_rule == MAX_CONTEXT else work.avg_context
+    per_seq = kv_token_bytes(spec, kv_dtype) * spec.num_layers * tokens
+    sequences = max_batch(spec, work, hw, dtype, headroom, sys.maxsize, kv_dtype, quant, kv_rule)
+    spare = kv_tokens(sequences, work, kv_rule, headroom) - sequences * tokens
+    return HostKV(kv_dtype, tokens, per_seq, sequences, kv_rule, spare)
 
 
 def page_format(est: Estimate) -> str:
@@ -69,7 +83,10 @@ def plan_to_dict(
         "parameters": spec.num_parameters(),
         "hardware": hw.name,
         "prompt_len": work.prompt_len,
+        "prompt_std": work.prompt_std,
         "gen_len": work.gen_len,
+        "kv_rule": est.kv_rule,
+        "kv_format": est.kv_format,
         "policy": {
             "batch_size": p.batch,
             "micro_batch_size": p.micro_batch_size,
@@ -150,8 +167,20 @@ def explain(
         f"{est.cpu_bytes / 1e9:.1f} of {est.cpu_capacity / 1e9:.1f} GB usable",
     ]
     if kv is not None:
-        lines.append(
+        lines.append(kv_text(work, est, kv))
+    return "\n".join(lines)
+
+
+def kv_text(work: Workload, est: Estimate, kv: HostKV) -> str:
+    """The host KV cache's line: how many sequences it holds by which rule."""
+    if kv.rule == MAX_CONTEXT:
+        return (
             f"kv cache   the host holds {kv.sequences:,} sequences of {kv.tokens_per_sequence:g} tokens in {kv.dtype} "
             f"({kv.bytes_per_sequence / 1e6:.1f} MB each; KV {est.kv_host_bytes / 1e9:.1f} GB for this batch)"
         )
-    return "\n".join(lines)
+    return (
+        f"kv cache   the host holds {kv.sequences:,} sequences of {kv.tokens_per_sequence:g} tokens on average "
+        f"(prompt {work.prompt_len:g} +- {work.prompt_std:g}, half of {work.gen_len} generated) in {kv.dtype}, "
+        f"{kv.bytes_per_sequence / 1e6:.1f} MB each, with {kv.headroom_tokens:,.0f} tokens kept free for their "
+        f"spread; KV {est.kv_host_bytes / 1e9:.1f} GB for this batch"
+    )

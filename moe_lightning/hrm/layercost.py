@@ -20,7 +20,15 @@ disagree. Scalars run on Python's operators (numpy's per-call cost would be most
 arrays on numpy's, through the same expressions. Only operations whose result IEEE 754 fixes appear
 (+ - * / correctly rounded; max, min, ceil, selection exact), so a grid's element is the scalar
 policy's value to the bit (the search breaks ties with a tolerance: an ulp could tip one). The one
-power, (1 - k/E)^mu, is Python's in both, as numpy's SIMD pow may round differently from libm's.
+power, (1 - k/E)^mu, is Python's in both, as numpy's SIMD pow may round differently from libm's
+(the KV headroom's square root is correctly rounded in both).
+
+The host KV cache holds N sequences by one of two rules (`kv_rule`, docs/hrm.md "The KV rule"):
+"max", the paper's, counts every sequence at its maximum context s + n, as a scheduler that reserves
+prompt + max_new_tokens at admission holds them; "expected", for a scheduler that takes KV blocks as
+sequences grow and preempts when the cache runs out, counts what N sequences at steady state hold on
+average, N (s + n/2), plus `Headroom.kv_sigmas` standard deviations of that sum so that preemptions
+stay rare.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import numpy.typing as npt
 from moe_lightning.config.choices import DTYPE_NAMES
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.kernels import KernelRoof, expert_kernels
+from moe_lightning.kv_format import KV_FORMATS, VALUE_BYTES, bytes_per_head_token
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
@@ -45,10 +54,13 @@ from moe_lightning.spec import ModelSpec
 class Workload:
     prompt_len: float  # s: average prompt tokens
     gen_len: int  # n: tokens generated per request
+    prompt_std: float = 0.0  # standard deviation of the prompt lengths (0: every prompt is s tokens)
 
     def __post_init__(self) -> None:
         if self.prompt_len <= 0 or self.gen_len <= 0:
             raise ValueError("prompt length and generation length must be positive")
+        if self.prompt_std < 0:
+            raise ValueError("the prompt lengths' standard deviation cannot be negative")
 
     @property
     def avg_context(self) -> float:
@@ -59,11 +71,30 @@ class Workload:
     def max_context(self) -> float:
         return self.prompt_len + self.gen_len
 
+    @property
+    def kv_variance(self) -> float:
+        """Variance of one sequence's KV tokens at steady state: its prompt's, plus its age's, uniform
+        over the n steps of its generation (n^2 / 12)."""
+        return self.prompt_std**2 + self.gen_len**2 / 12
+
 
 @dataclass(frozen=True, slots=True)
 class Headroom:
     gpu: float = 0.86  # usable share of device memory (the reference's value)
     cpu: float = 0.80  # usable share of host memory
+    # kv_rule "expected": standard deviations of N sequences' total KV kept free beyond its mean. At 3
+    # the total exceeds the cache in ~0.1 % of steps (normal tail), each time preempting a few sequences
+    kv_sigmas: float = 3.0
+
+
+# MT-Bench prompts as design.md gives them (77 tokens on average, 418 at most) in the shape
+# moe_lightning.benchmark.mtbench_lengths draws (a clipped log-normal): their spread is 0.82 of the mean
+MTBENCH_PROMPT_LEN, MTBENCH_PROMPT_STD = 77.0, 63.0
+
+MAX_CONTEXT, EXPECTED_USE = "max", "expected"
+KV_RULES = (EXPECTED_USE, MAX_CONTEXT)  # kv_rule's values; the first is the default
+# the rule that sizes N for each of the batcher's admissions (orchestrator/batcher.py KV_ADMISSIONS)
+KV_RULE_FOR_ADMISSION = {"need": EXPECTED_USE, "reserve": MAX_CONTEXT}
 
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # keyed by config/choices.py DTYPE_NAMES
@@ -80,10 +111,11 @@ class _Ops(NamedTuple):
     where: Callable[[Any, Any, Any], Any]  # both values already computed
     invert: Callable[[Any], Any]  # of a condition
     take: Callable[[list[float], Any], Any]  # values[index]
+    sqrt: Callable[[Any], Any]
 
 
-SCALARS = _Ops(max, min, math.ceil, lambda c, x, y: x if c else y, operator.not_, operator.getitem)
-ARRAYS = _Ops(np.maximum, np.minimum, np.ceil, np.where, np.logical_not, lambda v, i: np.asarray(v)[i])
+SCALARS = _Ops(max, min, math.ceil, lambda c, x, y: x if c else y, operator.not_, operator.getitem, math.sqrt)
+ARRAYS = _Ops(np.maximum, np.minimum, np.ceil, np.where, np.logical_not, lambda v, i: np.asarray(v)[i], np.sqrt)
 
 
 def dtype_bytes(name: str, what: str = "dtype") -> int:
@@ -92,6 +124,66 @@ def dtype_bytes(name: str, what: str = "dtype") -> int:
     if name not in DTYPE_BYTES:
         raise ValueError(f"the HRM needs a resolved {what}, one of {', '.join(DTYPE_NAMES)}; got {name!r}")
     return DTYPE_BYTES[name]
+
+
+def kv_token_bytes(spec: ModelSpec, kv_format: str) -> int:
+    """K and V of one token in one layer in a KV format (kv_format.py: an int8 cache adds its scales)."""
+    if kv_format not in VALUE_BYTES:
+        raise ValueError(f"the HRM needs a resolved kv_dtype, one of {', '.join(KV_FORMATS)}; got {kv_format!r}")
+    return 2 * spec.num_kv_heads * bytes_per_head_token(kv_format, spec.head_dim)
+
+
+def check_kv_rule(kv_rule: str) -> str:
+    if kv_rule not in KV_RULES:
+        raise ValueError(f"kv_rule must be one of {', '.join(KV_RULES)}; got {kv_rule!r}")
+    return kv_rule
+
+
+def kv_tokens(
+    n: Values, work: Workload, kv_rule: str = EXPECTED_USE, headroom: Headroom = Headroom(), ops: _Ops = SCALARS
+) -> Values:
+    """The KV tokens the cache must hold for N sequences (a number, or an array with ARRAYS).
+
+    "max": N (s + n). "expected": at steady state each sequence holds its prompt plus the tokens it
+    has generated so far, uniform over 0..n: mean s + n/2, variance kv_variance; the N are independent,
+    so their sum has mean N (s + n/2) and standard deviation sqrt(N kv_variance), and the cache keeps
+    kv_sigmas of those free. The sum can never pass every sequence's full context, N (s + n) give or
+    take the prompts' own spread, so the smaller bound holds (it binds for small N)."""
+    if kv_rule == MAX_CONTEXT:
+        return n * work.max_context
+    check_kv_rule(kv_rule)
+    z = headroom.kv_sigmas
+    grown = n * work.avg_context + z * ops.sqrt(n * work.kv_variance)
+    return ops.minimum(grown, n * work.max_context + z * ops.sqrt(n * work.prompt_std**2))
+
+
+def largest_fitting(fits: Callable[[int], bool], cap: int, start: int = 1) -> int:
+    """The largest N in 0..cap with fits(N) (0 when none), for a fits() that holds up to some N and
+    not beyond: doubling up from a guess `start`, or down below it, then bisecting."""
+    if cap < 1:
+        return 0
+    start = max(1, min(start, cap))
+    if fits(start):
+        low, high = start, start * 2
+        while high <= cap and fits(high):
+            low, high = high, high * 2
+        high = min(high, cap + 1)
+    else:
+        low, high = 0, start
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def kv_sequences(
+    tokens: float, work: Workload, kv_rule: str = EXPECTED_USE, headroom: Headroom = Headroom(), cap: int = 1 << 40
+) -> int:
+    """How many sequences a cache of `tokens` KV tokens holds by the rule (at most cap)."""
+    if kv_rule == MAX_CONTEXT:  # the planner's division before there were rules: the same numbers
+        return int(min(cap, tokens // work.max_context))
+    guess = int(tokens // work.max_context)  # the reservation rule's N: near, and usually below
+    return largest_fitting(lambda n: kv_tokens(n, work, kv_rule, headroom) <= tokens, cap, guess)
 
 
 def distinct_experts(tokens: float, spec: ModelSpec) -> float:
@@ -170,9 +262,11 @@ def _pick(
 
 
 class CostModel:
-    """What every policy of one (spec, workload, machine, dtypes, headroom, page format) shares,
-    derived once; layer() adds the policy. `dtype`: the weights' (default the spec's), also the device
-    KV cache's; `kv_dtype`: the host KV cache's (cpu_attention's --kv-dtype; default the weights')."""
+    """What every policy of one (spec, workload, machine, dtypes, headroom, page format, KV rule)
+    shares, derived once; layer() adds the policy. `dtype`: the weights' (default the spec's), also the
+    device KV cache's; `kv_dtype`: the host KV cache's format (cpu_attention's --kv-dtype: a float
+    dtype or int8, kv_format.py; default the weights'); `kv_rule`: how the KV of N sequences is
+    counted against memory (kv_tokens())."""
 
     def __init__(
         self,
@@ -183,13 +277,15 @@ class CostModel:
         headroom: Headroom,
         kv_dtype: str | None = None,
         quant: QuantScheme = NO_QUANT,
+        kv_rule: str = EXPECTED_USE,
     ) -> None:
         self.spec, self.work, self.hw, self.quant = spec, work, hw, quant
+        self.headroom, self.kv_rule = headroom, check_kv_rule(kv_rule)
         self.b = b = dtype_bytes(dtype or spec.dtype)
-        kv_b = dtype_bytes(kv_dtype, "kv_dtype") if kv_dtype else b
+        self.kv_format = kv_dtype or (dtype or spec.dtype)
         self.w = weight_bytes(spec, b, quant)
         page_bpw = page_bytes_per_weight(spec, b, quant)
-        self.kv_host_token = 2 * spec.kv_size * kv_b  # K and V of one token in one layer, host cache
+        self.kv_host_token = kv_token_bytes(spec, self.kv_format)  # K and V of one token in one layer, host cache
         self.kv_device_token = 2 * spec.kv_size * b  # ... device cache (in the weights' dtype)
         self.total_experts = spec.total_experts
         self.kernels = {  # one machine: the expert GEMM's calibrated roofs are the device-side ones
@@ -316,7 +412,8 @@ class CostModel:
 
         # --- memory -----------------------------------------------------------------------------
         dense_all = layers * w["layer_dense"] + w["embed_head"]
-        kv_device = n * self.work.max_context * self.kv_device_token * layers
+        held = kv_tokens(n, self.work, self.kv_rule, self.headroom, ops)  # the batch's KV tokens, by the rule
+        kv_device = held * self.kv_device_token * layers
         activations = mu * (4 * h1 + q + 2 * kv + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
         # a kernel's per-call copies of the largest expert linear (w13, 2I x D): dequantized or
         # repacked (one call at a time: the largest kernel's, on the side it runs)
@@ -334,7 +431,7 @@ class CostModel:
         gpu_bytes = gpu_bytes + ops.where(exp_gpu & (buffered != 0) & (not shared), 2 * buffered * w["expert"], 0.0)
         device_kv = r_c * kv_device + mu * self.work.max_context * self.kv_device_token
         gpu_bytes = gpu_bytes + ops.where(att_gpu, device_kv, 0.0)
-        kv_host_bytes = (1 - r_c) * (n * self.work.max_context * self.kv_host_token * layers)
+        kv_host_bytes = (1 - r_c) * (held * self.kv_host_token * layers)
         cpu_bytes = spec.num_sparse_layers * w["layer_experts"] + dense_all + kv_host_bytes
         cpu_bytes = cpu_bytes + n * (q * 2 + 2 * kv) * b * 2  # staging for hand-offs
         if shared:  # one memory: count it once, against the host

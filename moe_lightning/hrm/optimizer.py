@@ -24,7 +24,16 @@ import numpy.typing as npt
 
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.layercost import NO_QUANT, CostModel, Headroom, LayerCost, Workload
+from moe_lightning.hrm.layercost import (
+    EXPECTED_USE,
+    MAX_CONTEXT,
+    NO_QUANT,
+    CostModel,
+    Headroom,
+    LayerCost,
+    Workload,
+    largest_fitting,
+)
 from moe_lightning.placement import Side
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -153,15 +162,25 @@ def max_batch(
     cap: int,
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
+    kv_rule: str = EXPECTED_USE,
 ) -> int:
-    """The largest N whose KV cache (in `kv_dtype`) and weights fit in host memory (attention on CPU), at
-    most cap: with a 16-bit cache twice the sequences of an fp32 one."""
-    probe = estimate(spec, work, hw, Policy(1, 1), dtype, headroom, kv_dtype, quant)
-    per_seq = estimate(spec, work, hw, Policy(2, 1), dtype, headroom, kv_dtype, quant).cpu_bytes - probe.cpu_bytes
-    room = probe.cpu_capacity - probe.cpu_bytes
+    """The largest N whose KV cache (in `kv_dtype`, counted by `kv_rule`) and weights fit in host memory
+    (attention on CPU), at most cap: with a 16-bit cache twice the sequences of an fp32 one."""
+    model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant, kv_rule)
+
+    def host_bytes(n: int) -> float:
+        return model.layer(n, 1, False, True, 0, 0.0).cpu_bytes  # estimate()'s Policy(n, 1)
+
+    one = host_bytes(1)
+    room = model.cpu_capacity - one
     if room < 0:
         return 0
-    return int(min(cap, 1 + room // max(per_seq, 1.0)))
+    per_seq = host_bytes(2) - one
+    linear = int(min(cap, 1 + room // max(per_seq, 1.0)))
+    if model.kv_rule == MAX_CONTEXT:  # host bytes are linear in N: one step, the numbers plans had before
+        return linear
+    # the headroom's sqrt(N) bends the line down, so `linear` is a guess from below: search from there
+    return largest_fitting(lambda n: host_bytes(n) <= model.cpu_capacity, cap, linear)
 
 
 def optimize(
@@ -179,6 +198,7 @@ def optimize(
     max_micro_batch: int | None = None,
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
+    kv_rule: str = EXPECTED_USE,
 ) -> Estimate:
     """The best fitting policy; raises ValueError when nothing fits (the message says why), or for a
     dtype that is not resolved ('auto').
@@ -189,20 +209,23 @@ def optimize(
     `max_micro_batch`: the most sequences one micro-batch may hold (the stack's hand-off slots carry
     that many tokens); the number of micro-batches is unbounded (the hand-off's flow control).
 
-    `kv_dtype`: the host KV cache's dtype (default: the weights'); it decides how many sequences fit.
+    `kv_dtype`: the host KV cache's format (default: the weights'; int8 too); it decides how many
+    sequences fit, with `kv_rule`: "expected" (the default: N sequences that take KV as they grow hold
+    N (s + n/2) on average, plus headroom) or "max" (each at s + n, as reserved at admission: the paper's
+    rule). Both are layercost.kv_tokens.
 
     `quant`: the format of the expert pages (default: the model dtype); smaller pages stream faster and
     leave room for more resident experts and a larger batch.
 
     `mus` / `n_ubs` replace the default grids (tests compare against brute force on small ones).
     """
-    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap, kv_dtype, quant)
+    n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap, kv_dtype, quant, kv_rule)
     if n_max < 1:
         raise ValueError(
             f"the weights alone ({spec.num_parameters() / 1e9:.1f} B parameters) do not fit in "
             f"{headroom.cpu:.0%} of host memory ({hw.cpu_memory / 1e9:.0f} GB)"
         )
-    model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant)
+    model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant, kv_rule)
     # Policy checks the names (and the count) as the grid points' policies did
     places = [Policy(1, 1, a, x, resident or 0) for a in tuple(attention) for x in tuple(experts)]
     mu_max = n_max if max_micro_batch is None else max(1, min(n_max, max_micro_batch))
@@ -241,7 +264,7 @@ def optimize(
         int(counts[chosen]),
         float(g.r_c[chosen]),
     )
-    return estimate(spec, work, hw, policy, dtype, headroom, kv_dtype, quant)
+    return estimate(spec, work, hw, policy, dtype, headroom, kv_dtype, quant, kv_rule=kv_rule)
 
 
 def brute_force(
@@ -254,6 +277,7 @@ def brute_force(
     headroom: Headroom = Headroom(),
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
+    kv_rule: str = EXPECTED_USE,
 ) -> Estimate | None:
     """Every policy on the given grid, every resident count: the reference the tests compare with."""
     best = None
@@ -272,6 +296,7 @@ def brute_force(
                                 headroom,
                                 kv_dtype,
                                 quant,
+                                kv_rule=kv_rule,
                             )
                             if est.fits and _better(est, best):
                                 best = est

@@ -108,6 +108,7 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
                         token_ids=s.token_ids,
                         start_position=s.start,
                         sampling=None if s.sampling is None else sampling_to_pb(s.sampling),
+                        draws=s.draws,
                     )
                     for s in mb
                 ]
@@ -132,6 +133,7 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
                     list(s.token_ids),
                     s.start_position,
                     sampling_from_pb(s.sampling) if s.HasField("sampling") else None,
+                    s.draws,
                 )
                 for s in mb.sequences
             ]

@@ -4,6 +4,10 @@ The cache of one layer is (NB, BS, K, Hd) for keys and the same for values: NB b
 slots. A sequence owns a list of blocks (its block table) in any order; token p of a sequence lives in
 block `table[p // BS]` at offset `p % BS`. Nothing is padded: the flattened batch holds each
 sequence's new tokens back to back.
+
+A cache is a float tensor (it stores K/V rounded to its dtype) or an `Int8KV`: int8 values and one
+fp32 scale per token per KV head (docs/kv-cache.md). Attention dequantizes only what one chunk
+gathers, into fp32, never the whole cache.
 """
 
 from __future__ import annotations
@@ -62,11 +66,66 @@ class AttentionMetadata:
         return torch.cat(blocks)
 
 
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
-) -> None:
-    """Appends new keys/values, rounded to the cache's dtype. k_cache/v_cache: (NB, BS, K, Hd); k/v: (T, K, Hd);
-    slots: (T,)."""
+INT8_MAX = 127  # kv_format.INT8_MAX: symmetric int8, -128 unused
+
+
+@dataclass(frozen=True, slots=True)
+class Int8KV:
+    """K (or V) of an int8 cache: values and, per token per KV head, the fp32 scale they were divided by.
+
+    Indexing picks a layer, as it does a float cache's (L, NB, BS, K, Hd) tensor: `cache.k[layer]`
+    means the same thing in either format.
+    """
+
+    values: torch.Tensor  # ([L,] NB, BS, K, Hd) int8
+    scales: torch.Tensor  # ([L,] NB, BS, K) fp32: absmax / 127 of each token's head (0 for an all-zero one)
+
+    def __getitem__(self, layer: int) -> Int8KV:
+        return Int8KV(self.values[layer], self.scales[layer])
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+
+KVCache = torch.Tensor | Int8KV  # one layer's K (or V) cache, in either format
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (..., Hd) -> int8 values (..., Hd) and fp32 scales (...): symmetric, per row, round to nearest,
+    so |x - values * scale| <= absmax / 254 of each row (half a step of absmax / 127)."""
+    x = x.float()
+    scales = x.abs().amax(-1) / INT8_MAX
+    # a zero row divides by the smallest normal instead of 0: its values stay 0 (0 / tiny), no NaN
+    values = torch.round(x / scales.clamp_min(torch.finfo(torch.float32).tiny)[..., None])
+    return values.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scales
+
+
+def dequantize_int8(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """values (..., Hd) int8, scales (...) -> fp32 (..., Hd), into `out` when given. Upcast, then scale in
+    place: torch's mixed int8 * fp32 multiply is slower on a CPU than these two passes (1.3x on one
+    thread, up to ~8x on two)."""
+    out = values.float() if out is None else out.copy_(values)
+    return out.mul_(scales[..., None])
+
+
+def write_kv(k_cache: KVCache, v_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Appends new keys/values, rounded to the cache's dtype (or quantized, for an int8 cache).
+    k_cache/v_cache: (NB, BS, K, Hd); k/v: (T, K, Hd); slots: (T,)."""
+    if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            values, scales = quantize_int8(x)
+            cache.values.view(-1, *cache.shape[2:])[slots] = values
+            cache.scales.view(-1, cache.shape[2])[slots] = scales
+        return
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
 
@@ -221,7 +280,39 @@ class _Gather:
         return got.view(n, -1, kv_heads, hd)[:, :span]
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+class _GatherInt8:
+    """`_Gather` for an int8 cache: a chunk's values and scales gathered, then dequantized into the buffer."""
+
+    def __init__(self, name: str, cache: Int8KV, max_blocks: int, dtype: torch.dtype) -> None:
+        self.cache = cache
+        shape = (max_blocks, *cache.shape[1:])
+        self.out = _buffer(name, shape, dtype, cache.device)
+        self.staging = _buffer(name + "-staging", shape, torch.int8, cache.device)
+        self.scales = _buffer(name + "-scales", shape[:-1], cache.scales.dtype, cache.device)
+
+    def __call__(self, blocks: torch.Tensor, n: int, span: int) -> torch.Tensor:
+        """blocks: (n * W,) for n sequences -> their first `span` slots, (n, span, K, Hd), dequantized."""
+        m, kv_heads, hd = blocks.numel(), *self.cache.shape[2:]
+        values = torch.index_select(self.cache.values, 0, blocks, out=self.staging[:m])  # (n * W, BS, K, Hd)
+        scales = torch.index_select(self.cache.scales, 0, blocks, out=self.scales[:m])  # (n * W, BS, K)
+        got = dequantize_int8(values, scales, out=self.out[:m])
+        return got.view(n, -1, kv_heads, hd)[:, :span]
+
+
+def _gather(name: str, cache: KVCache, max_blocks: int, dtype: torch.dtype) -> _Gather | _GatherInt8:
+    if isinstance(cache, Int8KV):
+        return _GatherInt8(name, cache, max_blocks, dtype)
+    return _Gather(name, cache, max_blocks, dtype)
+
+
+def _blocks_of(cache: KVCache, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One prefill sequence's context blocks (nb, BS, K, Hd) in `dtype`: only these are upcast."""
+    if isinstance(cache, Int8KV):  # attended in fp32 whatever q's dtype (paged_attention): dtype is fp32 here
+        return dequantize_int8(cache.values.index_select(0, blocks), cache.scales.index_select(0, blocks))
+    return cache.index_select(0, blocks).to(dtype)
+
+
+def paged_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
     """Causal GQA over cached context. q: (T, H, Hd) -> out (T, H * Hd) in q's dtype.
 
     The new tokens' K/V must already be in the cache (`write_kv` with `plan.write_slots`). Scores, softmax
@@ -229,7 +320,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     cache. q and cache in one dtype run sdpa's fused kernel in it: fp32; or bf16, whose kernel computes
     in fp32 inside and rounds the softmax weights to bf16 for P @ V, as transformers' bf16 reference does
     (it is the same kernel); or fp16 off a CPU. Otherwise (an fp32 q over a 16-bit cache, fp16 on a CPU,
-    where the fp16 kernel is ~6x slower than fp32) the gathered chunk is upcast and attended in fp32.
+    where the fp16 kernel is ~6x slower than fp32; any q over an int8 cache) the gathered chunk is upcast
+    (dequantized) and attended in fp32.
     """
     t, h, hd = q.shape
     fused = q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
@@ -239,7 +331,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out.to(q.dtype).reshape(t, h * hd)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def _decode(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
     """One query per sequence. The G query heads that share a KV head are attended as G queries of that
     head, so K/V are read once per KV head and never expanded to H heads."""
     t, h, hd = q.shape
@@ -250,7 +342,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan:
     groups = plan.decode_groups
     chunks = [min(g.blocks.shape[0], max(1, budget // (per_block * g.blocks.shape[1]))) for g in groups]
     max_blocks = max(c * g.blocks.shape[1] for c, g in zip(chunks, groups, strict=True))
-    gather_k, gather_v = _Gather("k", k_cache, max_blocks, q.dtype), _Gather("v", v_cache, max_blocks, q.dtype)
+    gather_k, gather_v = _gather("k", k_cache, max_blocks, q.dtype), _gather("v", v_cache, max_blocks, q.dtype)
     out = torch.empty(t, kv_heads, g_size, hd, dtype=q.dtype, device=q.device)
     qg = q.view(t, kv_heads, g_size, hd)  # (T, K, G, Hd)
     for g, chunk in zip(groups, chunks, strict=True):
@@ -264,7 +356,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan:
     return out
 
 
-def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+def _prefill(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
     """A sequence at a time: its context's blocks gathered (upcast) once, all its new tokens attend."""
     t, h, hd = q.shape
     kv_heads = k_cache.shape[2]
@@ -272,8 +364,8 @@ def _prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan
     start = 0
     for seq, q_len in zip(plan.sequences, plan.meta.q_lens, strict=True):
         span = seq.mask.shape[-1]
-        k = k_cache.index_select(0, seq.blocks).to(q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
-        v = v_cache.index_select(0, seq.blocks).to(q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
+        k = _blocks_of(k_cache, seq.blocks, q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
+        v = _blocks_of(v_cache, seq.blocks, q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
         qb = q[start : start + q_len].transpose(0, 1)  # (H, q_len, Hd)
         # 4-d: sdpa runs its fused kernel on 4-d inputs only (3-d ones take the unfused math path)
         o = F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=seq.mask, enable_gqa=h != kv_heads)

@@ -8,12 +8,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
+import structlog
 import torch
 
+from moe_lightning import kv_format
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.config.cpu_attention import CpuAttentionConfig
 from moe_lightning.config.flag import EnvDefaultsParser
+from moe_lightning.config.host_memory import resolve_kv_cache_memory
 from moe_lightning.config.service import internal_address
+from moe_lightning.config.units import format_size
 from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import cached_measurements, measure_attention_side
 from moe_lightning.hrm.roofs import Measurements
@@ -26,7 +30,13 @@ from moe_lightning.service.upstream import arena_dtype, fetch_manifest
 from moe_lightning.timeline import TimelineRecorder
 from services.cpu_attention.worker import AttentionWorker
 
-KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# --kv-dtype -> what the cache is built with: a float dtype, or a kv_format name (int8: values + scales)
+KV_DTYPES: dict[str, torch.dtype | str] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    kv_format.INT8: kv_format.INT8,
+}
 
 
 class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
@@ -58,7 +68,7 @@ class CpuAttentionServicer(cpu_attention_pb2_grpc.CpuAttentionServicer):
             output_channel=self.worker.output.name,
             measurements=measurements_to_pb(self.measurements) if self.measurements else None,
             max_handoff_tokens=self.max_handoff_tokens,
-            kv_dtype=DTYPE_TO_PB[str(cache.k.dtype).removeprefix("torch.")],
+            kv_dtype=DTYPE_TO_PB[cache.format],  # the format's name: int8 is DTYPE_INT8
         )
 
     def Connect(
@@ -86,7 +96,15 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
     spec, manifest = fetch_manifest(config.weight_store, stop=runtime)  # the stack cannot start without a model
     kv_name = arena_dtype(spec, manifest) if config.kv_dtype == "auto" else config.kv_dtype
     kv_dtype = KV_DTYPES[kv_name]
-    num_blocks = PagedKVCache.blocks_in(config.kv_cache_memory, spec, config.block_size, kv_dtype, "--kv-cache-memory")
+    # auto: by the host's free memory, now, less the hand-off channels still to be made: this service's
+    # attention outputs and gpu_expert's q/k/v, each `handoff_slots` slots
+    tokens = config.max_tokens_per_handoff
+    channels = config.handoff_slots * sum(handoff_slot_bytes(spec, tokens, kind) for kind in ("attn", "qkv"))
+    budget = resolve_kv_cache_memory(config.kv_cache_memory, pending=channels)
+    structlog.get_logger().info(
+        "kv_cache_memory", bytes=budget.nbytes, size=format_size(budget.nbytes), chosen=budget.reason
+    )
+    num_blocks = PagedKVCache.blocks_in(budget.nbytes, spec, config.block_size, kv_dtype, "--kv-cache-memory")
     worker = AttentionWorker(
         spec,
         num_blocks,
@@ -108,6 +126,7 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
     runtime.on_shutdown(worker.stop)
     worker.start()
     return {
+        "kv_cache_memory": budget.nbytes,
         "kv_blocks": num_blocks,
         "block_size": config.block_size,
         "kv_tokens": num_blocks * config.block_size,

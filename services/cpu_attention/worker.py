@@ -51,16 +51,16 @@ class AttentionWorker:
         slot_bytes: int,
         slots: int = 4,
         timeline: TimelineRecorder | None = None,
-        kv_dtype: torch.dtype = torch.float32,
+        kv_dtype: torch.dtype | str = torch.float32,
     ) -> None:
+        """`kv_dtype`: the cache's kv_format (a float dtype or its name, or "int8": values and their scales
+        both in the shared-memory segment)."""
         self.spec = spec
         self.timeline = timeline or TimelineRecorder(None, "cpu_attention")
         self.log = structlog.get_logger()
-        shape = PagedKVCache.storage_shape(spec, num_blocks, block_size)
-        nbytes = num_blocks * PagedKVCache.bytes_per_block(spec, block_size, kv_dtype)
+        nbytes = PagedKVCache.storage_bytes(spec, num_blocks, block_size, kv_dtype)
         self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), nbytes)
-        kv = self.kv_segment.tensor(0, kv_dtype, (2, *shape))  # K, then V: the two halves of the block budget
-        storage = (kv[0], kv[1])
+        storage = PagedKVCache.storage_in(self.kv_segment.tensor, spec, num_blocks, block_size, kv_dtype)
         self.cache = PagedKVCache(spec, num_blocks, block_size, kv_dtype, storage=storage)
         self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
         self.input: TensorChannel | None = None  # owned by the loop thread (see _take_reconnect)
@@ -215,7 +215,7 @@ class AttentionWorker:
             if mb is None:
                 raise LookupError(f"step {h.step} micro-batch {h.micro_batch} was never started at layer 0")
             q, k, v = msg.q, msg.k, msg.v
-            with self._lock:  # K/V stored in the cache's dtype (--kv-dtype); attention computes in fp32
+            with self._lock:  # K/V stored in the cache's format (--kv-dtype); attention computes in fp32
                 write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.write_slots)
                 out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb)  # in q's dtype
             self.timeline.record("cpu", "attention", h.step, layer, h.micro_batch, t0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moe_lightning.sampling import SamplingParams, sample, token_logprobs
+from moe_lightning.sampling import SequenceSampler, sample, token_logprobs
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import head_logits
 from moe_lightning.step_protocol import SequenceWork
@@ -13,7 +13,7 @@ from moe_lightning.weights import ModelWeights
 from services.gpu_expert.clock import StageClock
 from services.gpu_expert.micro_batch import MicroBatchState
 
-Samplers = dict[int, tuple[SamplingParams, torch.Generator | None]]  # each sequence's random stream
+Samplers = dict[int, SequenceSampler]  # each sequence's parameters and random stream
 
 
 class Head:
@@ -26,11 +26,11 @@ class Head:
         hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
         logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
         chosen = [self.samplers[w.seq_id] for w in works]
-        tokens = sample(logits, [c[0] for c in chosen], [c[1] for c in chosen]).tolist()
+        tokens = sample(logits, [c.params for c in chosen], [c.next_generator() for c in chosen]).tolist()
         logprobs = {
-            w.seq_id: token_logprobs(logits[b], tokens[b], c[0].logprobs)
+            w.seq_id: token_logprobs(logits[b], tokens[b], c.params.logprobs)
             for b, (w, c) in enumerate(zip(works, chosen, strict=True))
-            if c[0].logprobs
+            if c.params.logprobs
         }
         self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
         return tokens, logprobs

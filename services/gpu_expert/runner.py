@@ -25,6 +25,7 @@ from prometheus_client import Counter
 
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.placement import Side
+from moe_lightning.sampling import SequenceSampler
 from moe_lightning.service.errors import OutOfMemoryError, is_out_of_memory
 from moe_lightning.service.metrics import SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
@@ -160,7 +161,7 @@ class ExpertRunner:
         check_micro_batch(mb, self.samplers)
         for w in mb:
             if w.sampling is not None:
-                self.samplers[w.seq_id] = (w.sampling, w.sampling.make_generator(self.device))
+                self.samplers[w.seq_id] = SequenceSampler.start(w.sampling, w.draws, self.device)
         st = MicroBatchState.embed(mb, self.weights.embed, self.device)
         place.begin(mb, st)
         return st

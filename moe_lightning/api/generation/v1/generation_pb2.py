@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/generation/v1/generation.proto\x12\x1fmoe_lightning.api.generation.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"N\n\x0c\x43hatMessages\x12>\n\x08messages\x18\x01 \x03(\x0b\x32,.moe_lightning.api.generation.v1.ChatMessage\"\xa8\x03\n\x0fGenerationInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12>\n\ttoken_ids\x18\x02 \x01(\x0b\x32).moe_lightning.api.generation.v1.TokenIdsH\x00\x12\x41\n\x08messages\x18\x0c \x01(\x0b\x32-.moe_lightning.api.generation.v1.ChatMessagesH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\rB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\xbd\x02\n\x10GenerationOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x44\n\rfinish_reason\x18\x04 \x01(\x0e\x32-.moe_lightning.api.generation.v1.FinishReason\x12\x35\n\x05usage\x18\x05 \x01(\x0b\x32&.moe_lightning.api.generation.v1.Usage\x12\x39\n\x07timings\x18\x06 \x01(\x0b\x32(.moe_lightning.api.generation.v1.Timings\x12<\n\x08logprobs\x18\x07 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"R\n\x0fGenerateRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"U\n\x10GenerateResponse\x12\x41\n\x06output\x18\x01 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"q\n\x15GenerateStreamRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\x12\x17\n\x0fstream_interval\x18\x02 \x01(\r\"\xba\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x41\n\x06output\x18\x02 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\x12\x0c\n\x04text\x18\x03 \x01(\t\x12<\n\x08logprobs\x18\x04 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"\x89\x01\n\x16GenerateStreamsRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12G\n\x05start\x18\x02 \x01(\x0b\x32\x36.moe_lightning.api.generation.v1.GenerateStreamRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"\xa0\x01\n\x0bStreamPiece\x12\n\n\x02id\x18\x01 \x01(\x04\x12H\n\x07message\x18\x02 \x01(\x0b\x32\x37.moe_lightning.api.generation.v1.GenerateStreamResponse\x12;\n\x05\x65rror\x18\x03 \x01(\x0b\x32,.moe_lightning.api.generation.v1.StreamError\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"W\n\x17GenerateStreamsResponse\x12<\n\x06pieces\x18\x01 \x03(\x0b\x32,.moe_lightning.api.generation.v1.StreamPiece\"X\n\x14\x42\x61tchGenerateRequest\x12@\n\x06inputs\x18\x01 \x03(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"[\n\x15\x42\x61tchGenerateResponse\x12\x42\n\x07outputs\x18\x01 \x03(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"\x15\n\x13GetModelInfoRequest\"M\n\x14GetModelInfoResponse\x12\x35\n\x05model\x18\x01 \x01(\x0b\x32&.moe_lightning.api.common.v1.ModelInfo\"\x1a\n\x18GetServerMetadataRequest\"\xd2\x01\n\x19GetServerMetadataResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x04 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x05 \x01(\r\x12\x19\n\x11max_batch_prompts\x18\x06 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\x98\x06\n\nGeneration\x12o\n\x08Generate\x12\x30.moe_lightning.api.generation.v1.GenerateRequest\x1a\x31.moe_lightning.api.generation.v1.GenerateResponse\x12\x83\x01\n\x0eGenerateStream\x12\x36.moe_lightning.api.generation.v1.GenerateStreamRequest\x1a\x37.moe_lightning.api.generation.v1.GenerateStreamResponse0\x01\x12\x88\x01\n\x0fGenerateStreams\x12\x37.moe_lightning.api.generation.v1.GenerateStreamsRequest\x1a\x38.moe_lightning.api.generation.v1.GenerateStreamsResponse(\x01\x30\x01\x12~\n\rBatchGenerate\x12\x35.moe_lightning.api.generation.v1.BatchGenerateRequest\x1a\x36.moe_lightning.api.generation.v1.BatchGenerateResponse\x12{\n\x0cGetModelInfo\x12\x34.moe_lightning.api.generation.v1.GetModelInfoRequest\x1a\x35.moe_lightning.api.generation.v1.GetModelInfoResponse\x12\x8a\x01\n\x11GetServerMetadata\x12\x39.moe_lightning.api.generation.v1.GetServerMetadataRequest\x1a:.moe_lightning.api.generation.v1.GetServerMetadataResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/generation/v1/generation.proto\x12\x1fmoe_lightning.api.generation.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"N\n\x0c\x43hatMessages\x12>\n\x08messages\x18\x01 \x03(\x0b\x32,.moe_lightning.api.generation.v1.ChatMessage\"\xa8\x03\n\x0fGenerationInput\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12>\n\ttoken_ids\x18\x02 \x01(\x0b\x32).moe_lightning.api.generation.v1.TokenIdsH\x00\x12\x41\n\x08messages\x18\x0c \x01(\x0b\x32-.moe_lightning.api.generation.v1.ChatMessagesH\x00\x12\x1b\n\x0emax_new_tokens\x18\x03 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\rB\x08\n\x06promptB\x11\n\x0f_max_new_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ns\x18\x01 \x01(\x04\x12\x1e\n\x16time_to_first_token_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"\xd2\x02\n\x10GenerationOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x44\n\rfinish_reason\x18\x04 \x01(\x0e\x32-.moe_lightning.api.generation.v1.FinishReason\x12\x35\n\x05usage\x18\x05 \x01(\x0b\x32&.moe_lightning.api.generation.v1.Usage\x12\x39\n\x07timings\x18\x06 \x01(\x0b\x32(.moe_lightning.api.generation.v1.Timings\x12<\n\x08logprobs\x18\x07 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\x12\x13\n\x0bpreemptions\x18\x08 \x01(\r\"R\n\x0fGenerateRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"U\n\x10GenerateResponse\x12\x41\n\x06output\x18\x01 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"q\n\x15GenerateStreamRequest\x12?\n\x05input\x18\x01 \x01(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\x12\x17\n\x0fstream_interval\x18\x02 \x01(\r\"\xba\x01\n\x16GenerateStreamResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x41\n\x06output\x18\x02 \x01(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\x12\x0c\n\x04text\x18\x03 \x01(\t\x12<\n\x08logprobs\x18\x04 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\"\x89\x01\n\x16GenerateStreamsRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12G\n\x05start\x18\x02 \x01(\x0b\x32\x36.moe_lightning.api.generation.v1.GenerateStreamRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x42\x08\n\x06\x61\x63tion\"\xa0\x01\n\x0bStreamPiece\x12\n\n\x02id\x18\x01 \x01(\x04\x12H\n\x07message\x18\x02 \x01(\x0b\x32\x37.moe_lightning.api.generation.v1.GenerateStreamResponse\x12;\n\x05\x65rror\x18\x03 \x01(\x0b\x32,.moe_lightning.api.generation.v1.StreamError\",\n\x0bStreamError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"W\n\x17GenerateStreamsResponse\x12<\n\x06pieces\x18\x01 \x03(\x0b\x32,.moe_lightning.api.generation.v1.StreamPiece\"X\n\x14\x42\x61tchGenerateRequest\x12@\n\x06inputs\x18\x01 \x03(\x0b\x32\x30.moe_lightning.api.generation.v1.GenerationInput\"[\n\x15\x42\x61tchGenerateResponse\x12\x42\n\x07outputs\x18\x01 \x03(\x0b\x32\x31.moe_lightning.api.generation.v1.GenerationOutput\"\x15\n\x13GetModelInfoRequest\"M\n\x14GetModelInfoResponse\x12\x35\n\x05model\x18\x01 \x01(\x0b\x32&.moe_lightning.api.common.v1.ModelInfo\"\x1a\n\x18GetServerMetadataRequest\"\xd2\x01\n\x19GetServerMetadataResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x03 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\x04 \x01(\r\x12\x16\n\x0emax_queue_size\x18\x05 \x01(\r\x12\x19\n\x11max_batch_prompts\x18\x06 \x01(\r\x12\x18\n\x10micro_batch_size\x18\x07 \x01(\r\x12\x16\n\x0ekv_cache_dtype\x18\x08 \x01(\t*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x03\x32\x98\x06\n\nGeneration\x12o\n\x08Generate\x12\x30.moe_lightning.api.generation.v1.GenerateRequest\x1a\x31.moe_lightning.api.generation.v1.GenerateResponse\x12\x83\x01\n\x0eGenerateStream\x12\x36.moe_lightning.api.generation.v1.GenerateStreamRequest\x1a\x37.moe_lightning.api.generation.v1.GenerateStreamResponse0\x01\x12\x88\x01\n\x0fGenerateStreams\x12\x37.moe_lightning.api.generation.v1.GenerateStreamsRequest\x1a\x38.moe_lightning.api.generation.v1.GenerateStreamsResponse(\x01\x30\x01\x12~\n\rBatchGenerate\x12\x35.moe_lightning.api.generation.v1.BatchGenerateRequest\x1a\x36.moe_lightning.api.generation.v1.BatchGenerateResponse\x12{\n\x0cGetModelInfo\x12\x34.moe_lightning.api.generation.v1.GetModelInfoRequest\x1a\x35.moe_lightning.api.generation.v1.GetModelInfoResponse\x12\x8a\x01\n\x11GetServerMetadata\x12\x39.moe_lightning.api.generation.v1.GetServerMetadataRequest\x1a:.moe_lightning.api.generation.v1.GetServerMetadataResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe_lightning.api.generation.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2602
-  _globals['_FINISHREASON']._serialized_end=2720
+  _globals['_FINISHREASON']._serialized_start=2623
+  _globals['_FINISHREASON']._serialized_end=2741
   _globals['_TOKENIDS']._serialized_start=127
   _globals['_TOKENIDS']._serialized_end=150
   _globals['_CHATMESSAGE']._serialized_start=152
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS']._serialized_start=764
   _globals['_TIMINGS']._serialized_end=841
   _globals['_GENERATIONOUTPUT']._serialized_start=844
-  _globals['_GENERATIONOUTPUT']._serialized_end=1161
-  _globals['_GENERATEREQUEST']._serialized_start=1163
-  _globals['_GENERATEREQUEST']._serialized_end=1245
-  _globals['_GENERATERESPONSE']._serialized_start=1247
-  _globals['_GENERATERESPONSE']._serialized_end=1332
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=1334
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1447
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1450
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1636
-  _globals['_GENERATESTREAMSREQUEST']._serialized_start=1639
-  _globals['_GENERATESTREAMSREQUEST']._serialized_end=1776
-  _globals['_STREAMPIECE']._serialized_start=1779
-  _globals['_STREAMPIECE']._serialized_end=1939
-  _globals['_STREAMERROR']._serialized_start=1941
-  _globals['_STREAMERROR']._serialized_end=1985
-  _globals['_GENERATESTREAMSRESPONSE']._serialized_start=1987
-  _globals['_GENERATESTREAMSRESPONSE']._serialized_end=2074
-  _globals['_BATCHGENERATEREQUEST']._serialized_start=2076
-  _globals['_BATCHGENERATEREQUEST']._serialized_end=2164
-  _globals['_BATCHGENERATERESPONSE']._serialized_start=2166
-  _globals['_BATCHGENERATERESPONSE']._serialized_end=2257
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2259
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2280
-  _globals['_GETMODELINFORESPONSE']._serialized_start=2282
-  _globals['_GETMODELINFORESPONSE']._serialized_end=2359
-  _globals['_GETSERVERMETADATAREQUEST']._serialized_start=2361
-  _globals['_GETSERVERMETADATAREQUEST']._serialized_end=2387
-  _globals['_GETSERVERMETADATARESPONSE']._serialized_start=2390
-  _globals['_GETSERVERMETADATARESPONSE']._serialized_end=2600
-  _globals['_GENERATION']._serialized_start=2723
-  _globals['_GENERATION']._serialized_end=3515
+  _globals['_GENERATIONOUTPUT']._serialized_end=1182
+  _globals['_GENERATEREQUEST']._serialized_start=1184
+  _globals['_GENERATEREQUEST']._serialized_end=1266
+  _globals['_GENERATERESPONSE']._serialized_start=1268
+  _globals['_GENERATERESPONSE']._serialized_end=1353
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=1355
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1468
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1471
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1657
+  _globals['_GENERATESTREAMSREQUEST']._serialized_start=1660
+  _globals['_GENERATESTREAMSREQUEST']._serialized_end=1797
+  _globals['_STREAMPIECE']._serialized_start=1800
+  _globals['_STREAMPIECE']._serialized_end=1960
+  _globals['_STREAMERROR']._serialized_start=1962
+  _globals['_STREAMERROR']._serialized_end=2006
+  _globals['_GENERATESTREAMSRESPONSE']._serialized_start=2008
+  _globals['_GENERATESTREAMSRESPONSE']._serialized_end=2095
+  _globals['_BATCHGENERATEREQUEST']._serialized_start=2097
+  _globals['_BATCHGENERATEREQUEST']._serialized_end=2185
+  _globals['_BATCHGENERATERESPONSE']._serialized_start=2187
+  _globals['_BATCHGENERATERESPONSE']._serialized_end=2278
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2280
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2301
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2303
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2380
+  _globals['_GETSERVERMETADATAREQUEST']._serialized_start=2382
+  _globals['_GETSERVERMETADATAREQUEST']._serialized_end=2408
+  _globals['_GETSERVERMETADATARESPONSE']._serialized_start=2411
+  _globals['_GETSERVERMETADATARESPONSE']._serialized_end=2621
+  _globals['_GENERATION']._serialized_start=2744
+  _globals['_GENERATION']._serialized_end=3536
 # @@protoc_insertion_point(module_scope)

@@ -69,16 +69,18 @@ class ConnectResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_position", "sampling")
+    __slots__ = ("seq_id", "token_ids", "start_position", "sampling", "draws")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAWS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
     sampling: _common_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    draws: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draws: _Optional[int] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("sequences",)
