@@ -50,8 +50,9 @@ from moe_lightning.validation import (
     sampling_params,
     validate,
 )
-from orchestrator.scheduler import Scheduler, Ticket, TokenCallback
+from orchestrator.scheduler import Scheduler
 from orchestrator.streams import generate_streams
+from orchestrator.ticket import Ticket, TokenCallback
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MIN_RECEIVE_BYTES = 4 << 20
