@@ -12,6 +12,7 @@ from moe_lightning.sampling import SamplingParams, TokenLogprobs
 class StepKind(StrEnum):
     PREFILL = "prefill"  # new sequences' prompts
     DECODE = "decode"  # one token for each running sequence
+    MIXED = "mixed"  # both: decodes in some micro-batches, prompt chunks in others, one weight pass
 
 
 @dataclass(slots=True)

@@ -13,9 +13,12 @@ up; the re-prefill's sampled token is their next, drawn at the same place in the
 `kv_admission="reserve"` keeps the older rule: the blocks of prompt + max_new_tokens are taken at
 admission, so nothing is ever preempted and fewer sequences run.
 
-A step prefills (or re-prefills, in chunks of at most max_prefill_tokens) the sequences admitted for
-it, or, when none were, decodes every running one. Finished sequences return their blocks at once
-and are listed in the next plan's `release`.
+What a step runs (`step_schedule`): "mixed" (the default) decodes every running sequence and, in
+the same weight pass, prefills prompts in chunks within `prefill_budget` tokens (the HRM's:
+hrm/prefill_budget.py): the rest of prompts already begun and re-prefills first, oldest first, then
+new ones, so no prompt starves behind newcomers and a long one spans steps. "alternating" (the
+paper's) prefills the sequences admitted for a step or, when none were, decodes every running one.
+Finished sequences return their blocks at once and are listed in the next plan's `release`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from moe_lightning.batching import balance
-from moe_lightning.config.choices import KV_ADMISSIONS
+from moe_lightning.config.choices import KV_ADMISSIONS, STEP_SCHEDULES
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.request import GenerationRequest
@@ -50,6 +53,8 @@ class SchedulerConfig:
     max_queue: int = 1024
     max_prefill_tokens: int = 8192  # per micro-batch; also the longest prompt accepted
     kv_admission: str = KV_ADMISSIONS[0]  # need or reserve: see the module docstring
+    step_schedule: str = STEP_SCHEDULES[0]  # mixed or alternating: see the module docstring
+    prefill_budget: int = 0  # prompt tokens a mixed step takes on (0: max_prefill_tokens); the planner's
 
 
 @dataclass(slots=True, eq=False)  # identity: thousands are looked up per step
@@ -92,7 +97,8 @@ class Sequence:
 @dataclass(slots=True)
 class ScheduledStep:
     plan: StepPlan
-    sequences: list[Sequence]  # the plan's sequences, in plan order
+    sequences: list[Sequence]  # the plan's sequences
+    decodes: int = 0  # of them, those that decode (one token each)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,21 +195,42 @@ class Batcher:
         """The next step, or None when nothing runs. `on_admit` sees each sequence at its first
         admission, before the next is considered (the planner's workload feedback may change the
         batch size)."""
+        if self.config.step_schedule == "alternating":
+            return self._alternating(on_admit)
+        return self._mixed(on_admit)
+
+    def _alternating(self, on_admit: Callable[[Sequence], None] | None) -> ScheduledStep | None:
+        """A step prefills (whole prompts; re-prefills in chunks) or decodes, never both: the paper's."""
         # re-prefills that span steps: their blocks were taken at admission, so they never preempt
         resuming = [s for s in self.running.values() if not s.decoding]
-        admitted = self._admit(on_admit) if not resuming else []
-        prefill = resuming + admitted
-        if prefill:
-            return ScheduledStep(self._prefill_plan(prefill), prefill)
-        if self.running:
-            self._make_room(list(self.running.values()), 1)
-        seqs = list(self.running.values())
-        if not seqs and not self._release_next:
-            return None  # (with releases pending, an empty plan drops the workers' state now, not at the next request)
-        if seqs:
-            self.counters.decode_steps += 1
-            self.counters.decode_sequences += len(seqs)
-        return ScheduledStep(self._decode_plan(seqs), seqs)
+        admitted = self._admit(on_admit, self.config.max_prefill_tokens) if not resuming else []
+        if resuming or admitted:
+            prefill = [self._prefill_work(s, self.config.max_prefill_tokens) for s in resuming + admitted]
+            return self._step([], prefill, resuming + admitted)
+        works, seqs = self._decode_works()
+        return self._step(works, [], seqs)
+
+    def _mixed(self, on_admit: Callable[[Sequence], None] | None) -> ScheduledStep | None:
+        """Every running sequence decodes, and prompts (the rest of long ones and re-prefills first,
+        oldest first, then new ones) fill the step's prefill budget in chunks: one weight pass serves
+        both, and a newcomer never costs a pass of its own (docs/cgopipe-and-benchmarks.md)."""
+        resuming = sorted((s for s in self.running.values() if not s.decoding), key=lambda s: s.seq_id)
+        works, seqs = self._decode_works()  # (may preempt some of those)
+        budget = self.config.prefill_budget or self.config.max_prefill_tokens
+        prefill: list[SequenceWork] = []
+        for s in resuming:
+            if budget <= 0:
+                break
+            if s.seq_id not in self.running:
+                continue
+            prefill.append(self._prefill_work(s, min(budget, self.config.max_prefill_tokens)))
+            seqs.append(s)
+            budget -= len(prefill[-1].token_ids)
+        for s in self._admit(on_admit, budget) if budget > 0 else []:
+            prefill.append(self._prefill_work(s, min(budget, self.config.max_prefill_tokens)))
+            seqs.append(s)
+            budget -= len(prefill[-1].token_ids)
+        return self._step(works, prefill, seqs)
 
     def update(self, step: ScheduledStep, out: StepOutput) -> list[NewToken]:
         """Appends each sequence's sampled token; the finished leave the running batch. A chunk of a
@@ -280,9 +307,10 @@ class Batcher:
         # would preempt itself, and the older sequences would wait on it for good
         return self._blocks_for(seq.length)
 
-    def _admit(self, on_admit: Callable[[Sequence], None] | None) -> list[Sequence]:
+    def _admit(self, on_admit: Callable[[Sequence], None] | None, budget: int) -> list[Sequence]:
+        """First come, first served, while the batch has room, the KV cache the blocks and the step
+        `budget` prompt tokens (the last one admitted may take fewer than its prompt, in mixed steps)."""
         new: list[Sequence] = []
-        budget = self.config.max_prefill_tokens
         watermark = 0 if self.config.kv_admission == "reserve" else math.ceil(WATERMARK * self.kv.blocks)
         try:
             while len(self.running) + len(new) < self.config.max_batch_size:
@@ -328,34 +356,47 @@ class Batcher:
         prompt = seq.request.prompt_ids
         return list(prompt[start:end] if end <= len(prompt) else [*prompt, *seq.output][start:end]), start
 
-    def _prefill_plan(self, seqs: list[Sequence]) -> StepPlan:
-        works = []
-        for s in seqs:
-            ids, start = self._feed(s, self.config.max_prefill_tokens)
-            # every chunk carries the sampling parameters: the workers (re)start its stream at `draws`
-            works.append(SequenceWork(s.seq_id, ids, start, s.request.sampling, len(s.output)))
-        mbs: list[list[SequenceWork]] = []
-        tokens = 0  # prompts packed into micro-batches of at most max_prefill_tokens tokens
-        for w in works:
-            if not mbs or tokens + len(w.token_ids) > self.config.max_prefill_tokens:
-                mbs.append([])
-                tokens = 0
-            mbs[-1].append(w)
-            tokens += len(w.token_ids)
-        return self._plan(mbs, StepKind.PREFILL)
+    def _prefill_work(self, s: Sequence, tokens: int) -> SequenceWork:
+        ids, start = self._feed(s, tokens)
+        # every chunk carries the sampling parameters: the workers (re)start its stream at `draws`
+        return SequenceWork(s.seq_id, ids, start, s.request.sampling, len(s.output))
 
-    def _decode_plan(self, seqs: list[Sequence]) -> StepPlan:
-        if not seqs:
-            return self._plan([], StepKind.DECODE)
+    def _decode_works(self) -> tuple[list[SequenceWork], list[Sequence]]:
+        """A token for every running sequence that decodes, the newest preempted first if the cache
+        cannot take their growth."""
+        decoding = [s for s in self.running.values() if s.decoding]
+        if decoding:
+            self._make_room(decoding, 1)
+        seqs = [s for s in self.running.values() if s.decoding]
         works = []
         for s in seqs:
             sampling = s.request.sampling if s.stream_ahead else None  # (before _feed clears it)
             works.append(SequenceWork(s.seq_id, *self._feed(s, 1), sampling, len(s.output) if sampling else 0))
-        # balanced by context length: micro-batches of equal attention work, no padding
-        size = self.config.micro_batch_size or len(works)
-        contexts = [w.start + 1 for w in works]
-        mbs = [[works[i] for i in group] for group in balance(contexts, -(-len(works) // size))]
-        return self._plan(mbs, StepKind.DECODE)
+        return works, seqs
+
+    def _step(
+        self, decode: list[SequenceWork], prefill: list[SequenceWork], seqs: list[Sequence]
+    ) -> ScheduledStep | None:
+        """The plan of these works: decodes in micro-batches balanced by context (equal attention work,
+        no padding), prompts packed into micro-batches of at most max_prefill_tokens tokens."""
+        if not decode and not prefill and not self._release_next:
+            return None  # (with releases pending, an empty plan drops the workers' state now, not at the next request)
+        mbs: list[list[SequenceWork]] = []
+        if decode:
+            size = self.config.micro_batch_size or len(decode)
+            contexts = [w.start + 1 for w in decode]
+            mbs = [[decode[i] for i in group] for group in balance(contexts, -(-len(decode) // size))]
+            self.counters.decode_steps += 1
+            self.counters.decode_sequences += len(decode)
+        tokens = 0
+        for i, w in enumerate(prefill):
+            if i == 0 or tokens + len(w.token_ids) > self.config.max_prefill_tokens:
+                mbs.append([])
+                tokens = 0
+            mbs[-1].append(w)
+            tokens += len(w.token_ids)
+        kind = StepKind.MIXED if decode and prefill else StepKind.PREFILL if prefill else StepKind.DECODE
+        return ScheduledStep(self._plan(mbs, kind), seqs, len(decode))
 
     def _plan(self, mbs: list[list[SequenceWork]], kind: StepKind) -> StepPlan:
         release, self._release_next = self._release_next, []

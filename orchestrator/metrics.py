@@ -3,7 +3,7 @@
 from prometheus_client import Counter, Gauge, Histogram
 
 from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
-from moe_lightning.step_protocol import StepKind, StepTimings
+from moe_lightning.step_protocol import StepTimings
 from moe_lightning.template_renderer import KILL_REASONS
 from orchestrator.batcher import SchedulerConfig
 
@@ -76,13 +76,13 @@ def publish_config(config: SchedulerConfig) -> None:
     MAX_QUEUE.set(config.max_queue)
 
 
-def observe_step(sequences: int, wall: float, timings: StepTimings) -> None:
+def observe_step(decodes: int, wall: float, timings: StepTimings) -> None:
     """One finished step (its kind from the timings): its wall time, gpu_expert's stage times and,
-    for decode, its batch size."""
+    when it decoded, how many sequences it decoded."""
     kind = timings.kind.value
     STEP_SECONDS.labels(kind).observe(wall)
     for stage, ns in timings.stages().items():
         STAGE_SECONDS.labels(stage, kind).inc(ns / 1e9)
     CONTROL_OVERHEAD.inc(max(0.0, wall - timings.step / 1e9))
-    if timings.kind is StepKind.DECODE:
-        DECODE_BATCH.observe(sequences)
+    if decodes:
+        DECODE_BATCH.observe(decodes)

@@ -101,6 +101,7 @@ class Planner:
         THRESHOLD.set(self.config.threshold)
         self.fixed_batch: int | None = None  # set by the operator's flags: the policy does not override
         self.fixed_micro_batch: int | None = None
+        self.fixed_prefill_budget: int | None = None  # --prefill-budget
         self.log = structlog.get_logger()
         self._lock = threading.Lock()
         self._measured: dict[str, float] = {}

@@ -15,6 +15,7 @@ import grpc
 import structlog
 
 from moe_lightning.hrm.costmodel import Policy
+from moe_lightning.hrm.prefill_budget import prefill_budget
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.request import GenerationRequest, GenerationResult
@@ -264,7 +265,7 @@ class Scheduler:
         wall = time.perf_counter() - t0
         if not plan.micro_batches:
             return  # it only released finished sequences
-        metrics.observe_step(plan.num_sequences, wall, out.timings)
+        metrics.observe_step(step.decodes, wall, out.timings)
         if self.planner is not None and plan.kind is StepKind.DECODE:
             try:  # the planner is advice: its failure must not cost the requests their tokens
                 mu = max(len(mb) for mb in plan.micro_batches)
@@ -287,6 +288,8 @@ class Scheduler:
             self.config.max_batch_size = policy.batch
         if self.planner.fixed_micro_batch is None:
             self.config.micro_batch_size = policy.micro_batch_size
+        if self.planner.fixed_prefill_budget is None:
+            self.config.prefill_budget = prefill_budget(self.planner.estimate, self.config.max_prefill_tokens)
         metrics.publish_config(self.config)
         # attention placement never changes: its KV lives there
         self.batcher.placement = Placement(self.batcher.placement.attention, policy.experts)

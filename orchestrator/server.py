@@ -13,6 +13,7 @@ from moe_lightning.chat_template import ChatTemplate
 from moe_lightning.config.flag import EnvDefaultsParser
 from moe_lightning.config.orchestrator import OrchestratorConfig
 from moe_lightning.hrm.layercost import KV_RULE_FOR_ADMISSION, MTBENCH_PROMPT_LEN, MTBENCH_PROMPT_STD, Workload
+from moe_lightning.hrm.prefill_budget import prefill_budget
 from moe_lightning.hrm.roofs import profile_from
 from moe_lightning.placement import Side
 from moe_lightning.service.aio_runtime import AioServiceRuntime, serve_aio
@@ -133,6 +134,7 @@ def _start(
         kv_block_size=capacity.block_size,
     )
     planner.fixed_batch, planner.fixed_micro_batch = config.max_batch_size, config.micro_batch_size
+    planner.fixed_prefill_budget = config.prefill_budget
     pages.planner = planner
     policy = planner.policy
     kv = capacity.kv_cache(policy.attention)  # the cache attention reads: its KV lives there for good
@@ -142,6 +144,10 @@ def _start(
         config.max_queue if config.max_queue is not None else default_max_queue(config.max_batch_size),
         config.max_prefill_tokens,
         config.kv_admission,
+        config.step_schedule,
+        config.prefill_budget
+        if config.prefill_budget is not None
+        else prefill_budget(planner.estimate, config.max_prefill_tokens),
     )
     log.info(
         "planned",
@@ -159,6 +165,8 @@ def _start(
         kv_cache_dtype=kv.dtype,
         kv_cache_tokens=kv.tokens,
         kv_admission=config.kv_admission,
+        step_schedule=config.step_schedule,
+        prefill_budget=schedule.prefill_budget,
         kv_cache_sequences=planner.kv_cache_sequences,  # of the expected workload, by the admission's rule
     )
     scheduler = Scheduler(

@@ -20,8 +20,9 @@ from orchestrator.batcher import FINISH_CANCELLED, Batcher, SchedulerConfig, Seq
 EOS = 2
 
 
-def _batcher(blocks: int = 64, block_size: int = 4, **config: int) -> Batcher:
-    cfg = SchedulerConfig(**{"max_batch_size": 64, "max_queue": 1024, **config})
+def _batcher(blocks: int = 64, block_size: int = 4, **config: int | str) -> Batcher:
+    # the tests written for the alternating schedule say so; mixed steps have their own below
+    cfg = SchedulerConfig(**{"max_batch_size": 64, "max_queue": 1024, "step_schedule": "alternating", **config})  # type: ignore[arg-type]
     return Batcher(KVCapacity(blocks, block_size, "float32"), cfg, Placement(Side.HOST, Side.DEVICE))
 
 
@@ -164,10 +165,13 @@ def test_queue_limit_and_reset() -> None:
     assert plan is None  # and nothing is released into the new session
 
 
-def test_thousands_of_sequences_all_finish_with_every_block_back() -> None:
+@pytest.mark.parametrize("schedule", ["alternating", "mixed"])
+def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str) -> None:
     """At the operating point's size: 3,000 requests through a cache that holds a third of them, the
     workers' caches mirrored by a real PagedKVCache (an over-committed block fails the step)."""
-    b = _batcher(blocks=3000, block_size=4, max_batch_size=4096, micro_batch_size=128, max_queue=4096)
+    b = _batcher(
+        blocks=3000, block_size=4, max_batch_size=4096, micro_batch_size=128, max_queue=4096, step_schedule=schedule
+    )
     backend = FakeBackend(kv_blocks=3000, block_size=4)
     seqs = [_add(b, 1 + i % 7, 1 + i % 11) for i in range(3000)]
     released: list[int] = []
@@ -180,7 +184,9 @@ def test_thousands_of_sequences_all_finish_with_every_block_back() -> None:
         kv = backend.kv
         assert kv is not None
         releasing = sum(len(kv.tables.get(s, ())) for s in b._release_next)
-        assert b.free_blocks == kv.num_free_blocks + releasing
+        # a prompt fed in chunks holds its blocks from admission; the workers take them chunk by chunk
+        ahead = [s.blocks - len(kv.tables.get(s.seq_id, ())) for s in b.running.values()]
+        assert min(ahead, default=0) >= 0 and b.free_blocks == kv.num_free_blocks + releasing - sum(ahead)
     step = b.schedule()  # the last finishes are released by a step of their own
     assert step is not None and step.plan.num_sequences == 0
     released += step.plan.release
@@ -238,14 +244,16 @@ def test_by_need_admits_on_the_prompt_and_preempts_the_newest_when_the_cache_run
     assert b.free_blocks == 8 and b.counters.recomputed_tokens == 2 * 9
 
 
-def test_preemption_leaves_every_output_as_without_it() -> None:
+@pytest.mark.parametrize("schedule", ["alternating", "mixed"])
+def test_preemption_leaves_every_output_as_without_it(schedule: str) -> None:
     """The fake backend's tokens follow each sequence's draws, as a seeded stream or greedy decoding
-    does: a cache small enough to preempt often must give the outputs of one that never does."""
+    does: a cache small enough to preempt often must give the outputs of one that never does, in
+    either schedule (mixed steps with a prefill budget that cuts prompts into chunks)."""
     prompts = [1 + (i * 7) % 13 for i in range(60)]
     max_new = [5 + (i * 5) % 23 for i in range(60)]
     roomy, _ = _outputs(2000, prompts, max_new)
-    tight, b = _outputs(24, prompts, max_new, max_batch_size=64)
-    reserved, r = _outputs(24, prompts, max_new, kv_admission="reserve")
+    tight, b = _outputs(24, prompts, max_new, max_batch_size=64, step_schedule=schedule, prefill_budget=5)
+    reserved, r = _outputs(24, prompts, max_new, kv_admission="reserve", step_schedule=schedule)
     assert b.counters.preemptions > 10 and r.counters.preemptions == 0
     assert tight == roomy and reserved == roomy
     assert b.counters.mean_decode_batch > r.counters.mean_decode_batch  # by need, more run at once
@@ -318,3 +326,65 @@ def test_preempted_sequences_do_not_fill_the_request_queue() -> None:
     _add(b, 4, 12)
     with pytest.raises(ResourceExhaustedError, match="queue is full"):
         _add(b, 4, 12)
+
+
+def _mixed(**config: int | str) -> tuple[Batcher, FakeBackend]:
+    blocks = int(config.pop("blocks", 256))
+    return _batcher(blocks=blocks, block_size=4, step_schedule="mixed", **config), FakeBackend(
+        kv_blocks=blocks, block_size=4
+    )
+
+
+def _works(plan: StepPlan) -> list:
+    return [w for mb in plan.micro_batches for w in mb]
+
+
+def test_a_mixed_step_decodes_every_running_sequence_while_it_prefills_the_newcomers() -> None:
+    b, backend = _mixed()
+    first = [_add(b, 3, 8) for _ in range(3)]
+    plan, _ = _step(b, backend)
+    assert plan.kind is StepKind.PREFILL and plan.num_sequences == 3  # nothing ran yet: prompts alone
+    late = _add(b, 5, 8)
+    plan, new = _step(b, backend)
+    assert plan.kind is StepKind.MIXED  # the running three decode in the pass that prefills the newcomer
+    decodes = [w for w in _works(plan) if w.seq_id != late.seq_id]
+    assert [w.seq_id for w in decodes] == [s.seq_id for s in first] and all(len(w.token_ids) == 1 for w in decodes)
+    assert [w.token_ids for w in _works(plan) if w.seq_id == late.seq_id] == [[5] * 5]
+    assert {t.seq for t in new} == {*first, late}  # everyone got a token from the one pass
+    assert all(late not in mb or len(mb) == 1 for mb in plan.micro_batches)  # prompts in micro-batches of their own
+    plan, _ = _step(b, backend)
+    assert plan.kind is StepKind.DECODE and plan.num_sequences == 4
+
+
+def test_a_prompt_longer_than_the_budget_is_prefilled_in_chunks_across_steps() -> None:
+    b, backend = _mixed(prefill_budget=4)
+    runner = _add(b, 2, 30)
+    _step(b, backend)
+    long = _add(b, 10, 5)
+    chunks = []
+    while not long.output:
+        plan, _ = _step(b, backend)
+        chunks += [(w.start, len(w.token_ids)) for w in _works(plan) if w.seq_id == long.seq_id]
+        assert plan.num_tokens - sum(1 for w in _works(plan) if w.seq_id == runner.seq_id) <= 4  # the budget
+        assert any(w.seq_id == runner.seq_id for w in _works(plan))  # decode never waits for the prompt
+    assert chunks == [(0, 4), (4, 4), (8, 2)] and len(long.output) == 1
+    _run_all(b, backend)
+    alone, _ = _outputs(256, [2, 10], [30, 5], step_schedule="alternating")
+    assert [runner.output, long.output] == alone  # chunked or whole, the same tokens
+
+
+def test_the_budget_is_shared_oldest_first_and_no_prompt_starves_behind_newcomers() -> None:
+    b, backend = _mixed(prefill_budget=6, blocks=4096, max_batch_size=4096)
+    long = _add(b, 40, 3)
+    steps = 0
+    while steps < 60:
+        steps += 1
+        for _ in range(2):  # a stream of newcomers, more prompt tokens than the budget every step
+            _add(b, 5, 3)
+        plan, _ = _step(b, backend)
+        prefill = [w for w in _works(plan) if len(w.token_ids) > 1 or w.sampling is not None]
+        assert sum(len(w.token_ids) for w in prefill) <= 6
+        if long.output:
+            break
+        assert prefill and prefill[0].seq_id == long.seq_id  # the oldest prompt's chunk comes first
+    assert long.output and steps == 7  # 40 tokens at 6 a step: 7 steps, however many arrive behind it

@@ -137,7 +137,9 @@ def _ours(
         quantize_group_size=args.quantize_group_size,
     )
     d = run.delta
-    all_steps = sum(d("orchestrator", f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode"))
+    all_steps = sum(
+        d("orchestrator", f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode", "mixed")
+    )
     generated = sum(c.completion_tokens for c in run.done)
     decode = decode_totals(run)
     decode_s = d("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')

@@ -18,6 +18,8 @@ KV_DTYPE_CHOICES = (AUTO, *DTYPE_NAMES, "int8")
 
 # how the scheduler takes KV blocks (orchestrator/batcher.py); the first is the default
 KV_ADMISSIONS = ("need", "reserve")
+# what one step runs (orchestrator/batcher.py): decodes and prefill chunks together, or one or the other
+STEP_SCHEDULES = ("mixed", "alternating")
 
 # the expert pages' format (docs/quantization.md)
 QUANTIZE_FORMATS = ("none", "int8", "int4")

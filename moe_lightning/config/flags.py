@@ -93,6 +93,18 @@ KV_CACHE_MEMORY = Flag(
     "free space",
     type=parse_kv_cache_memory,
 )
+STEP_SCHEDULE = Flag(
+    "--step-schedule",
+    "mixed: every step decodes the running sequences and prefills prompts in chunks within --prefill-budget, one "
+    "weight pass for both; alternating: a step prefills or decodes, as the paper's (docs/cgopipe-and-benchmarks.md)",
+    choices=choices.STEP_SCHEDULES,
+)
+PREFILL_BUDGET = Flag(
+    "--prefill-budget",
+    "prompt tokens a mixed step takes on beside its decodes (default: the HRM's, the most a link-bound step carries "
+    "for free; at most --max-prefill-tokens)",
+    type=positive_int,
+)
 KV_ADMISSION = Flag(
     "--kv-admission",
     "need: a sequence takes KV blocks as it grows, and the newest are preempted (re-prefilled later) when the "

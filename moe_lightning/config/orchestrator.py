@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.config import flags
-from moe_lightning.config.choices import KV_ADMISSIONS
+from moe_lightning.config.choices import KV_ADMISSIONS, STEP_SCHEDULES
 from moe_lightning.config.flag import REQUIRED, Flag, option
 from moe_lightning.config.service import ServiceConfig
 from moe_lightning.config.units import positive_int
@@ -96,6 +96,8 @@ class OrchestratorConfig(ServiceConfig):
     max_concurrent_rpcs: int | None = option(MAX_CONCURRENT_RPCS)
     max_prefill_tokens: int = option(MAX_PREFILL_TOKENS, 8192)
     kv_admission: str = option(flags.KV_ADMISSION, KV_ADMISSIONS[0])
+    step_schedule: str = option(flags.STEP_SCHEDULE, STEP_SCHEDULES[0])
+    prefill_budget: int | None = option(flags.PREFILL_BUDGET)  # None: the HRM's (hrm/prefill_budget.py)
     rpc_threads: int = option(RPC_THREADS, 8)
     drain_seconds: float = option(DRAIN_SECONDS, 30.0)
     stream_interval: int = option(flags.STREAM_INTERVAL, 1)

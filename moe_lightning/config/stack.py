@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.config import flags
-from moe_lightning.config.choices import KV_ADMISSIONS
+from moe_lightning.config.choices import KV_ADMISSIONS, STEP_SCHEDULES
 from moe_lightning.config.cpu_attention import DEFAULT_KV_CACHE_MEMORY, CpuAttentionConfig
 from moe_lightning.config.flag import REQUIRED, CliConfig, Flag, option
 from moe_lightning.config.gateway import GatewayConfig
@@ -57,6 +57,8 @@ class StackConfig(CliConfig):
     auth_token: str | None = option(flags.AUTH_TOKEN)  # passed by environment, not argv
     kv_cache_memory: int | str = option(flags.KV_CACHE_MEMORY, DEFAULT_KV_CACHE_MEMORY)  # bytes, or auto
     kv_admission: str = option(flags.KV_ADMISSION, KV_ADMISSIONS[0])
+    step_schedule: str = option(flags.STEP_SCHEDULE, STEP_SCHEDULES[0])
+    prefill_budget: int | None = option(flags.PREFILL_BUDGET)  # None: the HRM's (hrm/prefill_budget.py)
     kv_dtype: str = option(flags.KV_DTYPE, "auto")
     dtype: str = option(flags.DTYPE, "auto")
     quantize: str = option(flags.QUANTIZE, "auto")
@@ -178,6 +180,8 @@ def _orchestrator(c: StackConfig, w: Wiring) -> tuple[type[OrchestratorConfig], 
         max_batch_size=c.max_batch_size,
         micro_batch_size=c.micro_batch_size,
         kv_admission=c.kv_admission,
+        step_schedule=c.step_schedule,
+        prefill_budget=c.prefill_budget,
         attention_placement=c.attention_placement,
         experts_placement=c.experts_placement,
         chat_template=c.chat_template,

@@ -32,7 +32,11 @@ DTYPE_TO_PB = {
 DTYPE_FROM_PB = {v: k for k, v in DTYPE_TO_PB.items()}
 SIDE_TO_PB = {Side.HOST: gpu_expert_pb2.SIDE_HOST, Side.DEVICE: gpu_expert_pb2.SIDE_DEVICE}
 SIDE_FROM_PB = {v: k for k, v in SIDE_TO_PB.items()}
-STEP_KIND_TO_PB = {StepKind.PREFILL: gpu_expert_pb2.STEP_KIND_PREFILL, StepKind.DECODE: gpu_expert_pb2.STEP_KIND_DECODE}
+STEP_KIND_TO_PB = {
+    StepKind.PREFILL: gpu_expert_pb2.STEP_KIND_PREFILL,
+    StepKind.DECODE: gpu_expert_pb2.STEP_KIND_DECODE,
+    StepKind.MIXED: gpu_expert_pb2.STEP_KIND_MIXED,
+}
 STEP_KIND_FROM_PB = {v: k for k, v in STEP_KIND_TO_PB.items()}
 
 

@@ -205,7 +205,7 @@ class ExpertRunner:
         SHM_WAIT.inc(timings.attention_wait / 1e9)
         STEPS.labels(plan.kind).inc()
         TOKENS.inc(len(tokens))
-        if plan.kind is StepKind.DECODE:
+        if plan.kind is not StepKind.PREFILL:  # a step that decoded: its routing is the batch's
             self.hot.after_decode_step()
         return StepOutput(self.head.seq_ids(works), tokens, timings, logprobs, ranks)
 

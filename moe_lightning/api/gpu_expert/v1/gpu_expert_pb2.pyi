@@ -13,6 +13,7 @@ class StepKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STEP_KIND_UNSPECIFIED: _ClassVar[StepKind]
     STEP_KIND_PREFILL: _ClassVar[StepKind]
     STEP_KIND_DECODE: _ClassVar[StepKind]
+    STEP_KIND_MIXED: _ClassVar[StepKind]
 
 class Side(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -22,6 +23,7 @@ class Side(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 STEP_KIND_UNSPECIFIED: StepKind
 STEP_KIND_PREFILL: StepKind
 STEP_KIND_DECODE: StepKind
+STEP_KIND_MIXED: StepKind
 SIDE_UNSPECIFIED: Side
 SIDE_HOST: Side
 SIDE_DEVICE: Side
