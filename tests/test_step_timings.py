@@ -110,8 +110,12 @@ def test_metrics_take_the_kind_from_the_timings() -> None:
 
     before = value("moe_lightning_stage_seconds_total", stage="head", kind="prefill")
     decodes = value("moe_lightning_decode_batch_size_count")
-    metrics.observe_step(3, 0.5, StepTimings(StepKind.PREFILL, head=2 * 10**8, step=4 * 10**8))
+    metrics.observe_step(0, 0.5, StepTimings(StepKind.PREFILL, head=2 * 10**8, step=4 * 10**8))  # 0 decodes
     assert value("moe_lightning_stage_seconds_total", stage="head", kind="prefill") == pytest.approx(before + 0.2)
     assert value("moe_lightning_decode_batch_size_count") == decodes  # a prefill is no decode batch
     metrics.observe_step(3, 0.5, timings(step=4 * 10**8))
     assert value("moe_lightning_decode_batch_size_count") == decodes + 1
+    mixed = value("moe_lightning_stage_seconds_total", stage="head", kind="mixed")
+    metrics.observe_step(2, 0.5, StepTimings(StepKind.MIXED, head=10**8, step=4 * 10**8))  # decodes and a prompt
+    assert value("moe_lightning_decode_batch_size_count") == decodes + 2
+    assert value("moe_lightning_stage_seconds_total", stage="head", kind="mixed") == pytest.approx(mixed + 0.1)

@@ -1,0 +1,128 @@
+"""Mixed steps against the alternating schedule, in one run (docs/cgopipe-and-benchmarks.md): the same
+job through two stacks behind the same simulated link, every expert streamed, with continuous
+admission (sequences sampled with a seed per row and cut by stop strings, so they end at lengths no
+scheduler knows in advance and newcomers arrive every few steps). Per schedule: weight passes (steps)
+per generated token, the mean decode batch, and end-to-end generated tokens per second, with ratios
+against the alternating run of this same invocation.
+
+    python bench/step_schedules.py [--rows 1024] [--link-bandwidth 20MB/s] [--json-out F]
+
+The tiny demo model (built in a temporary directory): its 2 layers of 4 experts are 0.4 MB a layer,
+so at 20 MB/s a pass takes ~40 ms of link against a few ms of compute: link-bound, as a T4 is for
+Mixtral (docs/hrm.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.config.stack import StackConfig
+from moe_lightning.config.units import DeviceShare, parse_rate
+from moe_lightning.demo_model import write_demo_model
+from moe_lightning.launcher import Stack
+
+MAX_NEW = 64
+STOPS = [".", "q", "!", "x", "j"]  # on the tiny demo model at temperature 1: ~30 tokens on average
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(m[1]) if m else 0.0
+
+
+def job(rows: int) -> list[Prompt]:
+    # MT-Bench-like prompt lengths, 8..72 tokens
+    return [
+        Prompt(
+            token_ids=[1, *(3 + (i * 31 + j * 7) % 500 for j in range(8 + (i * 13) % 64))],
+            max_new_tokens=MAX_NEW,
+            temperature=1.0,
+            seed=i,
+            stop=STOPS,
+        )
+        for i in range(rows)
+    ]
+
+
+def run_one(model: Path, schedule: str, link: float, rows: list[Prompt], logs: Path) -> dict:
+    stack = Stack(
+        StackConfig(
+            model=model,
+            port=0,
+            run_id=f"sched{schedule}",
+            kv_cache_memory="256MiB",
+            device_memory=DeviceShare(25.0),  # the dense weights and slots: every expert streams
+            link_bandwidth=link,
+            step_schedule=schedule,
+            log_dir=logs / schedule,
+        )
+    )
+    stack.start(timeout=300)
+    try:
+        with GenerationClient(stack.api_address, timeout=3600) as c:
+            t0 = time.perf_counter()
+            done = c.batch_generate_all(rows, chunk_size=256)
+            wall = time.perf_counter() - t0
+        text = urllib.request.urlopen(stack.endpoints()["orchestrator"]["metrics"], timeout=10).read().decode()
+    finally:
+        stack.stop()
+    tokens = sum(len(d.token_ids) for d in done)
+    steps = {k: metric(text, f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode", "mixed")}
+    decode_steps = metric(text, "moe_lightning_decode_batch_size_count")
+    return {
+        "step_schedule": schedule,
+        "steps": {k: int(v) for k, v in steps.items()},
+        "weight_passes_per_generated_token": sum(steps.values()) / tokens,
+        "mean_decode_batch": metric(text, "moe_lightning_decode_batch_size_sum") / decode_steps if decode_steps else 0,
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_second": tokens / wall,
+        "outputs": [d.token_ids for d in done],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=1024)
+    p.add_argument("--link-bandwidth", type=parse_rate, default=parse_rate("20MB/s"))
+    p.add_argument("--json-out", type=Path)
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="step-schedules-") as tmp:
+        model = write_demo_model(Path(tmp) / "tiny", "tiny", seed=0, progress=False)
+        rows = job(args.rows)
+        runs = [run_one(model, s, args.link_bandwidth, rows, Path(tmp)) for s in ("alternating", "mixed")]
+    base = runs[0]
+    print(f"{args.rows} rows, max_tokens {MAX_NEW}, stop {STOPS}, link {args.link_bandwidth / 1e6:.0f} MB/s")
+    print(
+        f"{'schedule':<12}{'prefill':>8}{'decode':>8}{'mixed':>8}{'passes/tok':>12}{'decode batch':>14}"
+        f"{'tok/s':>8}{'x':>7}"
+    )
+    for r in runs:
+        r["ratios"] = {"tokens_per_second_vs_alternating": r["tokens_per_second"] / base["tokens_per_second"]}
+        st = r["steps"]
+        print(
+            f"{r['step_schedule']:<12}{st['prefill']:>8}{st['decode']:>8}{st['mixed']:>8}"
+            f"{r['weight_passes_per_generated_token']:>12.4f}{r['mean_decode_batch']:>14.1f}"
+            f"{r['tokens_per_second']:>8.0f}{r['ratios']['tokens_per_second_vs_alternating']:>6.2f}x"
+        )
+    same = all(r["outputs"] == base["outputs"] for r in runs)
+    print(f"{base['generated_tokens']} tokens; outputs identical across schedules: {same}")
+    if args.json_out:
+        summary = {"rows": args.rows, "link_bandwidth": args.link_bandwidth, "identical_outputs": same}
+        summary["runs"] = [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+        args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
