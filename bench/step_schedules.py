@@ -5,11 +5,11 @@ scheduler knows in advance and newcomers arrive every few steps). Per schedule: 
 per generated token, the mean decode batch, and end-to-end generated tokens per second, with ratios
 against the alternating run of this same invocation.
 
-    python bench/step_schedules.py [--rows 1024] [--link-bandwidth 20MB/s] [--json-out F]
+    python bench/step_schedules.py [--rows 1024] [--link-bandwidth 20MB/s] [--max-batch-size 64] [--json-out F]
 
-The tiny demo model (built in a temporary directory): its 2 layers of 4 experts are 0.4 MB a layer,
-so at 20 MB/s a pass takes ~40 ms of link against a few ms of compute: link-bound, as a T4 is for
-Mixtral (docs/hrm.md).
+The tiny demo model (built in a temporary directory), with a device budget of its dense weights and 5
+expert slots, so all 8 experts (0.4 MB a layer) cross the link at every pass: at 20 MB/s ~40 ms of
+link against ~20 ms of compute, link-bound as a T4 is for Mixtral (docs/hrm.md).
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.config.stack import StackConfig
-from moe_lightning.config.units import DeviceShare, parse_rate
+from moe_lightning.config.units import parse_rate
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.launcher import Stack
+
+from reference import device_budget
 
 MAX_NEW = 64
 STOPS = [".", "q", "!", "x", "j"]  # on the tiny demo model at temperature 1: ~30 tokens on average
@@ -54,15 +57,18 @@ def job(rows: int) -> list[Prompt]:
     ]
 
 
-def run_one(model: Path, schedule: str, link: float, rows: list[Prompt], logs: Path) -> dict:
+def run_one(model: Path, schedule: str, link: float, batch: int, rows: list[Prompt], logs: Path) -> dict:
     stack = Stack(
         StackConfig(
             model=model,
             port=0,
             run_id=f"sched{schedule}",
             kv_cache_memory="256MiB",
-            device_memory=DeviceShare(25.0),  # the dense weights and slots: every expert streams
-            link_bandwidth=link,
+            # the dense weights and 5 slots: all 8 experts stream (link 0: the whole model resident, no link)
+            device_memory=device_budget(model, ring=5) if link else None,
+            link_bandwidth=link or None,
+            experts_placement="gpu" if link else "auto",  # streamed: on a CPU "auto" may compute them in place
+            max_batch_size=batch,  # far fewer than the rows: sequences finish, newcomers join every few steps
             step_schedule=schedule,
             log_dir=logs / schedule,
         )
@@ -95,14 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1024)
     p.add_argument("--link-bandwidth", type=parse_rate, default=parse_rate("20MB/s"))
+    p.add_argument("--resident", action="store_true", help="no link: the whole model on the device (CPU), unstreamed")
+    p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--json-out", type=Path)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="step-schedules-") as tmp:
         model = write_demo_model(Path(tmp) / "tiny", "tiny", seed=0, progress=False)
         rows = job(args.rows)
-        runs = [run_one(model, s, args.link_bandwidth, rows, Path(tmp)) for s in ("alternating", "mixed")]
+        runs = [
+            run_one(model, s, 0.0 if args.resident else args.link_bandwidth, args.max_batch_size, rows, Path(tmp))
+            for s in ("alternating", "mixed")
+        ]
     base = runs[0]
-    print(f"{args.rows} rows, max_tokens {MAX_NEW}, stop {STOPS}, link {args.link_bandwidth / 1e6:.0f} MB/s")
+    link = "none" if args.resident else f"{args.link_bandwidth / 1e6:.0f} MB/s"
+    print(f"{args.rows} rows, max_tokens {MAX_NEW}, stop {STOPS}, link {link}, batch {args.max_batch_size}")
     print(
         f"{'schedule':<12}{'prefill':>8}{'decode':>8}{'mixed':>8}{'passes/tok':>12}{'decode batch':>14}"
         f"{'tok/s':>8}{'x':>7}"
@@ -118,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     same = all(r["outputs"] == base["outputs"] for r in runs)
     print(f"{base['generated_tokens']} tokens; outputs identical across schedules: {same}")
     if args.json_out:
-        summary = {"rows": args.rows, "link_bandwidth": args.link_bandwidth, "identical_outputs": same}
+        summary = {"rows": args.rows, "link_bandwidth": args.link_bandwidth, "max_batch_size": args.max_batch_size}
+        summary["identical_outputs"] = same
         summary["runs"] = [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
         args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
     return 0 if same else 1
