@@ -18,6 +18,7 @@ from moe_lightning.hrm.layercost import (
     kv_tokens,
 )
 from moe_lightning.hrm.optimizer import max_batch
+from moe_lightning.hrm.schedule_cost import schedule_throughput
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
@@ -78,6 +79,7 @@ def plan_to_dict(
     name: str, spec: ModelSpec, work: Workload, hw: HardwareProfile, est: Estimate, kv: HostKV | None = None
 ) -> dict[str, Any]:
     p = est.policy
+    st = schedule_throughput(spec, work, est)
     out = {
         "model": name,
         "parameters": spec.num_parameters(),
@@ -117,6 +119,9 @@ def plan_to_dict(
             "cpu_capacity": est.cpu_capacity,
             "cpu_kv_cache": est.kv_host_bytes,
         },
+        # a long job with continuous admission, prefill included (hrm/schedule_cost.py)
+        "with_prefill_tokens_per_second": {"mixed": st.mixed, "alternating": st.alternating},
+        "prompt_tokens_per_step": st.prompt_tokens_per_step,
     }
     if kv is not None:
         out["kv_cache"] = asdict(kv)
@@ -150,6 +155,7 @@ def explain(
         f"link       {link_text(spec, est)}",
         f"predicted  {est.tokens_per_second:,.1f} decode tokens/s ({1e3 * est.layer_seconds:.2f} ms per layer, "
         f"{1e3 * est.layer_seconds * spec.num_layers:.0f} ms per step)",
+        prefill_text(spec, work, est),
         "per layer  "
         + " | ".join(
             f"{r} {ms[r]:.2f} ms ("
@@ -169,6 +175,16 @@ def explain(
     if kv is not None:
         lines.append(kv_text(work, est, kv))
     return "\n".join(lines)
+
+
+def prefill_text(spec: ModelSpec, work: Workload, est: Estimate) -> str:
+    """The job's line, prefill included (hrm/schedule_cost.py): the two step schedules."""
+    st = schedule_throughput(spec, work, est)
+    return (
+        f"with prefill  {st.mixed:,.1f} generated tokens/s in mixed steps, {st.alternating:,.1f} alternating "
+        f"({st.mixed_vs_alternating:.2f}x): a long job, continuous admission, {st.prompt_tokens_per_step:,.0f} "
+        "prompt tokens a step"
+    )
 
 
 def kv_text(work: Workload, est: Estimate, kv: HostKV) -> str:
