@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.stop_string_job import stop_string_job
+from moe_lightning.benchmark import scrape
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.config.stack import StackConfig
 from moe_lightning.demo_model import write_demo_model
@@ -33,24 +33,6 @@ from moe_lightning.spec import ModelSpec
 
 MAX_NEW = 256
 STOPS = [".", "q", "!", "x"]  # on the tiny demo model at temperature 1: ~100 tokens on average, ~10% reach 256
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    return float(m[1]) if m else 0.0
-
-
-def job(rows: int) -> list[Prompt]:
-    return [
-        Prompt(
-            token_ids=[1, *(3 + (i * 31 + j * 7) % 500 for j in range(8 + i % 24))],
-            max_new_tokens=MAX_NEW,
-            temperature=1.0,
-            seed=i,
-            stop=STOPS,
-        )
-        for i in range(rows)
-    ]
 
 
 def run_one(model: Path, admission: str, kv_dtype: str, kv_bytes: int, rows: list[Prompt], logs: Path) -> dict:
@@ -72,19 +54,19 @@ def run_one(model: Path, admission: str, kv_dtype: str, kv_bytes: int, rows: lis
             t0 = time.perf_counter()
             done = c.batch_generate_all(rows, chunk_size=256)
             wall = time.perf_counter() - t0
-        text = urllib.request.urlopen(stack.endpoints()["orchestrator"]["metrics"], timeout=10).read().decode()
+        seen = scrape(stack.endpoints()["orchestrator"]["metrics"])
     finally:
         stack.stop()
     tokens = sum(len(d.token_ids) for d in done)
-    steps = metric(text, "moe_lightning_decode_batch_size_count")
+    steps = seen.get("moe_lightning_decode_batch_size_count", 0.0)
     return {
         "kv_admission": admission,
         "kv_dtype": kv_dtype,
         "kv_cache_tokens": meta.kv_cache_tokens,
-        "mean_sequences_in_flight": metric(text, "moe_lightning_decode_batch_size_sum") / steps if steps else 0.0,
+        "mean_sequences_in_flight": seen.get("moe_lightning_decode_batch_size_sum", 0.0) / steps if steps else 0.0,
         "decode_steps": int(steps),
-        "preemptions": int(metric(text, "moe_lightning_preemptions_total")),
-        "recomputed_tokens": int(metric(text, "moe_lightning_recomputed_tokens_total")),
+        "preemptions": int(seen.get("moe_lightning_preemptions_total", 0.0)),
+        "recomputed_tokens": int(seen.get("moe_lightning_recomputed_tokens_total", 0.0)),
         "generated_tokens": tokens,
         "mean_completion_tokens": tokens / len(done),
         "wall_s": wall,
@@ -104,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kv-by-need-") as tmp:
         model = args.model or write_demo_model(Path(tmp) / "tiny", "tiny", seed=0, progress=False)
         spec = ModelSpec.from_pretrained(model)
-        rows = job(args.rows)
+        rows = stop_string_job(args.rows, lambda i: 8 + i % 24, MAX_NEW, STOPS)
         longest = statistics.mean(len(r.token_ids or ()) for r in rows) + MAX_NEW
         kv_bytes = int(args.kv_sequences * longest) * bytes_per_token(
             "float32", spec.num_layers, spec.num_kv_heads, spec.head_dim

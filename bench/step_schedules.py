@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from bench.stop_string_job import stop_string_job
+from moe_lightning.benchmark import scrape
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.config.stack import StackConfig
 from moe_lightning.config.units import parse_rate
@@ -36,25 +36,6 @@ from reference import device_budget
 
 MAX_NEW = 64
 STOPS = [".", "q", "!", "x", "j"]  # on the tiny demo model at temperature 1: ~30 tokens on average
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
-    return float(m[1]) if m else 0.0
-
-
-def job(rows: int) -> list[Prompt]:
-    # MT-Bench-like prompt lengths, 8..72 tokens
-    return [
-        Prompt(
-            token_ids=[1, *(3 + (i * 31 + j * 7) % 500 for j in range(8 + (i * 13) % 64))],
-            max_new_tokens=MAX_NEW,
-            temperature=1.0,
-            seed=i,
-            stop=STOPS,
-        )
-        for i in range(rows)
-    ]
 
 
 def run_one(model: Path, schedule: str, link: float, batch: int, rows: list[Prompt], logs: Path) -> dict:
@@ -79,17 +60,19 @@ def run_one(model: Path, schedule: str, link: float, batch: int, rows: list[Prom
             t0 = time.perf_counter()
             done = c.batch_generate_all(rows, chunk_size=256)
             wall = time.perf_counter() - t0
-        text = urllib.request.urlopen(stack.endpoints()["orchestrator"]["metrics"], timeout=10).read().decode()
+        seen = scrape(stack.endpoints()["orchestrator"]["metrics"])
     finally:
         stack.stop()
     tokens = sum(len(d.token_ids) for d in done)
-    steps = {k: metric(text, f'moe_lightning_step_seconds_count{{kind="{k}"}}') for k in ("prefill", "decode", "mixed")}
-    decode_steps = metric(text, "moe_lightning_decode_batch_size_count")
+    steps = {
+        k: seen.get(f'moe_lightning_step_seconds_count{{kind="{k}"}}', 0.0) for k in ("prefill", "decode", "mixed")
+    }
+    decode_steps = seen.get("moe_lightning_decode_batch_size_count", 0.0)
     return {
         "step_schedule": schedule,
         "steps": {k: int(v) for k, v in steps.items()},
         "weight_passes_per_generated_token": sum(steps.values()) / tokens,
-        "mean_decode_batch": metric(text, "moe_lightning_decode_batch_size_sum") / decode_steps if decode_steps else 0,
+        "mean_decode_batch": seen.get("moe_lightning_decode_batch_size_sum", 0.0) / decode_steps if decode_steps else 0,
         "generated_tokens": tokens,
         "wall_s": wall,
         "tokens_per_second": tokens / wall,
@@ -107,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="step-schedules-") as tmp:
         model = write_demo_model(Path(tmp) / "tiny", "tiny", seed=0, progress=False)
-        rows = job(args.rows)
+        rows = stop_string_job(args.rows, lambda i: 8 + (i * 13) % 64, MAX_NEW, STOPS)
         runs = [
             run_one(model, s, 0.0 if args.resident else args.link_bandwidth, args.max_batch_size, rows, Path(tmp))
             for s in ("alternating", "mixed")
