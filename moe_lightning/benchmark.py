@@ -199,6 +199,7 @@ def policy_that_ran(policy: dict[str, str], resident_experts: float, sequences: 
         policy.get("attention", "cpu"),
         policy.get("experts", "gpu"),
         int(resident_experts),
+        expert_groups=int(policy.get("expert_groups") or 0),
     )
 
 

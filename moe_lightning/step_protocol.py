@@ -35,6 +35,9 @@ class StepPlan:
     # (gpu_expert forwards the list to cpu_attention with the step's first hand-off)
     release: list[int] = field(default_factory=list)
     placement: Placement = field(default_factory=Placement)
+    # groups of micro-batches whose layer FFN runs at once, each expert read once a group (0: once per
+    # micro-batch; docs/cgopipe-and-benchmarks.md "Experts once per group")
+    expert_groups: int = 0
 
     @property
     def num_sequences(self) -> int:

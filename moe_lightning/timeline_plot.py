@@ -11,6 +11,7 @@ from moe_lightning.timeline import Event
 COLORS = {
     "pre_attention": "tab:green",
     "post_attention": "tab:olive",
+    "group_experts": "tab:orange",  # a group's FFN, once for its micro-batches (--expert-groups)
     "attention": "tab:blue",
     "expert_copy": "tab:red",
     "head": "tab:gray",
@@ -47,6 +48,8 @@ def plot_timeline(events: list[Event], out: Path | IO[bytes], title: str, layers
         ax.broken_barh([(start, width)], (lane - 0.4, 0.8), color=COLORS.get(e.stage, "tab:purple"), alpha=0.85)
         if width > (t1 - t0) / 1e6 / 60:  # label boxes wide enough to read
             label = f"L{e.layer}" + (f" m{e.micro_batch}" if e.micro_batch >= 0 else "")
+            if e.stage == "group_experts":  # recorded at the group's first micro-batch
+                label = f"L{e.layer} group m{e.micro_batch}+"
             ax.text(start + width / 2, lane, label, ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(LANES)), LANES)
     ax.set_xlabel("ms")

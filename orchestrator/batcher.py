@@ -55,6 +55,7 @@ class SchedulerConfig:
     kv_admission: str = KV_ADMISSIONS[0]  # need or reserve: see the module docstring
     step_schedule: str = STEP_SCHEDULES[0]  # mixed or alternating: see the module docstring
     prefill_budget: int = 0  # prompt tokens a mixed step takes on (0: max_prefill_tokens); the planner's
+    expert_groups: int = 0  # groups of micro-batches whose layer FFN runs at once (0: per micro-batch); the planner's
 
 
 @dataclass(slots=True, eq=False)  # identity: thousands are looked up per step
@@ -400,4 +401,4 @@ class Batcher:
 
     def _plan(self, mbs: list[list[SequenceWork]], kind: StepKind) -> StepPlan:
         release, self._release_next = self._release_next, []
-        return StepPlan(next(self._step_ids), mbs, kind, release, self.placement)
+        return StepPlan(next(self._step_ids), mbs, kind, release, self.placement, self.config.expert_groups)

@@ -46,6 +46,9 @@ DECODE_BATCH = Histogram(
 # --micro-batch-size; and the queue's bound (--max-queue), past which requests get RESOURCE_EXHAUSTED.
 BATCH_IN_FORCE = Gauge("moe_lightning_max_batch_size", "Largest running batch in force (sequences)")
 MICRO_BATCH_IN_FORCE = Gauge("moe_lightning_micro_batch_size", "Micro-batch size in force (sequences)")
+EXPERT_GROUPS_IN_FORCE = Gauge(
+    "moe_lightning_expert_groups", "Groups of micro-batches whose layer FFN runs at once (0: once per micro-batch)"
+)
 MAX_QUEUE = Gauge("moe_lightning_max_queue_requests", "Requests that may wait before RESOURCE_EXHAUSTED (--max-queue)")
 # The public API's calls in their handlers, and its bound (--max-concurrent-rpcs): one more is refused at
 # once, RESOURCE_EXHAUSTED, counted here by reason as well as in moe_lightning_rpc_handled_total
@@ -74,6 +77,7 @@ def publish_config(config: SchedulerConfig) -> None:
     BATCH_IN_FORCE.set(config.max_batch_size)
     MICRO_BATCH_IN_FORCE.set(config.micro_batch_size or config.max_batch_size)  # 0: one micro-batch, the whole batch
     MAX_QUEUE.set(config.max_queue)
+    EXPERT_GROUPS_IN_FORCE.set(config.expert_groups)
 
 
 def observe_step(decodes: int, wall: float, timings: StepTimings) -> None:

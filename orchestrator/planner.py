@@ -24,10 +24,12 @@ from dataclasses import dataclass, replace
 import structlog
 from prometheus_client import Counter, Gauge, Info
 
+from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.layercost import EXPECTED_USE, NO_QUANT, Workload, check_kv_rule, kv_sequences
 from moe_lightning.hrm.optimizer import optimize
+from moe_lightning.hrm.schedule_cost import schedule_throughput
 from moe_lightning.hrm.stage_accuracy import measured_per_layer, predicted_per_layer
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -36,6 +38,11 @@ from moe_lightning.step_protocol import StepKind, StepTimings
 PREDICTED = Gauge("moe_lightning_stage_predicted_seconds", "HRM-predicted time per layer of a decode step", ["stage"])
 MEASURED = Gauge("moe_lightning_stage_measured_seconds", "Measured time per layer of a decode step (EWMA)", ["stage"])
 PREDICTED_TPS = Gauge("moe_lightning_predicted_decode_tokens_per_second", "HRM throughput of the current policy")
+PREDICTED_IN_FORCE = Gauge(
+    "moe_lightning_predicted_generated_tokens_per_second",
+    "HRM generated tokens/s of a long job, prefill included, at the batch, micro-batch and expert groups in force",
+    ["step_schedule"],
+)
 REPLANS = Counter("moe_lightning_replans_total", "Re-plans, by reason", ["reason"])
 POLICY = Info("moe_lightning_policy", "The policy in force")
 THRESHOLD = Gauge(
@@ -74,6 +81,7 @@ class Planner:
         quant: QuantScheme = NO_QUANT,
         kv_rule: str = EXPECTED_USE,
         kv_block_size: int = 1,
+        expert_groups: tuple[int, ...] = EXPERT_GROUP_CHOICES,
     ) -> None:
         """`attention` / `experts`: the placements the running services support (and the operator
         allows); `kv_tokens` is the attention service's cache, `device_kv_tokens` gpu_expert's;
@@ -81,7 +89,8 @@ class Planner:
         format of the expert pages the weight store serves (default: the model dtype). `kv_rule`:
         "expected" for the batcher's kv_admission "need", "max" for "reserve"
         (layercost.KV_RULE_FOR_ADMISSION); `kv_block_size`: the caches' tokens per block (a sequence
-        leaves its last block half empty on average)."""
+        leaves its last block half empty on average). `expert_groups`: the schedules of a layer's experts
+        the search may pick (hrm/costmodel.py Policy.expert_groups: 0 per micro-batch, g groups)."""
         self.spec = spec
         self.profile = profile
         self.workload = workload
@@ -95,6 +104,7 @@ class Planner:
         self.kv_tokens = {"cpu": kv_tokens, "gpu": device_kv_tokens}
         self.attention = attention
         self.experts = experts
+        self.expert_groups = expert_groups
         self.resident_experts = resident_experts  # what gpu_expert holds, when known
         self.max_micro_batch = max_micro_batch  # what one hand-off carries (decode: a token per sequence)
         self.config = config or PlannerConfig()
@@ -102,6 +112,7 @@ class Planner:
         self.fixed_batch: int | None = None  # set by the operator's flags: the policy does not override
         self.fixed_micro_batch: int | None = None
         self.fixed_prefill_budget: int | None = None  # --prefill-budget
+        self.fixed_expert_groups: int | None = None  # --expert-groups
         self.log = structlog.get_logger()
         self._lock = threading.Lock()
         self._measured: dict[str, float] = {}
@@ -123,7 +134,64 @@ class Planner:
         """The sequences the cache attention reads holds for the current workload."""
         return self.sequences_held(self.kv_tokens[self.policy.attention])
 
+    def fix(
+        self,
+        batch: int | None = None,
+        micro_batch: int | None = None,
+        prefill_budget: int | None = None,
+        expert_groups: int | None = None,
+    ) -> None:
+        """The operator's fixed values (None: the policy's). A fixed micro-batch size (and batch) is
+        planned around, so the expert schedule, the prefill budget and the predictions are those of
+        what runs: with mu fixed, grouping the micro-batches' experts can pay where a larger mu would
+        have (docs/hrm.md "Experts once per group")."""
+        self.fixed_batch, self.fixed_micro_batch = batch, micro_batch
+        self.fixed_prefill_budget, self.fixed_expert_groups = prefill_budget, expert_groups
+        if micro_batch:
+            with self._lock:
+                self.estimate = self._optimize()
+                self._publish("the operator's micro-batch size")
+
+    def _fixed_sizes(self) -> dict[str, tuple[int, ...]]:
+        """optimize()'s mus / n_ubs for the operator's fixed sizes (none fixed: the whole search)."""
+        mu = self.fixed_micro_batch
+        if not mu:  # (0: one micro-batch of the whole batch, whatever its size)
+            return {}
+        sizes = {"mus": (mu,)}
+        if self.fixed_batch:
+            sizes["n_ubs"] = (-(-self.fixed_batch // mu),)
+        return sizes
+
     def _optimize(self) -> Estimate:
+        try:
+            return self._optimize_within(self._fixed_sizes())
+        except ValueError:
+            if not self._fixed_sizes():
+                raise
+        # the fixed sizes do not fit the model's estimate of memory (the operator may know the workload
+        # better): the placement of a free plan, at the sizes that will run
+        free = self._optimize_within({})
+        self.log.warning("fixed_sizes_above_the_plan", batch=self.fixed_batch, micro_batch=self.fixed_micro_batch)
+        if not (self.fixed_batch and self.fixed_micro_batch):
+            return free
+        mu = self.fixed_micro_batch
+        sized = replace(free.policy, batch=-(-self.fixed_batch // mu) * mu, micro_batch_size=mu)
+        estimates = [self._estimate(replace(sized, expert_groups=g)) for g in self.expert_groups]
+        return max(estimates, key=lambda e: e.tokens_per_second)  # the first of the fastest
+
+    def _estimate(self, policy: Policy) -> Estimate:
+        return estimate(
+            self.spec,
+            self.workload,
+            self.profile,
+            policy,
+            self.dtype,
+            kv_dtype=self.kv_dtype,
+            quant=self.quant,
+            kv_rule=self.kv_rule,
+        )
+
+    def _optimize_within(self, sizes: dict[str, tuple[int, ...]]) -> Estimate:
         best: Estimate | None = None
         self.alternatives: dict[str, float] = {}  # "attention/experts" -> best predicted tokens/s
         for att in self.attention:
@@ -144,6 +212,8 @@ class Planner:
                     kv_dtype=self.kv_dtype,
                     quant=self.quant,
                     kv_rule=self.kv_rule,
+                    expert_groups=self.expert_groups,
+                    **sizes,  # type: ignore[arg-type]
                 )
                 self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
                 if best is None or est.tokens_per_second > best.tokens_per_second:
@@ -166,6 +236,7 @@ class Planner:
                 "attention": p.attention,
                 "experts": p.experts,
                 "resident_experts": str(p.resident_experts),
+                "expert_groups": str(p.expert_groups),
                 "reason": reason,
             }
         )
@@ -181,12 +252,24 @@ class Planner:
             "replanned",
             reason=reason,
             **detail,
-            old_policy=f"N={old.policy.batch} mu={old.policy.micro_batch_size}",
-            new_policy=f"N={self.policy.batch} mu={self.policy.micro_batch_size}",
+            old_policy=f"N={old.policy.batch} mu={old.policy.micro_batch_size} groups={old.policy.expert_groups}",
+            new_policy=f"N={self.policy.batch} mu={self.policy.micro_batch_size} groups={self.policy.expert_groups}",
             old_tokens_per_second=round(old.tokens_per_second, 2),
             new_tokens_per_second=round(self.estimate.tokens_per_second, 2),
         )
         return self.policy if self.policy != old.policy else None
+
+    def publish_in_force(self, batch: int, micro_batch: int, expert_groups: int) -> None:
+        """The HRM's generated tokens/s of a long job at what runs (the operator's fixed values
+        included), under both step schedules (hrm/schedule_cost.py): beside the measured rate."""
+        mu = micro_batch or batch
+        n_ub = -(-batch // mu)
+        with self._lock:
+            policy = replace(self.policy, batch=n_ub * mu, micro_batch_size=mu, expert_groups=expert_groups)
+            est = self._estimate(policy)
+            predicted = schedule_throughput(self.spec, self.workload, est)
+        PREDICTED_IN_FORCE.labels("mixed").set(predicted.mixed)
+        PREDICTED_IN_FORCE.labels("alternating").set(predicted.alternating)
 
     # ---- observations --------------------------------------------------------------------------
     def observe_request(self, prompt_len: int, max_new_tokens: int) -> Policy | None:
@@ -221,17 +304,7 @@ class Planner:
         n_ub = -(-batch // micro_batch)  # the last micro-batch may be partial: model it as full
         with self._lock:
             p = self.policy
-            policy = Policy(n_ub * micro_batch, micro_batch, p.attention, p.experts, p.resident_experts)
-            est = estimate(
-                self.spec,
-                self.workload,
-                self.profile,
-                policy,
-                self.dtype,
-                kv_dtype=self.kv_dtype,
-                quant=self.quant,
-                kv_rule=self.kv_rule,
-            )
+            est = self._estimate(replace(p, batch=n_ub * micro_batch, micro_batch_size=micro_batch))
             predicted = predicted_per_layer(est)
             for stage in measured:
                 prev = self._measured.get(stage, measured[stage])

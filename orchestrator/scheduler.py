@@ -290,7 +290,11 @@ class Scheduler:
             self.config.micro_batch_size = policy.micro_batch_size
         if self.planner.fixed_prefill_budget is None:
             self.config.prefill_budget = prefill_budget(self.planner.estimate, self.config.max_prefill_tokens)
+        if self.planner.fixed_expert_groups is None:
+            self.config.expert_groups = policy.expert_groups
         metrics.publish_config(self.config)
+        c = self.config
+        self.planner.publish_in_force(c.max_batch_size, c.micro_batch_size, c.expert_groups)
         # attention placement never changes: its KV lives there
         self.batcher.placement = Placement(self.batcher.placement.attention, policy.experts)
 

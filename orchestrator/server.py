@@ -10,6 +10,7 @@ from typing import Any
 
 from moe_lightning.api.generation.v1 import generation_pb2_grpc
 from moe_lightning.chat_template import ChatTemplate
+from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.config.flag import EnvDefaultsParser
 from moe_lightning.config.orchestrator import OrchestratorConfig
 from moe_lightning.hrm.layercost import KV_RULE_FOR_ADMISSION, MTBENCH_PROMPT_LEN, MTBENCH_PROMPT_STD, Workload
@@ -132,9 +133,9 @@ def _start(
         kv_dtype=capacity.kv_dtype,
         kv_rule=KV_RULE_FOR_ADMISSION[config.kv_admission],
         kv_block_size=capacity.block_size,
+        expert_groups=EXPERT_GROUP_CHOICES if config.expert_groups is None else (config.expert_groups,),
     )
-    planner.fixed_batch, planner.fixed_micro_batch = config.max_batch_size, config.micro_batch_size
-    planner.fixed_prefill_budget = config.prefill_budget
+    planner.fix(config.max_batch_size, config.micro_batch_size, config.prefill_budget, config.expert_groups)
     pages.planner = planner
     policy = planner.policy
     kv = capacity.kv_cache(policy.attention)  # the cache attention reads: its KV lives there for good
@@ -148,6 +149,7 @@ def _start(
         config.prefill_budget
         if config.prefill_budget is not None
         else prefill_budget(planner.estimate, config.max_prefill_tokens),
+        config.expert_groups if config.expert_groups is not None else policy.expert_groups,
     )
     log.info(
         "planned",
@@ -167,8 +169,10 @@ def _start(
         kv_admission=config.kv_admission,
         step_schedule=config.step_schedule,
         prefill_budget=schedule.prefill_budget,
+        expert_groups=schedule.expert_groups,
         kv_cache_sequences=planner.kv_cache_sequences,  # of the expected workload, by the admission's rule
     )
+    planner.publish_in_force(schedule.max_batch_size, schedule.micro_batch_size, schedule.expert_groups)
     scheduler = Scheduler(
         backend.spec, backend, tokenizer, kv, schedule, None if config.no_replan else planner, policy.placement
     )

@@ -152,6 +152,19 @@ def test_batch_size_prefill_budget_and_balanced_decode_micro_batches() -> None:
     assert max(contexts) - min(contexts) <= 6  # balanced by attended context, not by count
 
 
+def test_every_plan_carries_the_expert_groups_in_force() -> None:
+    """The planner's (or the operator's) schedule of a layer's experts reaches gpu_expert with each step,
+    and a re-plan's takes effect at the next step."""
+    b, backend = _batcher(micro_batch_size=2, expert_groups=2), FakeBackend()
+    for _ in range(6):
+        _add(b, 3, 4)
+    plan, _ = _step(b, backend)
+    assert plan.expert_groups == 2
+    b.config.expert_groups = 0
+    plan, _ = _step(b, backend)
+    assert plan.kind is StepKind.DECODE and len(plan.micro_batches) == 3 and plan.expert_groups == 0
+
+
 def test_queue_limit_and_reset() -> None:
     b = _batcher(max_queue=2)
     _add(b, 1, 1)

@@ -38,6 +38,7 @@ def test_bench_runs_ours_and_both_baselines(tiny_model: Path, tmp_path: Path) ->
             "2",
             "--device-memory",  # streams: the resident and copy reference runs join in
             str(device_budget(tiny_model, spec.num_experts)),
+            "--skip-alternating",  # (d) runs in the link test below
             "--json-out",
             str(out),
             "--trace",
@@ -121,4 +122,7 @@ def test_bench_behind_a_simulated_link_reports_the_hrms_layer_error(tiny_model: 
     link = spec.num_experts * 3 * 64 * 128 * 4 / 10e6  # a layer's pages over the link (+ the memcpy's share)
     assert link <= copy["predicted"] < 1.1 * link
     assert res["ratios"]["(b) overlap off"] > 0 and res["ratios"]["(b) overlap off, decode"] > 1.0
+    # (d): the paper's alternating steps at the same placement and micro-batch, named in the ratios
+    assert res["alternating"]["generated_tokens_per_second"] > 0 and res["ratios"]["(d) alternating steps"] > 0
+    assert "(d) alternating steps" in r.stdout
     assert "HRM layer time, measured / predicted - 1: ours" in r.stdout and "behind a simulated" in r.stdout

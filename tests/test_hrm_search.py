@@ -9,6 +9,7 @@ import itertools
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import pytest
 from host_profile import HOST, SPEC
 from hrm_reference import best_resident as reference_best_resident
@@ -107,6 +108,7 @@ CONTEXTS = [  # (spec, work, hw, dtype, kv_dtype, quant): where the cost model b
     (SPEC, Workload(64, 32), with_simulated_link(HOST, 3e8), "float32", None, INT8),
 ]
 POINTS = [(n_ub * mu, mu) for mu in (1, 3, 32, 256) for n_ub in (1, 2, 7, 40)]
+GROUPS = np.array([0, 2, 3, 5, 40, 1], dtype=np.int64)  # Policy.expert_groups: 7 x mu in 2 or 3 is fractional
 PLACES = [(a, e, r_c) for a in (False, True) for e in (False, True) for r_c in ((0.0, 0.5, 1.0) if a else (0.0,))]
 
 
@@ -121,14 +123,14 @@ def test_grid_cost_is_estimate_to_the_bit(context: tuple[Any, ...]) -> None:
     spec, work, hw, dtype, kv_dtype, quant = context
     model = CostModel(spec, work, hw, dtype, Headroom(), kv_dtype, quant)
     g = make_grid(POINTS, [(a, e) for a, e, r_c in PLACES if r_c == 0.0])
+    g = g._replace(groups=np.resize(GROUPS, len(g.n)))  # every count of groups against every point, in turn
     total = spec.total_experts
     for j in sorted({0, 1, total // 3, total - 1, total}):
         cost = g.cost(model, j)
         for i in range(len(g.n)):
             n, mu, att, exp, r_c = int(g.n[i]), int(g.mu[i]), bool(g.att_gpu[i]), bool(g.exp_gpu[i]), float(g.r_c[i])
-            est = estimate(
-                spec, work, hw, Policy(n, mu, _side(att), _side(exp), j, r_c), dtype, Headroom(), kv_dtype, quant
-            )
+            policy = Policy(n, mu, _side(att), _side(exp), j, r_c, int(g.groups[i]))
+            est = estimate(spec, work, hw, policy, dtype, Headroom(), kv_dtype, quant)
             want = (
                 est.tokens_per_second,
                 est.layer_seconds,
@@ -137,7 +139,7 @@ def test_grid_cost_is_estimate_to_the_bit(context: tuple[Any, ...]) -> None:
                 est.cpu_bytes,
             )
             got = (cost.tokens, cost.layer, cost.gpu, cost.cpu, cost.link, cost.gpu_bytes, cost.cpu_bytes)
-            assert tuple(float(v[i]) for v in got) == want, (n, mu, att, exp, j, r_c)
+            assert tuple(float(v[i]) for v in got) == want, (n, mu, att, exp, j, r_c, policy.expert_groups)
     assert (model.gpu_capacity, model.cpu_capacity) == (est.gpu_capacity, est.cpu_capacity)
 
 
@@ -149,10 +151,11 @@ def test_best_resident_is_the_reference_count(context: tuple[Any, ...]) -> None:
     for scale in (1.0, 0.3, 4.0):  # device memory binding on the resident count, or not
         box = hw.scaled(gpu_memory=scale)
         g = make_grid(POINTS, [(a, e) for a, e, r_c in PLACES if r_c == 0.0])
+        g = g._replace(groups=np.resize(GROUPS, len(g.n)))
         tokens, counts = best_resident(CostModel(spec, work, box, dtype, Headroom(), kv_dtype, quant), g)
         for i in range(len(g.n)):
             n, mu, att, exp, r_c = int(g.n[i]), int(g.mu[i]), bool(g.att_gpu[i]), bool(g.exp_gpu[i]), float(g.r_c[i])
-            base = Policy(n, mu, _side(att), _side(exp), 0, r_c)
+            base = Policy(n, mu, _side(att), _side(exp), 0, r_c, int(g.groups[i]))
             ref = reference_best_resident(spec, work, box, base, dtype, Headroom(), kv_dtype, quant)
             got = (float(tokens[i]), int(counts[i])) if tokens[i] > float("-inf") else None
             assert got == (None if ref is None else (ref.tokens_per_second, ref.policy.resident_experts)), (i, scale)

@@ -35,7 +35,17 @@ from services.gpu_expert.pager import ExpertPager
 from services.gpu_expert.residency import plan_residency
 from services.gpu_expert.routing import EXPORT_EVERY
 from services.gpu_expert.runner import ExpertRunner
-from services.gpu_expert.schedule import RECEIVE, SEND, cgopipe_order, sequential_order
+from services.gpu_expert.schedule import (
+    COLLECT,
+    GROUP_FFN,
+    RECEIVE,
+    SEND,
+    capped_groups,
+    cgopipe_order,
+    group_bounds,
+    grouped_order,
+    sequential_order,
+)
 
 
 @pytest.mark.parametrize(("layers", "n_ub", "window"), [(1, 1, 1), (3, 5, 2), (4, 16, 4), (2, 3, 8), (8, 20, 20)])
@@ -66,6 +76,56 @@ def test_with_a_full_window_a_result_is_followed_by_the_next_layers_send() -> No
             assert (b.kind, b.layer, b.micro_batch) == (SEND, a.layer + 1, a.micro_batch)
     baseline = list(sequential_order(2, 3))
     assert [o.kind for o in baseline] == [SEND, RECEIVE] * 6
+
+
+@pytest.mark.parametrize(
+    ("layers", "n_ub", "window", "groups"), [(1, 1, 1, 1), (3, 5, 2, 2), (4, 16, 4, 2), (2, 3, 8, 1), (5, 7, 7, 3)]
+)
+def test_the_grouped_order_runs_each_groups_ffn_before_its_next_layer(
+    layers: int, n_ub: int, window: int, groups: int
+) -> None:
+    ops = list(grouped_order(layers, n_ub, window, group_bounds(n_ub, groups)))
+    flat = [divmod(i, n_ub) for i in range(layers * n_ub)]
+    assert [(o.layer, o.micro_batch) for o in ops if o.kind == SEND] == flat  # both channels stay FIFO
+    assert [(o.layer, o.micro_batch) for o in ops if o.kind == COLLECT] == flat
+    bounds = group_bounds(n_ub, groups)
+    assert [(o.micro_batch, o.count) for o in ops if o.kind == GROUP_FFN] == bounds * layers
+    outstanding, collected, ffn_done = 0, set(), set()
+    for o in ops:
+        if o.kind == SEND:
+            group = next(g for g, (first, count) in enumerate(bounds) if first <= o.micro_batch < first + count)
+            assert o.layer == 0 or (o.layer - 1, group) in ffn_done  # its input is the group's FFN output
+            outstanding += 1
+            assert outstanding <= min(window, n_ub)
+        elif o.kind == COLLECT:
+            outstanding -= 1
+            collected.add((o.layer, o.micro_batch))
+        else:  # a group's FFN runs once all its micro-batches came back
+            assert all((o.layer, m) in collected for m in range(o.micro_batch, o.micro_batch + o.count))
+            ffn_done.add((o.layer, bounds.index((o.micro_batch, o.count))))
+    assert outstanding == 0
+
+
+def test_two_groups_ping_pong_the_host_attends_one_while_the_device_runs_the_others_experts() -> None:
+    """With a full window: after group A's FFN at layer l its next layer is sent while group B's
+    attention of layer l is still out, so the host attends B as the device runs A's experts."""
+    ops = list(grouped_order(3, 4, 4, group_bounds(4, 2)))
+    ffn_a = ops.index(next(o for o in ops if o.kind == GROUP_FFN and o.layer == 0 and o.micro_batch == 0))
+    after = ops[ffn_a + 1 : ffn_a + 3]
+    assert [(o.kind, o.layer, o.micro_batch) for o in after] == [(SEND, 1, 0), (SEND, 1, 1)]
+    # group B's layer-0 results are still to come then
+    assert [(o.kind, o.layer, o.micro_batch) for o in ops[ffn_a + 3 : ffn_a + 5]] == [(COLLECT, 0, 2), (COLLECT, 0, 3)]
+    assert group_bounds(5, 2) == [(0, 3), (3, 2)]
+    assert group_bounds(3, 0) == group_bounds(3, 3) == group_bounds(3, 7) == [(0, 1), (1, 1), (2, 1)]
+
+
+def test_a_groups_rows_stay_within_what_the_memory_reserve_holds() -> None:
+    """A group's FFN works on all its rows at once, and the device kept activations back for one
+    micro-batch of --max-tokens-per-handoff: a group that would pass it is split, in order."""
+    assert capped_groups([4] * 8, 2, 8192) == [(0, 4), (4, 4)]
+    assert capped_groups([4] * 8, 2, 10) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert capped_groups([4, 9000, 4, 4], 1, 8192) == [(0, 1), (1, 1), (2, 2)]  # one too big goes alone
+    assert capped_groups([4] * 8, 0, 8192) is None and capped_groups([4] * 3, 2, 4) is None  # per micro-batch
 
 
 def test_the_window_is_bounded_by_both_channels_and_the_micro_batches() -> None:
@@ -124,12 +184,15 @@ def _syncs() -> float:
     return REGISTRY.get_sample_value("moe_lightning_cuda_syncs_total", {"kind": "decode"}) or 0.0
 
 
-def _plan(step: int, works: list[SequenceWork], n_ub: int) -> StepPlan:
+def _plan(step: int, works: list[SequenceWork], n_ub: int, expert_groups: int = 0) -> StepPlan:
     kind = StepKind.PREFILL if works[0].sampling is not None else StepKind.DECODE  # a first step carries sampling
-    return StepPlan(step, [works[m::n_ub] for m in range(n_ub)], kind)
+    return StepPlan(step, [works[m::n_ub] for m in range(n_ub)], kind, expert_groups=expert_groups)
 
 
-def test_twelve_micro_batches_through_two_slot_channels_are_exact(pair: ExpertRunner, model: tuple) -> None:
+@pytest.mark.parametrize("expert_groups", [0, 2, 5], ids=["per-micro-batch", "2-groups", "5-groups"])
+def test_twelve_micro_batches_through_two_slot_channels_are_exact(
+    pair: ExpertRunner, model: tuple, expert_groups: int
+) -> None:
     spec, arena, layout = model
     weights = weights_from_arena(arena, layout, spec)
     g = torch.Generator().manual_seed(1)
@@ -138,12 +201,13 @@ def test_twelve_micro_batches_through_two_slot_channels_are_exact(pair: ExpertRu
     want, _ = InProcessEngine(spec, weights, block_size=4).generate(
         [GenerationRequest(p, max_new_tokens=steps, ignore_eos=True) for p in prompts]
     )
-    out = pair.step(_plan(1, [SequenceWork(i, p, 0, SamplingParams()) for i, p in enumerate(prompts)], 12))
+    first = [SequenceWork(i, p, 0, SamplingParams()) for i, p in enumerate(prompts)]
+    out = pair.step(_plan(1, first, 12, expert_groups))
     syncs_before = _syncs()
     tokens = {i: [t] for i, t in zip(out.seq_ids, out.token_ids, strict=True)}
     for step in range(2, steps + 1):
         works = [SequenceWork(i, [tokens[i][-1]], len(p) + len(tokens[i]) - 1) for i, p in enumerate(prompts)]
-        out = pair.step(_plan(step, works, 12))
+        out = pair.step(_plan(step, works, 12, expert_groups))
         for i, t in zip(out.seq_ids, out.token_ids, strict=True):
             tokens[i].append(t)
         assert out.timings.attention_wait > 0 and out.timings.post_attention > 0

@@ -51,3 +51,30 @@ def test_workload_drift_replans() -> None:
         changed = p.observe_request(1000, 500) or changed
     assert p.workload.prompt_len > 500 and p.workload.gen_len > 250
     assert changed is not None and changed.batch < first.batch  # longer contexts: fewer fit in the cache
+
+
+def test_a_fixed_micro_batch_is_planned_around_and_its_experts_grouped_where_that_pays() -> None:
+    """--micro-batch-size 672 on a T4 with a fast link (Mixtral 8x7B): per micro-batch the device re-reads
+    every expert 3+ times a layer, so the planner's search, held to that size, groups them; the fixed
+    --expert-groups 0 keeps them per micro-batch, and the prediction at what is in force is published."""
+    from prometheus_client import REGISTRY
+
+    from moe_lightning.hrm.archs import ARCHS
+    from moe_lightning.hrm.hardware import PRESETS
+
+    mixtral, fast_link = ARCHS["mixtral-8x7b"], PRESETS["t4"].scaled(h2d_bandwidth=8, d2h_bandwidth=8)
+    work = Workload(77, 32, 63)
+    free = Planner(mixtral, fast_link, work, "float16", kv_tokens=10**7, expert_groups=(0, 2))
+    held = Planner(mixtral, fast_link, work, "float16", kv_tokens=10**7, expert_groups=(0, 2))
+    held.fix(batch=2016, micro_batch=672)
+    assert free.policy.micro_batch_size != 672  # free to grow mu, the planner need not group
+    assert (held.policy.batch, held.policy.micro_batch_size, held.policy.expert_groups) == (2016, 672, 2)
+    per_micro_batch = Planner(mixtral, fast_link, work, "float16", kv_tokens=10**7, expert_groups=(0,))
+    per_micro_batch.fix(batch=2016, micro_batch=672, expert_groups=0)
+    assert per_micro_batch.policy.expert_groups == 0
+    assert held.estimate.tokens_per_second > 1.15 * per_micro_batch.estimate.tokens_per_second
+    held.publish_in_force(2016, 672, 2)
+    gauge = "moe_lightning_predicted_generated_tokens_per_second"
+    mixed = REGISTRY.get_sample_value(gauge, {"step_schedule": "mixed"})
+    alternating = REGISTRY.get_sample_value(gauge, {"step_schedule": "alternating"})
+    assert mixed is not None and alternating is not None and mixed >= alternating > 0

@@ -43,10 +43,13 @@ def metrics(stack: Stack) -> str:
         return r.read().decode()
 
 
-# two ranks streamed and resident, three streamed (a slice of every width, each rank's own slots)
-@pytest.mark.parametrize(("world", "experts"), [(2, "streamed"), (2, "resident"), (3, "streamed")])
+# two ranks streamed and resident, three streamed (a slice of every width, each rank's own slots); two
+# streamed with a layer's experts once per group of micro-batches (every rank follows the same order)
+@pytest.mark.parametrize(
+    ("world", "experts", "groups"), [(2, "streamed", 0), (2, "resident", 0), (3, "streamed", 0), (2, "streamed", 2)]
+)
 def test_ranks_match_transformers(
-    tp_model: tuple[Path, list], world: int, experts: str, make_stack: Callable[..., Stack]
+    tp_model: tuple[Path, list], world: int, experts: str, groups: int, make_stack: Callable[..., Stack]
 ) -> None:
     model, reference = tp_model
     spec = ModelSpec.from_pretrained(model)
@@ -57,6 +60,7 @@ def test_ranks_match_transformers(
         gpus=world,
         kv_cache_memory="16MiB",
         micro_batch_size=2,
+        expert_groups=groups,
         device_memory=str(budget) if budget else None,
         experts_placement="gpu",
     )

@@ -2,7 +2,10 @@
 
 (a) transformers' generate on the same checkpoint and batch (padding as it needs); (b) our services
 with overlap off (each stage waits for the previous, experts copied when needed); (c) the HRM's
-roofline bound for this machine at the policy that ran. Ratios, not absolute times, are the result.
+roofline bound for this machine at the policy that ran; (d) our services with the paper's alternating
+steps (a step prefills or decodes, never both). Ratios, not absolute times, are the result. One batch,
+all admitted at once, gives mixed steps little to do: bench/step_schedules.py measures them under
+continuous admission (docs/cgopipe-and-benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,9 +49,11 @@ def add_parser(sub: Any, name: str) -> None:
     sizes.add_argument(
         "--micro-batches", type=int, default=None, help="force this many micro-batches (n_ub) for the batch"
     )
+    flags.EXPERT_GROUPS.add_to(p)  # default: the HRM's (every run of the bench alike)
     flags.RESIDENCY_INTERVAL.add_to(p)  # default: gpu_expert's own
     flags.COUNT_SYNCS.add_to(p, default=False)
     p.add_argument("--skip-transformers", action="store_true", help="leave out baseline (a)")
+    p.add_argument("--skip-alternating", action="store_true", help="leave out baseline (d), alternating steps")
     p.add_argument(
         "--skip-overlap-off",
         action="store_true",
@@ -106,6 +111,7 @@ def _ours(
     experts: str | None = None,
     quantize: str = "auto",
     micro_batch: int | None = None,
+    step_schedule: str = "mixed",
 ) -> dict[str, Any]:
     """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory;
     `micro_batch`: fixed for this run (default: --micro-batch-size, else the stack's planner's)."""
@@ -135,6 +141,8 @@ def _ours(
         experts_placement=experts or args.experts_placement,
         quantize=quantize,
         quantize_group_size=args.quantize_group_size,
+        step_schedule=step_schedule,
+        expert_groups=args.expert_groups,
     )
     d = run.delta
     all_steps = sum(
@@ -275,6 +283,15 @@ def run(args: argparse.Namespace) -> int:
             _ours(args, prompts, "s", trace_dir, False, attention=att, experts="gpu")
         )
         rows.append(("(b) overlap off, experts streamed", results["overlap_off_streamed"], "streamed / it", 1.2))
+    if not args.skip_alternating:
+        sys.stderr.write("baseline (d): ours with alternating steps, same placement and micro-batch...\n")
+        att, exp = policy.get("attention"), policy.get("experts")
+        mu_d = args.micro_batch_size or int(policy.get("micro_batch_size") or 0) or None
+        alternating = _ours(
+            args, prompts, "a", trace_dir, attention=att, experts=exp, micro_batch=mu_d, step_schedule="alternating"
+        )
+        results["alternating"] = _public(alternating)
+        rows.append(("(d) alternating steps", results["alternating"], "ours / it", None))
     if not args.skip_transformers:
         sys.stderr.write("baseline (a): transformers generate...\n")
         from moe_lightning.benchmark import transformers_generate

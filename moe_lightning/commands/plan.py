@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from moe_lightning.config import flags
 from moe_lightning.config.checks import resolve_expert_scheme
+from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.config.units import parse_size
 
 if TYPE_CHECKING:
@@ -55,9 +56,11 @@ def add_parser(sub: Any, name: str) -> None:
     p.add_argument(
         "--compare-paper",
         action="store_true",
-        help="T4 and L4 at gen 32/64/128/256: the paper's rule (16-bit KV, maximum context) against ours "
-        "(8-bit KV or --kv-dtype, expected use), predicted decode tokens/s side by side",
+        help="T4 and L4 at gen 32/64/128/256: the paper's rule (16-bit KV, maximum context, alternating steps, "
+        "experts once per micro-batch) against ours (8-bit KV or --kv-dtype, expected use, mixed steps, "
+        "--expert-groups), predicted decode and prefill-inclusive tokens/s side by side",
     )
+    flags.EXPERT_GROUPS.add_to(p, default=None)  # None (auto): the HRM picks among EXPERT_GROUP_CHOICES
     flags.DTYPE.add_to(p, default="auto")
     flags.KV_DTYPE.add_to(p, default="auto")  # it decides how many sequences the host holds
     flags.QUANTIZE.add_to(p, default="auto")
@@ -65,6 +68,11 @@ def add_parser(sub: Any, name: str) -> None:
     flags.COMPARE_QUANTIZE.add_to(p)
     flags.JSON.add_to(p, default=False)  # one JSON object instead of the explanation
     p.add_argument("--plot", type=Path, default=None, help="draw the hierarchical roofline to this PNG")
+
+
+def _groups(args: argparse.Namespace) -> tuple[int, ...]:
+    """The expert-group choices the search may pick: --expert-groups fixed, or auto's."""
+    return EXPERT_GROUP_CHOICES if args.expert_groups is None else (args.expert_groups,)
 
 
 def _dtypes(args: argparse.Namespace, spec: ModelSpec, hw: HardwareProfile) -> tuple[str, str]:
@@ -112,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
     quant = resolve_expert_scheme(spec, args.model, args.quantize, args.quantize_group_size, args.gpus)
     hw = _profile(args, spec, quant)
     dtype, kv_dtype = _dtypes(args, spec, hw)
-    est = optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant, kv_rule=args.kv_rule)
+    est = optimize(
+        spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant, kv_rule=args.kv_rule, expert_groups=_groups(args)
+    )
     kv = host_kv(spec, work, hw, dtype, kv_dtype, quant=quant, kv_rule=args.kv_rule)
     if args.plot is not None:
         from moe_lightning.hrm.plot import plot_roofline
@@ -136,7 +146,10 @@ def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workloa
         quant = resolve_expert_scheme(spec, None, fmt, args.quantize_group_size, args.gpus)
         hw = _profile(args, spec, quant)
         dtype, kv_dtype = _dtypes(args, spec, hw)
-        plans.append((quant, hw, optimize(spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant, kv_rule=args.kv_rule)))
+        est = optimize(
+            spec, work, hw, dtype, kv_dtype=kv_dtype, quant=quant, kv_rule=args.kv_rule, expert_groups=_groups(args)
+        )
+        plans.append((quant, hw, est))
     if args.json:
         out = {"model": name, "plans": [plan_to_dict(name, spec, work, hw, est) for _, hw, est in plans]}
         sys.stdout.write(json.dumps(out) + "\n")
@@ -167,12 +180,15 @@ PAPER_KV_FORMAT = "int8"  # ours: 8-bit KV (with its scales, kv_format.py)
 
 
 def _compare_paper(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workload) -> int:
-    """The paper's rule (KV in the 16-bit weights' dtype, every sequence at its maximum context) and ours
-    (8-bit KV, expected use): the best plan of each, per machine and generation length."""
+    """The paper's schedule (KV in the 16-bit weights' dtype, every sequence at its maximum context,
+    alternating steps, experts once per micro-batch) and ours (8-bit KV, expected use, mixed steps,
+    expert groups as --expert-groups): the best plan of each, per machine and generation length, by
+    predicted decode tokens/s and by generated tokens over the whole job's time (hrm/schedule_cost.py)."""
     from dataclasses import replace
 
     from moe_lightning.hrm.layercost import EXPECTED_USE, MAX_CONTEXT
     from moe_lightning.hrm.optimizer import optimize
+    from moe_lightning.hrm.schedule_cost import schedule_throughput
 
     quant = resolve_expert_scheme(spec, args.model, args.quantize, args.quantize_group_size, args.gpus)
     rows = []
@@ -182,9 +198,13 @@ def _compare_paper(args: argparse.Namespace, spec: ModelSpec, name: str, work: W
         ours_kv = PAPER_KV_FORMAT if args.kv_dtype == "auto" else args.kv_dtype
         for gen in PAPER_GEN_LENS:
             w = replace(work, gen_len=gen)
-            paper = optimize(spec, w, hw, dtype, kv_dtype=dtype, quant=quant, kv_rule=MAX_CONTEXT)
-            ours = optimize(spec, w, hw, dtype, kv_dtype=ours_kv, quant=quant, kv_rule=EXPECTED_USE)
-            rows.append((hw, gen, paper, ours))
+            paper = optimize(spec, w, hw, dtype, kv_dtype=dtype, quant=quant, kv_rule=MAX_CONTEXT, expert_groups=(0,))
+            ours = optimize(
+                spec, w, hw, dtype, kv_dtype=ours_kv, quant=quant, kv_rule=EXPECTED_USE, expert_groups=_groups(args)
+            )
+            paper_job = schedule_throughput(spec, w, paper).alternating  # the paper's metric, its schedule
+            ours_job = schedule_throughput(spec, w, ours).mixed
+            rows.append((hw, gen, paper, ours, paper_job, ours_job))
     if args.json:
         out = {
             "model": name,
@@ -199,36 +219,46 @@ def _compare_paper(args: argparse.Namespace, spec: ModelSpec, name: str, work: W
                         "kv_rule": paper.kv_rule,
                         "batch_size": paper.policy.batch,
                         "micro_batch_size": paper.policy.micro_batch_size,
+                        "expert_groups": paper.policy.expert_groups,
+                        "step_schedule": "alternating",
                         "predicted_decode_tokens_per_second": paper.tokens_per_second,
+                        "with_prefill_tokens_per_second": paper_job,
                     },
                     "ours": {
                         "kv_format": ours.kv_format,
                         "kv_rule": ours.kv_rule,
                         "batch_size": ours.policy.batch,
                         "micro_batch_size": ours.policy.micro_batch_size,
+                        "expert_groups": ours.policy.expert_groups,
+                        "step_schedule": "mixed",
                         "predicted_decode_tokens_per_second": ours.tokens_per_second,
+                        "with_prefill_tokens_per_second": ours_job,
                     },
                     "ratio": ours.tokens_per_second / paper.tokens_per_second,
+                    "ratio_with_prefill": ours_job / paper_job,
                 }
-                for hw, gen, paper, ours in rows
+                for hw, gen, paper, ours, paper_job, ours_job in rows
             ],
         }
         sys.stdout.write(json.dumps(out) + "\n")
         return 0
     paper_kv, ours_kv = rows[0][2].kv_format, rows[0][3].kv_format
     lines = [
-        f"{name}: prompts {work.prompt_len:g} +- {work.prompt_std:g} tokens; predicted decode tokens/s",
-        f"paper: KV in {paper_kv} at the maximum context (s + n); ours: KV in {ours_kv} by expected use "
-        "(s + n/2 plus headroom)",
-        f"{'GPU':<10} {'gen':>4}  {'paper N = n_ub x mu':>20} {'tok/s':>7}  {'ours N = n_ub x mu':>20} "
-        f"{'tok/s':>7} {'ratio':>6}",
+        f"{name}: prompts {work.prompt_len:g} +- {work.prompt_std:g} tokens; predicted decode tokens/s (tok/s) and "
+        "generated tokens over a long job's time, prefill included (job/s)",
+        f"paper: KV in {paper_kv} at the maximum context (s + n), alternating steps, experts once per micro-batch; "
+        f"ours: KV in {ours_kv} by expected use (s + n/2 plus headroom), mixed steps, expert groups g as planned",
+        f"{'GPU':<10} {'gen':>4}  {'paper N = n_ub x mu':>20} {'tok/s':>7} {'job/s':>7}  "
+        f"{'ours N = n_ub x mu':>20} {'g':>2} {'tok/s':>7} {'job/s':>7} {'ratio':>6} {'job':>6}",
     ]
-    for hw, gen, paper, ours in rows:
+    for hw, gen, paper, ours, paper_job, ours_job in rows:
         pp, op = paper.policy, ours.policy
         lines.append(
             f"{hw.name:<10} {gen:>4}  {f'{pp.batch} = {pp.num_micro_batches} x {pp.micro_batch_size}':>20} "
-            f"{paper.tokens_per_second:7.1f}  {f'{op.batch} = {op.num_micro_batches} x {op.micro_batch_size}':>20} "
-            f"{ours.tokens_per_second:7.1f} {ours.tokens_per_second / paper.tokens_per_second:5.2f}x"
+            f"{paper.tokens_per_second:7.1f} {paper_job:7.1f}  "
+            f"{f'{op.batch} = {op.num_micro_batches} x {op.micro_batch_size}':>20} {op.expert_groups:>2} "
+            f"{ours.tokens_per_second:7.1f} {ours_job:7.1f} {ours.tokens_per_second / paper.tokens_per_second:5.2f}x "
+            f"{ours_job / paper_job:5.2f}x"
         )
     sys.stdout.write("\n".join(lines) + "\n")
     return 0

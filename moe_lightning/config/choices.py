@@ -20,6 +20,9 @@ KV_DTYPE_CHOICES = (AUTO, *DTYPE_NAMES, "int8")
 KV_ADMISSIONS = ("need", "reserve")
 # what one step runs (orchestrator/batcher.py): decodes and prefill chunks together, or one or the other
 STEP_SCHEDULES = ("mixed", "alternating")
+# a layer's expert FFNs once per micro-batch (0) or once per group of them (2: two groups ping-ponging):
+# what the HRM picks among when --expert-groups is auto (services/gpu_expert/schedule.py)
+EXPERT_GROUP_CHOICES = (0, 2)
 
 # the expert pages' format (docs/quantization.md)
 QUANTIZE_FORMATS = ("none", "int8", "int4")

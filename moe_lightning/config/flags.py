@@ -16,6 +16,7 @@ from moe_lightning.config.units import (
     non_negative_int,
     parse_device,
     parse_device_memory,
+    parse_expert_groups,
     parse_formats,
     parse_rate,
     parse_size,
@@ -104,6 +105,13 @@ PREFILL_BUDGET = Flag(
     "prompt tokens a mixed step takes on beside its decodes (default: the HRM's, the most a link-bound step carries "
     "for free; at most --max-prefill-tokens)",
     type=positive_int,
+)
+EXPERT_GROUPS = Flag(
+    "--expert-groups",
+    "how many groups of micro-batches run a layer's experts together, each expert read once per group: 0 once "
+    "per micro-batch (CGOPipe's order), 2 two groups ping-ponging (host attention of one beside the device's "
+    "experts of the other); auto: the HRM picks where it pays (docs/cgopipe-and-benchmarks.md)",
+    type=parse_expert_groups,
 )
 KV_ADMISSION = Flag(
     "--kv-admission",

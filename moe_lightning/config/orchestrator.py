@@ -98,6 +98,7 @@ class OrchestratorConfig(ServiceConfig):
     kv_admission: str = option(flags.KV_ADMISSION, KV_ADMISSIONS[0])
     step_schedule: str = option(flags.STEP_SCHEDULE, STEP_SCHEDULES[0])
     prefill_budget: int | None = option(flags.PREFILL_BUDGET)  # None: the HRM's (hrm/prefill_budget.py)
+    expert_groups: int | None = option(flags.EXPERT_GROUPS)  # None: the HRM picks (0: per micro-batch)
     rpc_threads: int = option(RPC_THREADS, 8)
     drain_seconds: float = option(DRAIN_SECONDS, 30.0)
     stream_interval: int = option(flags.STREAM_INTERVAL, 1)

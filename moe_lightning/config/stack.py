@@ -59,6 +59,7 @@ class StackConfig(CliConfig):
     kv_admission: str = option(flags.KV_ADMISSION, KV_ADMISSIONS[0])
     step_schedule: str = option(flags.STEP_SCHEDULE, STEP_SCHEDULES[0])
     prefill_budget: int | None = option(flags.PREFILL_BUDGET)  # None: the HRM's (hrm/prefill_budget.py)
+    expert_groups: int | None = option(flags.EXPERT_GROUPS)  # None: the HRM picks (0: per micro-batch)
     kv_dtype: str = option(flags.KV_DTYPE, "auto")
     dtype: str = option(flags.DTYPE, "auto")
     quantize: str = option(flags.QUANTIZE, "auto")
@@ -182,6 +183,7 @@ def _orchestrator(c: StackConfig, w: Wiring) -> tuple[type[OrchestratorConfig], 
         kv_admission=c.kv_admission,
         step_schedule=c.step_schedule,
         prefill_budget=c.prefill_budget,
+        expert_groups=c.expert_groups,
         attention_placement=c.attention_placement,
         experts_placement=c.experts_placement,
         chat_template=c.chat_template,

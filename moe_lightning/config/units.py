@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moe_lightning.config.choices import DEVICE_TYPES, QUANTIZE_FORMATS
+from moe_lightning.config.choices import AUTO, DEVICE_TYPES, QUANTIZE_FORMATS
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {
@@ -134,6 +134,18 @@ def at_least(least: int) -> Callable[[str], int]:
 
 positive_int = at_least(1)
 non_negative_int = at_least(0)
+
+
+def parse_expert_groups(text: str | int) -> int | None:
+    """--expert-groups: 'auto' -> None (the HRM picks), else a whole number >= 0 (0: once per micro-batch)."""
+    if str(text).strip().lower() == AUTO:
+        return None
+    try:
+        return non_negative_int(str(text))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be auto or a whole number of 0 or more (0: once per micro-batch), got {text!r}"
+        ) from None
 
 
 def positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:

@@ -5,6 +5,7 @@ hrm/layercost.py's.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 from moe_lightning.hrm.hardware import HardwareProfile
@@ -22,6 +23,9 @@ class Policy:
     experts: Side = Side.DEVICE  # where non-resident expert FFNs run
     resident_experts: int = 0  # (layer, expert) pages kept on the device, of L * E (r_w = this / (L * E))
     kv_gpu_fraction: float = 0.0  # r_c: share of the KV cache on the device (attention on GPU)
+    # groups of micro-batches whose layer FFN runs at once, each touched expert read once a group
+    # (services/gpu_expert/schedule.py group_bounds); 0: once per micro-batch, CGOPipe's own order
+    expert_groups: int = 0
 
     def __post_init__(self) -> None:
         if self.batch < 1 or self.micro_batch_size < 1 or self.batch % self.micro_batch_size:
@@ -34,10 +38,20 @@ class Policy:
         object.__setattr__(self, "experts", Side(self.experts))
         if not 0.0 <= self.kv_gpu_fraction <= 1.0 or self.resident_experts < 0:
             raise ValueError("kv_gpu_fraction in [0, 1], resident_experts >= 0")
+        groups = self.expert_groups
+        if isinstance(groups, bool) or not isinstance(groups, numbers.Integral) or groups < 0:
+            raise ValueError(f"expert_groups must be a whole number >= 0 (0: once per micro-batch), got {groups!r}")
+        object.__setattr__(self, "expert_groups", int(groups))  # a numpy count too, compared as an int
 
     @property
     def num_micro_batches(self) -> int:
         return self.batch // self.micro_batch_size
+
+    @property
+    def effective_expert_groups(self) -> int:
+        """How many FFN passes a layer makes: n_ub once per micro-batch (0, or n_ub groups or more)."""
+        n_ub = self.num_micro_batches
+        return min(self.expert_groups, n_ub) if self.expert_groups else n_ub
 
     @property
     def placement(self) -> Placement:
@@ -86,8 +100,9 @@ def estimate(
     cache's format (cpu_attention's --kv-dtype, int8 included; default the weights'); `quant`: the
     expert pages' format. `overlap=False`: the overlap-off baseline schedule (gpu_expert --no-overlap:
     every stage waits for the one before, a layer's experts copied when it starts), where the
-    resources' times add up. `kv_rule`: "expected" (KV taken as sequences grow) or "max" (reserved at
-    the maximum context, the paper's rule), what the batch's KV costs in memory (layercost.kv_tokens).
+    resources' times add up and the policy's expert_groups do not apply. `kv_rule`: "expected" (KV
+    taken as sequences grow) or "max" (reserved at the maximum context, the paper's rule), what the
+    batch's KV costs in memory (layercost.kv_tokens).
     Raises ValueError for a dtype that is not resolved ('auto')."""
     model = CostModel(spec, work, hw, dtype, headroom, kv_dtype, quant, kv_rule)
     cost = model.layer(
@@ -98,6 +113,7 @@ def estimate(
         policy.resident_experts,
         policy.kv_gpu_fraction,
         overlap,
+        policy.expert_groups,
     )
     # scalars in, Python numbers out (layercost.py): the policy's stages only
     seconds: dict[str, float] = {}

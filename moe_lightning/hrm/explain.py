@@ -98,6 +98,7 @@ def plan_to_dict(
             "resident_experts": p.resident_experts,
             "resident_fraction": p.resident_experts / spec.total_experts,
             "kv_gpu_fraction": p.kv_gpu_fraction,
+            "expert_groups": p.expert_groups,  # 0: once per micro-batch (Policy.expert_groups)
         },
         "expert_pages": {
             "format": est.quant.format.value,
@@ -128,6 +129,19 @@ def plan_to_dict(
     return out
 
 
+def expert_schedule(est: Estimate) -> str:
+    """How often a layer runs its experts: "once per micro-batch" or "once per group, 2 groups of 6-7
+    micro-batches", with how many times the device reads each expert it touches."""
+    p = est.policy
+    n_ub, g = p.num_micro_batches, p.effective_expert_groups
+    reads = f"each touched expert read {g} time{'s' if g > 1 else ''} a layer"
+    if g >= n_ub:
+        return f"once per micro-batch ({reads})"
+    size, extra = divmod(n_ub, g)  # services/gpu_expert/schedule.py group_bounds: the first `extra` one longer
+    sizes = f"{size}-{size + 1}" if extra else f"{size}"
+    return f"once per group, {g} group{'s' if g > 1 else ''} of {sizes} micro-batches ({reads}, not {n_ub})"
+
+
 def link_text(spec: ModelSpec, est: Estimate) -> str:
     if not est.link_bytes:
         return "none: host and device are one memory"
@@ -150,6 +164,7 @@ def explain(
         f"{p.attention}, experts on {p.experts}; {p.resident_experts} of {spec.total_experts} "
         f"expert pages resident on the device"
         + (f"; {p.kv_gpu_fraction:.0%} of the KV cache on the device" if p.attention == "gpu" else ""),
+        f"schedule   experts {expert_schedule(est)}",
         f"experts    pages in {page_format(est)}: {est.page_bytes / 1e6:,.1f} MB each"
         + (f"; expert GEMM by {', '.join(sorted(set(est.kernels.values())))}" if est.quant.quantized else ""),
         f"link       {link_text(spec, est)}",

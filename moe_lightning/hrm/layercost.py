@@ -2,12 +2,20 @@
 
 Each resource has a roofline: time = max(flops / peak, bytes / bandwidth); data that crosses the
 host-device link pays bytes / link bandwidth. With CGOPipe overlapping the three resources, a layer
-takes as long as its slowest resource plus the pipeline fill (one micro-batch's share of the other
-compute resource); throughput is N / (L * that). When the "device" is the host itself (a CPU-only
-run) nothing overlaps: the device and host times add and there is no link.
+takes as long as its slowest resource plus the pipeline fill (one group's share of the other compute
+resource); throughput is N / (L * that). When the "device" is the host itself (a CPU-only run)
+nothing overlaps: the device and host times add and there is no link.
 
 Symbols (docs/design.md): h1 hidden, h2 expert intermediate, E experts, k top-k, nh/nkv heads, d head
-dim, s prompt length, n generation length, b bytes per weight, N batch, mu micro-batch, n_ub = N / mu.
+dim, s prompt length, n generation length, b bytes per weight, N batch, mu micro-batch, n_ub = N / mu,
+g groups of micro-batches whose expert FFN runs at once (`groups`: 0, or n_ub and more, is one FFN a
+micro-batch, CGOPipe's own order; services/gpu_expert/schedule.py group_bounds).
+
+Grouped experts: the device reads each expert a group touches once a group, g E(1 - (1 - k/E)^(N/g))
+experts a layer instead of n_ub E(1 - (1 - k/E)^mu), and the group's FFN holds the activations of its
+ceil(n_ub / g) micro-batches. The price is overlap: attention of one group hides behind the experts
+of another, so the fill is one group's share, (gpu + cpu - max(gpu, cpu)) / g. The overlap-off
+baseline does not group (g = n_ub).
 
 Expert pages may be quantized (`quant`, a QuantScheme): a page then holds its weights at
 `quant.bytes_per_weight` (scales and zeros included) while the dense weights stay in the model dtype.
@@ -42,10 +50,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
-from moe_lightning.config.choices import DTYPE_NAMES
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.kernels import KernelRoof, expert_kernels
-from moe_lightning.kv_format import KV_FORMATS, VALUE_BYTES, bytes_per_head_token
+from moe_lightning.hrm.sizes import DTYPE_BYTES as DTYPE_BYTES
+from moe_lightning.hrm.sizes import NO_QUANT as NO_QUANT
+from moe_lightning.hrm.sizes import (
+    distinct_experts,
+    dtype_bytes,
+    kv_token_bytes,
+    page_bytes_per_weight,
+    sparse_share,
+    weight_bytes,
+)
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 
@@ -97,8 +113,6 @@ KV_RULES = (EXPECTED_USE, MAX_CONTEXT)  # kv_rule's values; the first is the def
 KV_RULE_FOR_ADMISSION = {"need": EXPECTED_USE, "reserve": MAX_CONTEXT}
 
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}  # keyed by config/choices.py DTYPE_NAMES
-NO_QUANT = QuantScheme()  # expert pages in the model dtype
 Values = float | np.ndarray  # one policy's number, or a grid's
 
 
@@ -116,21 +130,6 @@ class _Ops(NamedTuple):
 
 SCALARS = _Ops(max, min, math.ceil, lambda c, x, y: x if c else y, operator.not_, operator.getitem, math.sqrt)
 ARRAYS = _Ops(np.maximum, np.minimum, np.ceil, np.where, np.logical_not, lambda v, i: np.asarray(v)[i], np.sqrt)
-
-
-def dtype_bytes(name: str, what: str = "dtype") -> int:
-    """Bytes per element of a resolved dtype. 'auto' is the commands' to resolve (by device) before
-    planning: the model cannot guess it, so it says so instead of failing on a lookup."""
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"the HRM needs a resolved {what}, one of {', '.join(DTYPE_NAMES)}; got {name!r}")
-    return DTYPE_BYTES[name]
-
-
-def kv_token_bytes(spec: ModelSpec, kv_format: str) -> int:
-    """K and V of one token in one layer in a KV format (kv_format.py: an int8 cache adds its scales)."""
-    if kv_format not in VALUE_BYTES:
-        raise ValueError(f"the HRM needs a resolved kv_dtype, one of {', '.join(KV_FORMATS)}; got {kv_format!r}")
-    return 2 * spec.num_kv_heads * bytes_per_head_token(kv_format, spec.head_dim)
 
 
 def check_kv_rule(kv_rule: str) -> str:
@@ -184,40 +183,6 @@ def kv_sequences(
         return int(min(cap, tokens // work.max_context))
     guess = int(tokens // work.max_context)  # the reservation rule's N: near, and usually below
     return largest_fitting(lambda n: kv_tokens(n, work, kv_rule, headroom) <= tokens, cap, guess)
-
-
-def distinct_experts(tokens: float, spec: ModelSpec) -> float:
-    """Expected experts touched by `tokens` tokens routing uniformly to top-k of E."""
-    e, k = spec.num_experts, spec.top_k
-    return e * (1.0 - (1.0 - k / e) ** tokens)
-
-
-def sparse_share(spec: ModelSpec) -> float:
-    """The share of layers with experts; the rest (Qwen-MoE's dense layers) run one dense MLP. The
-    model is per layer, so per-layer expert and MLP work is this share's average over all layers."""
-    return spec.num_sparse_layers / spec.num_layers
-
-
-def page_bytes_per_weight(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> float:
-    """Average bytes per weight of an expert page: w13 (2I, D) has D inputs per row, w2 (D, I) has I."""
-    h1, h2 = spec.hidden_size, spec.intermediate_size
-    return (2 * quant.bytes_per_weight(h1, b) + quant.bytes_per_weight(h2, b)) / 3
-
-
-def weight_bytes(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> dict[str, float]:
-    h1, h2, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
-    pb = page_bytes_per_weight(spec, b, quant)
-    attn = h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
-    f = sparse_share(spec)
-    # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device; so
-    # does a dense layer's MLP
-    ffn_dense = f * (e * h1 + 3 * h1 * spec.shared_expert_size) + (1 - f) * 3 * h1 * spec.dense_intermediate_size
-    return {
-        "expert": 3 * h1 * h2 * pb,  # one expert page
-        "layer_experts": 3 * h1 * h2 * e * pb,  # W_l of a sparse layer
-        "layer_dense": (attn + 2 * h1 + ffn_dense) * b,  # averaged over the layers
-        "embed_head": spec.vocab_size * h1 * b * (1 if spec.tie_word_embeddings else 2) + h1 * b,
-    }
 
 
 class Stage(NamedTuple):
@@ -296,11 +261,13 @@ class CostModel:
         self.cpu_capacity = headroom.cpu * hw.cpu_memory
 
     def _distinct(self, tokens: Values) -> Values:
-        """distinct_experts() per element, its power by Python's (see the module's docstring)."""
+        """distinct_experts() per element, its power by Python's (see the module's docstring). Tokens
+        per group, N / g, need not be whole, so a grid's are floats: Python's power of float(t) is its
+        power of int(t) for a whole t, so they agree with the scalar policy's int mu as well."""
         if not isinstance(tokens, np.ndarray):
             return distinct_experts(tokens, self.spec)
         values, inverse = np.unique(tokens, return_inverse=True)
-        touched = np.array([distinct_experts(int(t), self.spec) for t in values.ravel()])
+        touched = np.array([distinct_experts(float(t), self.spec) for t in values.ravel()])
         return touched[inverse].reshape(np.shape(tokens))
 
     def layer(
@@ -312,25 +279,47 @@ class CostModel:
         resident: npt.ArrayLike,
         r_c: npt.ArrayLike,
         overlap: bool = True,
+        groups: npt.ArrayLike = 0,
     ) -> LayerCost:
         """N, mu, attention on the device?, experts on the device?, resident pages (of L x E), share of
-        the KV cache on the device: scalars or arrays that broadcast. `overlap=False`: the overlap-off
-        baseline schedule (gpu_expert --no-overlap: every stage waits for the one before, a layer's
-        experts copied when it starts), where the resources' times add up."""
-        if not any(isinstance(v, np.ndarray) for v in (n, mu, att_gpu, exp_gpu, resident, r_c)):
+        the KV cache on the device, groups of micro-batches whose experts run at once (0: once per
+        micro-batch): scalars or arrays that broadcast. `overlap=False`: the overlap-off baseline
+        schedule (gpu_expert --no-overlap: every stage waits for the one before, a layer's experts
+        copied when it starts), where the resources' times add up and nothing is grouped."""
+        policy = (n, mu, att_gpu, exp_gpu, resident, r_c, groups)
+        if not any(isinstance(v, np.ndarray) for v in policy):
             return self._layer(
-                SCALARS, int(n), int(mu), bool(att_gpu), bool(exp_gpu), int(resident), float(r_c), overlap
+                SCALARS,
+                int(n),
+                int(mu),
+                bool(att_gpu),
+                bool(exp_gpu),
+                int(resident),
+                float(r_c),
+                int(groups),
+                overlap,
             )
-        types = (np.int64, np.int64, bool, bool, np.int64, np.float64)
-        args = [np.asarray(v, dtype=t) for v, t in zip((n, mu, att_gpu, exp_gpu, resident, r_c), types, strict=True)]
+        types = (np.int64, np.int64, bool, bool, np.int64, np.float64, np.int64)
+        args = [np.asarray(v, dtype=t) for v, t in zip(policy, types, strict=True)]
         return self._layer(ARRAYS, *args, overlap)
 
     def _layer(
-        self, ops: _Ops, n: Any, mu: Any, att_gpu: Any, exp_gpu: Any, resident: Any, r_c: Any, overlap: bool
+        self,
+        ops: _Ops,
+        n: Any,
+        mu: Any,
+        att_gpu: Any,
+        exp_gpu: Any,
+        resident: Any,
+        r_c: Any,
+        groups: Any,
+        overlap: bool,
     ) -> LayerCost:
         spec, hw, w, b = self.spec, self.hw, self.w, self.b
         shared = hw.shared_host_device
         n_ub = n // mu
+        g = ops.where((groups > 0) & (groups < n_ub), groups, n_ub) if overlap else n_ub
+        group_tokens = ops.where(g < n_ub, n / g, mu)  # one micro-batch's mu where nothing is grouped
         h1, h2, k, q, kv = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.q_size, spec.kv_size
         layers, ctx = spec.num_layers, self.work.avg_context
         f = sparse_share(spec)
@@ -361,7 +350,7 @@ class CostModel:
         chosen: dict[str, Values] = {}  # expert stage -> its kernel's index
         host_roofs = gpu_roofs if shared else cpu_roofs
         for stage, weights, roofs, present, share in (
-            ("gpu_experts", n_ub * self._distinct(mu) * expert_weights, gpu_roofs, on_device, 1 - host_share),
+            ("gpu_experts", g * self._distinct(group_tokens) * expert_weights, gpu_roofs, on_device, 1 - host_share),
             # the host reads each needed expert once a step
             ("cpu_experts", self._distinct(n) * expert_weights, host_roofs, on_host, host_share),
         ):
@@ -399,14 +388,14 @@ class CostModel:
         gpu, cpu, link = totals["gpu"], totals["cpu"], totals["link"]
         # Shared host/device: one set of cores and one memory, so compute never overlaps compute; a
         # simulated link still runs beside it. Otherwise CGOPipe hides the smaller of CPU and GPU work
-        # behind the other only across micro-batches: one micro-batch's share of it stays exposed
-        # (pipeline fill), all of it when n_ub = 1. With overlap off nothing hides anything.
+        # behind the other only across micro-batches (groups of them): one group's share of it stays
+        # exposed (pipeline fill), all of it when g = 1. With overlap off nothing hides anything.
         if not overlap:
             layer = gpu + cpu + link
         elif shared:
             layer = ops.maximum(gpu + cpu, link)
         else:
-            layer = ops.maximum(ops.maximum(gpu, cpu), link) + (gpu + cpu - ops.maximum(gpu, cpu)) / n_ub
+            layer = ops.maximum(ops.maximum(gpu, cpu), link) + (gpu + cpu - ops.maximum(gpu, cpu)) / g
         running = layer > 0
         tokens = ops.where(running, n / ops.where(running, layer * layers, 1.0), math.inf)
 
@@ -414,7 +403,9 @@ class CostModel:
         dense_all = layers * w["layer_dense"] + w["embed_head"]
         held = kv_tokens(n, self.work, self.kv_rule, self.headroom, ops)  # the batch's KV tokens, by the rule
         kv_device = held * self.kv_device_token * layers
-        activations = mu * (4 * h1 + q + 2 * kv + 2 * h2 * k) * 4 + mu * spec.vocab_size * 4
+        # whole numbers, exact in both paths: a group's FFN holds its micro-batches' expert intermediates
+        ffn_tokens = -(-n_ub // g) * mu
+        activations = mu * (4 * h1 + q + 2 * kv) * 4 + ffn_tokens * (2 * h2 * k) * 4 + mu * spec.vocab_size * 4
         # a kernel's per-call copies of the largest expert linear (w13, 2I x D): dequantized or
         # repacked (one call at a time: the largest kernel's, on the side it runs)
         scratch = {

@@ -12,7 +12,11 @@ does (a chunk attends to a shorter prefix: t_cpu / N). Per layer:
 
 So where the link binds and P fits in its slack (hrm/prefill_budget.py), mixed steps cost no more
 than decoding alone, and alternating ones up to a second pass (MoE-Lens, arXiv 2504.09345).
-Not modelled: the pipeline fill of the extra tokens, and prompts' attention cost above.
+Not modelled: the pipeline fill of the extra tokens, and prompts' attention cost above. t_gpu / N
+spreads the device's expert reads (n_ub, or g with Policy.expert_groups, passes over the touched
+experts) over the tokens as if they grew with them; they do not, so where those reads bind the extra
+tokens' device cost is overstated, most for many micro-batches once per micro-batch, and with it what
+grouping saves in a mixed step.
 """
 
 from __future__ import annotations

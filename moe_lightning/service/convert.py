@@ -124,6 +124,7 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
             attention=SIDE_TO_PB[plan.placement.attention], experts=SIDE_TO_PB[plan.placement.experts]
         ),
         kind=STEP_KIND_TO_PB[plan.kind],
+        expert_groups=plan.expert_groups,
     )
 
 
@@ -149,6 +150,7 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
             _enum_from_pb(SIDE_FROM_PB, m.placement.attention, "placement.attention"),
             _enum_from_pb(SIDE_FROM_PB, m.placement.experts, "placement.experts"),
         ),
+        expert_groups=m.expert_groups,
     )
 
 

@@ -26,14 +26,16 @@ comment such as ``(T, H, Hd)`` means the same thing everywhere:
 from moe_lightning.stages.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.stages.head import head_logits
 from moe_lightning.stages.moe import experts_forward, route
-from moe_lightning.stages.post_attention import post_attention
+from moe_lightning.stages.post_attention import attention_output, ffn, post_attention
 from moe_lightning.stages.pre_attention import embed_tokens, pre_attention
 
 __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
+    "attention_output",
     "embed_tokens",
     "experts_forward",
+    "ffn",
     "head_logits",
     "paged_attention",
     "plan_attention",

@@ -1,4 +1,5 @@
-"""Post-attention stage: o_proj, residual, RMSNorm, router, experts (or a dense layer's MLP), residual."""
+"""Post-attention stage: o_proj, residual, RMSNorm (`attention_output`), then router, experts (or a
+dense layer's MLP), residual (`ffn`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,37 @@ def _alone(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def attention_output(
+    spec: ModelSpec, layer: LayerWeights, residual: torch.Tensor, attn_out: torch.Tensor, reduce: Reduce = _alone
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual: (T, D), attn_out: (T, H * Hd) -> (h, the FFN's input norm(h)), both (T, D): the part of
+    the stage that is per token, so that a group of micro-batches can run its FFN once (`ffn`)."""
+    h = residual + reduce(linear(attn_out, layer.wo))  # (T, D)
+    return h, norm(spec, h, layer.ffn_norm)
+
+
+def ffn(
+    spec: ModelSpec,
+    layer: LayerWeights,
+    h: torch.Tensor,
+    x: torch.Tensor,
+    experts: Sequence[ExpertWeights] | None = None,
+    reduce: Reduce = _alone,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h, x: (T, D) from `attention_output` -> (new residual (T, D), tokens per expert (E,)): router,
+    experts (or a dense layer's MLP), residual. Every row is computed on its own, so the rows of several
+    micro-batches may come in one call (gpu_expert's grouped experts: each expert read once for all)."""
+    if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
+        assert layer.mlp is not None
+        return h + reduce(expert_ffn(layer.mlp, x)), torch.empty(0, dtype=torch.long, device=x.device)
+    weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
+    moe, counts = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D), (E,)
+    if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate
+        assert layer.shared_gate is not None
+        moe = moe + torch.sigmoid(linear(x, layer.shared_gate)) * expert_ffn(layer.shared, x)  # (T, D)
+    return h + reduce(moe), counts
+
+
 def post_attention(
     spec: ModelSpec,
     layer: LayerWeights,
@@ -34,14 +66,5 @@ def post_attention(
     On a tensor-parallel rank (moe_lightning/tensor_parallel.py) o_proj and the FFNs give partial
     sums: `reduce` adds them up over the ranks, once after attention and once after the FFNs.
     """
-    h = residual + reduce(linear(attn_out, layer.wo))  # (T, D)
-    x = norm(spec, h, layer.ffn_norm)  # (T, D)
-    if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
-        assert layer.mlp is not None
-        return h + reduce(expert_ffn(layer.mlp, x)), torch.empty(0, dtype=torch.long, device=x.device)
-    weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
-    moe, counts = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D), (E,)
-    if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate
-        assert layer.shared_gate is not None
-        moe = moe + torch.sigmoid(linear(x, layer.shared_gate)) * expert_ffn(layer.shared, x)  # (T, D)
-    return h + reduce(moe), counts
+    h, x = attention_output(spec, layer, residual, attn_out, reduce)
+    return ffn(spec, layer, h, x, experts, reduce)

@@ -18,7 +18,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import paged_attention, plan_attention, write_kv
 from moe_lightning.step_protocol import SequenceWork
 from services.gpu_expert.micro_batch import MicroBatchState
-from services.gpu_expert.schedule import Op, local_steps
+from services.gpu_expert.schedule import Groups, Op, local_grouped_steps, local_steps
 
 
 class DeviceAttention:
@@ -42,7 +42,9 @@ class DeviceAttention:
     def send_release(self, step: int) -> None:
         pass  # finished sequences wait for the next step that hands off
 
-    def order(self, num_layers: int, num_micro_batches: int) -> Iterator[Op]:
+    def order(self, num_layers: int, num_micro_batches: int, groups: Groups | None) -> Iterator[Op]:
+        if groups is not None:
+            return local_grouped_steps(num_layers, num_micro_batches, groups)
         return local_steps(num_layers, num_micro_batches)
 
     def attend(
@@ -79,7 +81,7 @@ class NoDeviceAttention:
     def send_release(self, step: int) -> None:
         pass
 
-    def order(self, num_layers: int, num_micro_batches: int) -> Iterator[Op]:
+    def order(self, num_layers: int, num_micro_batches: int, groups: Groups | None) -> Iterator[Op]:
         raise AssertionError("refused in prepare")
 
     def attend(

@@ -20,6 +20,7 @@ class MicroBatchState:
     hidden: torch.Tensor  # (T, D)
     last_rows: torch.Tensor  # (B,)
     attention: AttentionPlan | None = None  # set when attention runs here, over the device KV cache
+    ffn_input: torch.Tensor | None = None  # (T, D) grouped experts: the FFN's input, waiting for the group
 
     @classmethod
     def embed(cls, mb: list[SequenceWork], embed: torch.Tensor, device: torch.device) -> MicroBatchState:

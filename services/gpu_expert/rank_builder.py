@@ -203,6 +203,7 @@ def build_worker(
         overlap=not config.no_overlap,
         count_syncs=config.count_syncs,
         group=group,  # the shard is the group's (one rank alone: SOLO)
+        max_group_tokens=config.max_tokens_per_handoff,  # what default_budget kept activations back for
     )
     log.info(
         "residency",

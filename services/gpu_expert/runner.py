@@ -30,7 +30,7 @@ from moe_lightning.service.errors import OutOfMemoryError, is_out_of_memory
 from moe_lightning.service.metrics import SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages import post_attention, pre_attention
+from moe_lightning.stages import attention_output, ffn, post_attention, pre_attention
 from moe_lightning.step_protocol import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.tensor_parallel import SOLO, rank_spec
 from moe_lightning.timeline import TimelineRecorder
@@ -46,7 +46,19 @@ from services.gpu_expert.micro_batch import MicroBatchState, check_micro_batch
 from services.gpu_expert.pager import ExpertPager
 from services.gpu_expert.ranks import RankGroup
 from services.gpu_expert.routing import RoutingCounts
-from services.gpu_expert.schedule import ATTEND, BEGIN, END, PREFETCH, RECEIVE, SEND, Op
+from services.gpu_expert.schedule import (
+    ATTEND,
+    ATTEND_COLLECT,
+    BEGIN,
+    COLLECT,
+    END,
+    GROUP_FFN,
+    PREFETCH,
+    RECEIVE,
+    SEND,
+    Op,
+    capped_groups,
+)
 from services.gpu_expert.service_attention import ServiceAttention
 from services.gpu_expert.step_ranks import rank_part
 from services.gpu_expert.sync_count import sync_count_part
@@ -54,6 +66,8 @@ from services.gpu_expert.sync_count import sync_count_part
 STEPS = Counter("moe_lightning_steps_total", "Steps run", ["kind"])
 TOKENS = Counter("moe_lightning_sampled_tokens_total", "Tokens sampled by the head")
 OOMS = Counter("moe_lightning_step_out_of_memory_total", "Steps that ran out of memory")
+# how often the device read a layer's experts: once per micro-batch, or once per group of them
+FFN_PASSES = Counter("moe_lightning_expert_ffn_passes_total", "Layer FFN passes run (a micro-batch's, or a group's)")
 
 AttentionPlace = ServiceAttention | DeviceAttention | NoDeviceAttention
 
@@ -83,16 +97,20 @@ class ExpertRunner:
         overlap: bool = True,
         count_syncs: bool = False,
         group: RankGroup | None = None,
+        max_group_tokens: int = 1 << 62,
     ) -> None:
         """`link`: the hand-off channels to cpu_attention (None on a rank other than 0: rank 0 talks
         to it for the group). `spec` is the whole model; a rank of `group` runs its part
-        (`rank_spec`). `kv`: the device KV cache, for attention placed on the device."""
+        (`rank_spec`). `kv`: the device KV cache, for attention placed on the device.
+        `max_group_tokens`: the most rows a grouped FFN takes at once (the largest micro-batch the
+        device's memory reserve holds activations for, --max-tokens-per-handoff)."""
         # as given, for the service and its tests (Describe, Connect, metrics); a step reads only parts
         self.link, self.pager, self.kv, self.group = link, pager, kv, group
         self.shard = group.shard if group is not None else SOLO
         self.spec = rank_spec(spec, self.shard)
         self.weights = weights
         self.device = device
+        self.max_group_tokens = max_group_tokens
         self.samplers: Samplers = {}
         self.log = structlog.get_logger()
         self.clock = StageClock(device, timeline or TimelineRecorder(None, "gpu_expert"))
@@ -109,12 +127,15 @@ class ExpertRunner:
             Side.HOST: ServiceAttention(self.handoff, overlap),
             Side.DEVICE: self.local,
         }
-        self.stages: dict[str, Callable[[_Step, int, int], None]] = {
+        self.stages: dict[str, Callable[[_Step, Op], None]] = {
             BEGIN: self._begin_layer,
             PREFETCH: self._prefetch,
             SEND: self._send,
             RECEIVE: self._receive,
+            COLLECT: self._receive,
             ATTEND: self._attend_here,
+            ATTEND_COLLECT: self._attend_here,
+            GROUP_FFN: self._group_ffn,
             END: self._end_layer,
         }
 
@@ -177,7 +198,10 @@ class ExpertRunner:
             states, source = self.ranks.together(lambda: self._prepare(plan, place))
             prepared = True  # from here on a failure leaves the ranks out of step
             place.send_release(plan.step_id)
-            self._run(place.order(self.spec.num_layers, len(states)), _Step(plan, states, source, timings))
+            tokens = [len(st.hidden) for st in states]
+            groups = capped_groups(tokens, plan.expert_groups, self.max_group_tokens)
+            order = place.order(self.spec.num_layers, len(states), groups)
+            self._run(order, _Step(plan, states, source, timings))
             works = [w for st in states for w in st.works]
             tokens, logprobs = self.head.sample(states, works)
             # after the sampled tokens reached the host: the step's events have all completed, so the
@@ -212,7 +236,7 @@ class ExpertRunner:
     def _run(self, order: Iterable[Op], s: _Step) -> None:
         """The step's order (schedule.py), op by op: every choice was made when the parts were."""
         for op in order:
-            self.stages[op.kind](s, op.layer, op.micro_batch)
+            self.stages[op.kind](s, op)
 
     def _recover(self) -> None:
         """After a failed step: consume the results still owed, drop prefetched pages and free the
@@ -223,51 +247,73 @@ class ExpertRunner:
             torch.cuda.empty_cache()
 
     # ---- stages ---------------------------------------------------------------------------------
-    def _begin_layer(self, s: _Step, layer_idx: int, _: int) -> None:
-        s.experts = s.source.begin_layer(layer_idx)
+    def _begin_layer(self, s: _Step, op: Op) -> None:
+        s.experts = s.source.begin_layer(op.layer)
 
-    def _prefetch(self, s: _Step, layer_idx: int, page: int) -> None:
-        s.source.prefetch(layer_idx, page, len(s.states))
+    def _prefetch(self, s: _Step, op: Op) -> None:
+        s.source.prefetch(op.layer, op.micro_batch, len(s.states))
 
-    def _end_layer(self, s: _Step, layer_idx: int, _: int) -> None:
-        s.source.end_layer(layer_idx)
+    def _end_layer(self, s: _Step, op: Op) -> None:
+        s.source.end_layer(op.layer)
 
-    def _send(self, s: _Step, layer_idx: int, m: int) -> None:
-        st = s.states[m]
+    def _send(self, s: _Step, op: Op) -> None:
+        st = s.states[op.micro_batch]
         t0 = self.clock.mark()
-        qkv = pre_attention(self.spec, self.weights.layers[layer_idx], st.hidden, st.positions)
-        self.clock.span("pre_attention", "pre_attention", layer_idx, m, t0, self.clock.mark())
-        self.handoff.send(s.plan.step_id, layer_idx, m, qkv, st.works, s.timings)
+        qkv = pre_attention(self.spec, self.weights.layers[op.layer], st.hidden, st.positions)
+        self.clock.span("pre_attention", "pre_attention", op.layer, op.micro_batch, t0, self.clock.mark())
+        self.handoff.send(s.plan.step_id, op.layer, op.micro_batch, qkv, st.works, s.timings)
 
-    def _receive(self, s: _Step, layer_idx: int, m: int) -> None:
-        st = s.states[m]
-        attn = self.handoff.receive(s.plan.step_id, layer_idx, m, st.hidden, s.timings)
+    def _receive(self, s: _Step, op: Op) -> None:
+        """RECEIVE: the whole post-attention; COLLECT: its per-token part, the FFN left to the group."""
+        st = s.states[op.micro_batch]
+        attn = self.handoff.receive(s.plan.step_id, op.layer, op.micro_batch, st.hidden, s.timings)
         t0 = self.clock.mark()
-        self._post_attention(layer_idx, st, attn, s.experts)
-        self.clock.span("post_attention", "post_attention", layer_idx, m, t0, self.clock.mark())
+        self._post_attention(op, st, attn, s.experts)
+        self.clock.span("post_attention", "post_attention", op.layer, op.micro_batch, t0, self.clock.mark())
         self.handoff.done_with_input()
 
-    def _attend_here(self, s: _Step, layer_idx: int, m: int) -> None:
-        st = s.states[m]
+    def _attend_here(self, s: _Step, op: Op) -> None:
+        st = s.states[op.micro_batch]
         t0 = self.clock.mark()
-        q, k, v = pre_attention(self.spec, self.weights.layers[layer_idx], st.hidden, st.positions)
+        q, k, v = pre_attention(self.spec, self.weights.layers[op.layer], st.hidden, st.positions)
         t1 = self.clock.mark()
-        attn = self.local.attend(layer_idx, q, k, v, st)
+        attn = self.local.attend(op.layer, q, k, v, st)
         t2 = self.clock.mark()
-        self._post_attention(layer_idx, st, attn, s.experts)
+        self._post_attention(op, st, attn, s.experts)
         t3 = self.clock.mark()
-        self.clock.span("pre_attention", "pre_attention", layer_idx, m, t0, t1)
-        self.clock.span("device_attention", "attention", layer_idx, m, t1, t2)
-        self.clock.span("post_attention", "post_attention", layer_idx, m, t2, t3)
+        self.clock.span("pre_attention", "pre_attention", op.layer, op.micro_batch, t0, t1)
+        self.clock.span("device_attention", "attention", op.layer, op.micro_batch, t1, t2)
+        self.clock.span("post_attention", "post_attention", op.layer, op.micro_batch, t2, t3)
 
     def _post_attention(
-        self, layer_idx: int, st: MicroBatchState, attn: torch.Tensor, experts: Sequence[ExpertWeights] | None
+        self, op: Op, st: MicroBatchState, attn: torch.Tensor, experts: Sequence[ExpertWeights] | None
     ) -> None:
-        """The stage after attention, wherever attention ran; routing is counted for hot-expert
+        """The stage after attention, wherever attention ran: all of it, or (COLLECT, ATTEND_COLLECT)
+        up to the FFN, whose input waits in the state for the group. Routing is counted for hot-expert
         residency (a dense layer routes nothing)."""
-        layer = self.weights.layers[layer_idx]
+        layer = self.weights.layers[op.layer]
+        if op.kind in (COLLECT, ATTEND_COLLECT):
+            st.hidden, st.ffn_input = attention_output(self.spec, layer, st.hidden, attn, self.ranks.reduce)
+            return
         st.hidden, counts = post_attention(self.spec, layer, st.hidden, attn, experts, self.ranks.reduce)
-        self.routing.add(layer_idx, counts)
+        self.routing.add(op.layer, counts)
+        FFN_PASSES.inc()
+
+    def _group_ffn(self, s: _Step, op: Op) -> None:
+        """A group's FFN over the rows of its micro-batches at once: each expert it routes to is read
+        once for the group (schedule.py)."""
+        group = s.states[op.micro_batch : op.micro_batch + op.count]
+        t0 = self.clock.mark()
+        h = torch.cat([st.hidden for st in group]) if op.count > 1 else group[0].hidden
+        x = torch.cat([st.ffn_input for st in group]) if op.count > 1 else group[0].ffn_input
+        assert x is not None  # set by the group's COLLECTs
+        out, counts = ffn(self.spec, self.weights.layers[op.layer], h, x, s.experts, self.ranks.reduce)
+        for st, rows in zip(group, out.split([len(st.hidden) for st in group]), strict=True):
+            st.hidden, st.ffn_input = rows, None
+        self.routing.add(op.layer, counts)
+        FFN_PASSES.inc()
+        # its own stage on the timeline, at the group's first micro-batch, so the groups can be seen
+        self.clock.span("post_attention", "group_experts", op.layer, op.micro_batch, t0, self.clock.mark())
 
     def rebalance(self) -> None:
         self.hot.rebalance()

@@ -14,13 +14,13 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.step_protocol import SequenceWork
 from services.gpu_expert.handoff_side import Handoff
 from services.gpu_expert.micro_batch import MicroBatchState
-from services.gpu_expert.schedule import Op, cgopipe_steps, sequential_steps
+from services.gpu_expert.schedule import Groups, Op, cgopipe_steps, grouped_steps, sequential_steps
 
 
 class ServiceAttention:
     def __init__(self, handoff: Handoff, overlap: bool) -> None:
         self.handoff = handoff
-        self.order: Callable[[int, int], Iterator[Op]] = self._cgopipe if overlap else sequential_steps
+        self.order: Callable[[int, int, Groups | None], Iterator[Op]] = self._cgopipe if overlap else self._sequential
 
     def check_ready(self) -> None:
         if not self.handoff.connected:
@@ -36,6 +36,15 @@ class ServiceAttention:
         """Ahead of layer 0, which may start new sequences in the freed blocks."""
         self.handoff.send_release(step)
 
-    def _cgopipe(self, num_layers: int, num_micro_batches: int) -> Iterator[Op]:
+    def _cgopipe(self, num_layers: int, num_micro_batches: int, groups: Groups | None) -> Iterator[Op]:
+        """`groups` (schedule.capped_groups of the plan's): None, CGOPipe's own order; else a layer's
+        FFN once per group (schedule.py grouped_order)."""
         window = pipeline_window(num_micro_batches, *self.handoff.slots)
+        if groups is not None:
+            return grouped_steps(num_layers, num_micro_batches, window, groups)
         return cgopipe_steps(num_layers, num_micro_batches, window)
+
+    @staticmethod
+    def _sequential(num_layers: int, num_micro_batches: int, groups: Groups | None) -> Iterator[Op]:
+        """The overlap-off baseline keeps its one order: grouping is a schedule of the overlap."""
+        return sequential_steps(num_layers, num_micro_batches)

@@ -99,18 +99,20 @@ class Placement(_message.Message):
     def __init__(self, attention: _Optional[_Union[Side, str]] = ..., experts: _Optional[_Union[Side, str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "placement", "kind")
+    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "placement", "kind", "expert_groups")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_GROUPS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     micro_batches: _containers.RepeatedCompositeFieldContainer[MicroBatch]
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     placement: Placement
     kind: StepKind
-    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ...) -> None: ...
+    expert_groups: int
+    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ..., expert_groups: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns")
