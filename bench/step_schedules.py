@@ -7,7 +7,7 @@ advance and newcomers arrive every few steps). Per run: weight passes (steps) an
 per second and the HRM's prediction of it (the orchestrator's, at the batch in force), with ratios
 against the alternating run of this same invocation.
 
-    python bench/step_schedules.py [--rows 1024] [--link-bandwidth 20MB/s] [--max-batch-size 64]
+    python bench/step_schedules.py [--rows 1024] [--mtbench] [--link-bandwidth 20MB/s] [--max-batch-size 64]
         [--micro-batch-size 8] [--json-out F]
 
 The tiny demo model (built in a temporary directory), with a device budget of its dense weights and 5
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from bench.stop_string_job import stop_string_job
-from moe_lightning.benchmark import scrape
+from moe_lightning.benchmark import mtbench_lengths, scrape
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.config.stack import StackConfig
 from moe_lightning.config.units import parse_rate
@@ -104,6 +104,9 @@ def run_one(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, default=1024)
+    p.add_argument(
+        "--mtbench", action="store_true", help="prompt lengths as MT-Bench's (mean 77, at most 418), not 9-72 tokens"
+    )
     p.add_argument("--link-bandwidth", type=parse_rate, default=parse_rate("20MB/s"))
     p.add_argument("--resident", action="store_true", help="no link: the whole model on the device (CPU), unstreamed")
     p.add_argument("--max-batch-size", type=int, default=64)
@@ -112,14 +115,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="step-schedules-") as tmp:
         model = write_demo_model(Path(tmp) / "tiny", "tiny", seed=0, progress=False)
-        rows = stop_string_job(args.rows, lambda i: 8 + (i * 13) % 64, MAX_NEW, STOPS)
+        lengths = mtbench_lengths(args.rows) if args.mtbench else [9 + (i * 13) % 64 for i in range(args.rows)]
+        rows = stop_string_job(args.rows, lambda i: lengths[i] - 1, MAX_NEW, STOPS)  # (a BOS before them)
         link = 0.0 if args.resident else args.link_bandwidth
         batch, mu = args.max_batch_size, args.micro_batch_size
         runs = [run_one(model, s, g, link, batch, mu, rows, Path(tmp)) for s, g in RUNS]
     base = runs[0]
     link_text = "none" if args.resident else f"{args.link_bandwidth / 1e6:.0f} MB/s"
+    shape = "MT-Bench lengths" if args.mtbench else "prompts of 9-72 tokens"
     print(
-        f"{args.rows} rows, max_tokens {MAX_NEW}, stop {STOPS}, link {link_text}, "
+        f"{args.rows} rows ({shape}), max_tokens {MAX_NEW}, stop {STOPS}, link {link_text}, "
         f"batch {batch} in micro-batches of {mu}"
     )
     print(
@@ -139,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{base['generated_tokens']} tokens; outputs identical across runs: {same}")
     if args.json_out:
         summary = {"rows": args.rows, "link_bandwidth": args.link_bandwidth, "max_batch_size": batch}
-        summary["micro_batch_size"] = mu
+        summary["micro_batch_size"], summary["mtbench_lengths"] = mu, args.mtbench
         summary["identical_outputs"] = same
         summary["runs"] = [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
         args.json_out.write_text(json.dumps(summary, indent=2) + "\n")
