@@ -30,6 +30,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[eval]' || echo "lm-eval / litellm did not install: their tests skip"
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -111,18 +111,17 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         inputs = _inputs(body, settings, upstream.max_batch_prompts)
-        logprobs = body.logprobs is not None
         rid = responses.new_id("cmpl")
         if body.stream:
             return _stream(upstream, settings, rid, inputs, body, chat=False, top=body.logprobs)
         clock = Clock()
         outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs, body.n)))
         clock.observe()
-        return JSONResponse(responses.completion(rid, settings.model_name, outputs, body.n, logprobs))
+        return JSONResponse(body.response(rid, settings.model_name, outputs))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        inputs = _inputs(body, settings, upstream.max_batch_prompts)
+        inputs = _inputs(body, settings, upstream.max_batch_prompts, upstream.tool_call_format)
         top = (body.top_logprobs or 0) if body.logprobs else None
         rid = responses.new_id("chatcmpl")
         if body.stream:
@@ -131,7 +130,8 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         # a chat is one prompt: its n choices are all its inputs
         outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs, len(inputs))))
         clock.observe()
-        return JSONResponse(responses.chat_completion(rid, settings.model_name, outputs, top))
+        formats = (upstream.tool_call_format, upstream.reasoning_format)
+        return JSONResponse(body.response(rid, settings.model_name, outputs, *formats))
 
     return app
 
@@ -284,13 +284,15 @@ def _unknown_model(name: str, settings: Settings) -> ApiError:
 
 
 def _inputs(
-    body: CompletionRequest | ChatCompletionRequest, settings: Settings, max_inputs: int
+    body: CompletionRequest | ChatCompletionRequest, settings: Settings, max_inputs: int, tool_format: str = ""
 ) -> list[generation_pb2.GenerationInput]:
     """The request's inputs, refused before they are built when no server could take them: prompts
     x n over `max_inputs` (the server's max_batch_prompts), a prompt longer than the model's context."""
     if body.model != settings.model_name:
         raise _unknown_model(body.model, settings)
     try:
+        if isinstance(body, ChatCompletionRequest):
+            return body.inputs(settings.max_model_len, max_inputs, tool_format)
         return body.inputs(settings.max_model_len, max_inputs)
     except UnsupportedField as exc:
         raise bad_request(str(exc), exc.param) from None
@@ -329,6 +331,17 @@ def _stream(
 ) -> EventStream:
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     n = len(inputs) if chat else body.n  # a chat request is one prompt
+    shapes = None
+    if isinstance(body, ChatCompletionRequest):
+        shapes = body.shapes(upstream.tool_call_format, upstream.reasoning_format)
     return EventStream(
-        upstream, inputs, rid=rid, model=settings.model_name, chat=chat, top=top, n=n, include_usage=include_usage
+        upstream,
+        inputs,
+        rid=rid,
+        model=settings.model_name,
+        chat=chat,
+        top=top,
+        n=n,
+        include_usage=include_usage,
+        shapes=shapes,
     )

@@ -10,15 +10,27 @@ field. The same models read the OpenAI Batch files of `moe-lightning run` (comma
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, SkipValidation, field_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from gateway import responses
+from gateway.chat_output import ChatOutput
 from gateway.fields import NOTHING, Body, Fields, UnsupportedField, field_error
+from gateway.structured import GUIDED, request_grammar
+from gateway.tools import NO_FORMAT, check_tool_choice, forcing_grammar, tool_calls_pb, tool_spec_pb, tool_specs
 from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.request import InvalidRequestError
-from moe_lightning.validation import CONTEXT_BOUND, MAX_BATCH_PROMPTS, check_conversation_size, check_text_size
+from moe_lightning.validation import (
+    CONTEXT_BOUND,
+    MAX_BATCH_PROMPTS,
+    check_conversation_size,
+    check_text_size,
+    sampling_params,
+)
 
 MAX_CHOICES = 16  # n: each choice is a request of its own in the batch
 # the protobuf field types (protos/moe_lightning/api/generation/v1/generation.proto)
@@ -36,16 +48,15 @@ class StreamOptions(Fields):
     include_usage: bool = False
 
 
-_TOOLS = "tool and function calling is not implemented"
+_TOOLS = "the completions API takes no tools: send them to /v1/chat/completions"
+_FUNCTIONS = "the deprecated functions API is not implemented: send tools and tool_choice"
 # Known fields of both APIs that this server does not implement (until an issue implements one)
 _REFUSED_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "tools": (_TOOLS, (None, [])),
     "tool_choice": (_TOOLS, (None, "none")),
-    "functions": (_TOOLS, (None, [])),
-    "function_call": (_TOOLS, (None, "none")),
+    "functions": (_FUNCTIONS, (None, [])),
+    "function_call": (_FUNCTIONS, (None, "none")),
     "parallel_tool_calls": (_TOOLS, (None, False, True)),  # without tools it asks nothing either way
-    "response_format": ("structured output (JSON mode, json_schema) is not implemented", (None, {"type": "text"})),
-    "logit_bias": ("biasing tokens is not implemented", (None, {})),
     "audio": ("audio output is not implemented", NOTHING),
     "modalities": ("only text output is implemented", (None, ["text"])),
     "prediction": ("predicted outputs are not implemented", NOTHING),
@@ -54,6 +65,9 @@ _REFUSED_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "verbosity": ("this server's models take no verbosity", NOTHING),
     "moderation": ("moderation of the input and output is not implemented", NOTHING),
 }
+
+# the chat API takes tools (gateway/tools.py)
+_REFUSED_CHAT = {k: v for k, v in _REFUSED_SAMPLING.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
 
 
 class _Sampling(Body):
@@ -82,18 +96,53 @@ class _Sampling(Body):
     seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, allow_inf_nan=False)
+    # the sampling controls: what is allowed is SamplingParams' (checked in refuse_unsupported); these
+    # bounds only keep each value within its protobuf field
+    presence_penalty: float = Field(default=0.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (gateway/structured.py)
     # vLLM's extras
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     ignore_eos: bool = False
+    repetition_penalty: float | None = Field(default=None, ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    stop_token_ids: list[TokenId] | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # (their shapes are gateway/structured.py's to check, with messages of its own)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
 
     def refuse_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise UnsupportedField(name, f"{name} is not supported: leave it 0")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedField("stream_options", "stream_options is only allowed with stream: true")
+        try:  # the one definition (moe_lightning/sampling.py), answered as a 400 naming the field here
+            sampling_params(0.0, 0, 1.0, None, 0, **self._controls())
+        except InvalidRequestError as exc:
+            message = str(exc)
+            raise UnsupportedField(message.split(" ", 1)[0], message) from None
+
+    def _controls(self) -> dict[str, Any]:
+        """The sampling controls as SamplingParams' fields; what they are checked against is its rules."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) > INT32_MAX:
+                raise UnsupportedField("logit_bias", f"logit_bias keys are token ids (0 to {INT32_MAX}), got {key!r}")
+            bias.append((int(key), value))
+        return {
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": tuple(sorted(bias)),
+            "min_tokens": self.min_tokens,
+            "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "prompt_logprobs": self.prompt_logprobs,
+        }
+
+    def grammar(self) -> generation_pb2.Grammar | None:
+        guided = {name: getattr(self, name) for name in GUIDED}
+        return request_grammar(self.response_format, guided)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -101,7 +150,24 @@ class _Sampling(Body):
     def base_input(self, max_tokens: int | None, logprobs: int, choice: int) -> generation_pb2.GenerationInput:
         """The sampling part of one choice's input; choice i of a seeded request gets seed + i (mod
         2^64, the field's range), so the n choices differ and each is reproducible."""
-        m = generation_pb2.GenerationInput(stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=logprobs)
+        controls = self._controls()
+        m = generation_pb2.GenerationInput(
+            stop=self.stops(),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=dict(controls["logit_bias"]),
+            min_tokens=self.min_tokens,
+            stop_token_ids=controls["stop_token_ids"],
+        )
+        if self.repetition_penalty is not None:
+            m.repetition_penalty = self.repetition_penalty
+        if self.prompt_logprobs is not None:
+            m.prompt_logprobs = self.prompt_logprobs
+        grammar = self.grammar()
+        if grammar is not None:
+            m.grammar.CopyFrom(grammar)
         if max_tokens is not None:
             m.max_new_tokens = max_tokens
         if self.temperature is not None:
@@ -126,7 +192,8 @@ def _check_count(prompts: int, n: int, max_inputs: int) -> None:
 
 class CompletionRequest(_Sampling):
     prompt: Annotated[Prompt, SkipValidation]  # _prompt_shape validates it
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)  # OpenAI's default for completions
+    # OpenAI's default for completions; 0 only with echo (scoring a prompt, nothing generated)
+    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -175,6 +242,19 @@ class CompletionRequest(_Sampling):
                     )
         return v
 
+    def response(self, rid: str, model: str, outputs: Sequence[generation_pb2.GenerationOutput]) -> dict[str, Any]:
+        """The text_completion of these outputs (one per choice), shaped as this body asked."""
+        return responses.completion(
+            rid,
+            model,
+            outputs,
+            self.n,
+            self.logprobs is not None,
+            echo=self.echo,
+            scoring=self.max_tokens == 0,
+            prompt_logprobs=self.prompt_logprobs is not None,
+        )
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -193,8 +273,10 @@ class CompletionRequest(_Sampling):
         limit) refuses a prompt no server could take before it is copied into protobuf; None: the
         server checks it; `max_inputs`: prompts x n at most (the server's max_batch_prompts)."""
         self.refuse_unsupported()
-        if self.echo:
-            raise UnsupportedField("echo", "echo is not supported: leave it false")
+        if self.echo and self.stream:
+            raise UnsupportedField("echo", "echo is not supported with stream: true; send stream: false")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedField("max_tokens", "max_tokens 0 generates nothing: it is only allowed with echo: true")
         if self.suffix:
             raise UnsupportedField("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):
@@ -218,7 +300,13 @@ class CompletionRequest(_Sampling):
         out = []
         for prompt in prompts:
             for _ in range(self.n):
-                m = self.base_input(self.max_tokens, self.logprobs or 0, len(out))
+                # max_tokens 0 (scoring): one token is generated, and the response leaves it out
+                max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+                m = self.base_input(max_tokens, self.logprobs or 0, len(out))
+                if self.echo:
+                    m.echo = True
+                    if self.logprobs is not None and self.prompt_logprobs is None:
+                        m.prompt_logprobs = self.logprobs  # the prompt's tokens get logprobs as the output's do
                 if isinstance(prompt, str):
                     m.text = prompt
                 else:
@@ -230,31 +318,48 @@ class CompletionRequest(_Sampling):
 class ChatMessageIn(Fields):
     IGNORED = frozenset({"name"})  # a participant's name: our chat messages carry role and content only
     REFUSED: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
-        "tool_calls": (_TOOLS, (None, [])),
-        "tool_call_id": (_TOOLS, NOTHING),
-        "function_call": (_TOOLS, NOTHING),
+        "function_call": (_FUNCTIONS, NOTHING),
         # what an assistant message of OpenAI's (or vLLM's) carries besides its text, echoed back by
         # clients that append the response's message to the conversation
         "refusal": ("an assistant message's refusal is not implemented", NOTHING),
         "audio": ("audio is not implemented", NOTHING),
         "annotations": ("annotations are not implemented", (None, [])),
-        "reasoning_content": ("reasoning content is not implemented", (None, "")),
     }
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None  # an assistant's (gateway/tools.py checks each)
+    tool_call_id: str | None = None  # a tool result's
+    reasoning_content: str | None = None  # an assistant's, for templates that render it back
 
     @classmethod
     def _refused_first(cls, data: dict[str, Any]) -> list[InitErrorDetails]:
-        # a tool result's own fields (tool_call_id, name) are refused because its role is
+        # the legacy function role's own fields are refused because its role is
         role = data.get("role")
-        if role not in ("tool", "function"):
+        if role != "function":
             return []
-        message = (
-            f"role {role!r} is not supported: tool and function calling is not implemented, so there are no "
-            "tool results to send"
-        )
+        message = "role 'function' is not supported: send tool results as role 'tool' with their tool_call_id"
         return [field_error(("role",), role, "unsupported_role", message)]
+
+    def to_pb(self, text: str, where: str) -> generation_pb2.ChatMessage:
+        m = generation_pb2.ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise UnsupportedField(f"{where}.tool_calls", f"{where}: only an assistant message has tool_calls")
+            m.tool_calls.extend(tool_calls_pb(self.tool_calls, f"{where}.tool_calls"))
+        if self.tool_call_id is not None:
+            if self.role != "tool":
+                raise UnsupportedField(f"{where}.tool_call_id", f"{where}: only a tool message has a tool_call_id")
+            m.tool_call_id = self.tool_call_id
+        elif self.role == "tool":
+            raise UnsupportedField(
+                f"{where}.tool_call_id", f"{where}: a tool message needs the tool_call_id it answers"
+            )
+        if self.reasoning_content:
+            if self.role != "assistant":
+                raise UnsupportedField(f"{where}.reasoning_content", f"{where}: only an assistant message reasons")
+            m.reasoning_content = self.reasoning_content
+        return m
 
     @field_validator("content")
     @classmethod
@@ -271,16 +376,49 @@ class ChatMessageIn(Fields):
 
 
 class ChatCompletionRequest(_Sampling):
+    REFUSED = _REFUSED_CHAT
     messages: list[ChatMessageIn] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    tools: list[Any] | None = None  # OpenAI function tools (gateway/tools.py)
+    tool_choice: Any = None  # none, auto (the default with tools), required, or a named function
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+
+    def shapes(self, tool_format: str, reasoning_format: str) -> list[ChatOutput] | None:
+        """Per choice, how its answer is read into the message (None: as plain text). A grammar (a
+        response_format, or a tool_choice that forces calls) makes the output from its first token,
+        leaving no room to think: its output is not read for reasoning."""
+        tools = tool_format if self.tools_active(tool_format) else ""
+        forced = self.grammar() is not None or (bool(tools) and self.tool_choice not in (None, "auto"))
+        if forced:
+            reasoning_format = ""
+        if not tools and not reasoning_format:
+            return None
+        return [ChatOutput(tools, reasoning_format, self.chat_template_kwargs) for _ in range(self.n)]
+
+    def response(
+        self,
+        rid: str,
+        model: str,
+        outputs: Sequence[generation_pb2.GenerationOutput],
+        tool_format: str = "",
+        reasoning_format: str = "",
+    ) -> dict[str, Any]:
+        top = (self.top_logprobs or 0) if self.logprobs else None
+        return responses.chat_completion(rid, model, outputs, top, self.shapes(tool_format, reasoning_format))
+
+    def tools_active(self, tool_format: str) -> bool:
+        """Whether the output is parsed for tool calls: tools given and a choice other than none."""
+        return bool(self.tools) and self.tool_choice != "none" and bool(tool_format)
 
     def inputs(
-        self, max_prompt_tokens: int | None = None, max_inputs: int = MAX_BATCH_PROMPTS
+        self, max_prompt_tokens: int | None = None, max_inputs: int = MAX_BATCH_PROMPTS, tool_format: str = ""
     ) -> list[generation_pb2.GenerationInput]:
         """One input per choice; `max_prompt_tokens` refuses a conversation no prompt of that many
-        tokens could hold before n copies of it are built (as the orchestrator would refuse each)."""
+        tokens could hold before n copies of it are built (as the orchestrator would refuse each).
+        `tool_format`: how the server's model writes tool calls ("": it has none, so tools are refused)."""
         self.refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
@@ -295,13 +433,29 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_completion_tokens or self.max_tokens
         messages = generation_pb2.ChatMessages(
             messages=[
-                generation_pb2.ChatMessage(role="system" if m.role == "developer" else m.role, content=text)
-                for m, text in zip(self.messages, texts, strict=True)
+                m.to_pb(text, f"messages.{i}") for i, (m, text) in enumerate(zip(self.messages, texts, strict=True))
             ]
         )
+        if self.chat_template_kwargs:
+            messages.template_kwargs_json = json.dumps(self.chat_template_kwargs, ensure_ascii=False)
+        tools = tool_specs(self.tools or [])
+        check_tool_choice(self.tool_choice, tools)
+        forcing = None
+        if self.tools and self.tool_choice != "none":  # (none: the template is not shown them, as if absent)
+            if not tool_format:
+                raise UnsupportedField("tools", NO_FORMAT)
+            messages.tools.extend(tool_spec_pb(t) for t in tools)
+            messages.has_tools = True
+            forcing = forcing_grammar(tool_format, tools, self.tool_choice, self.parallel_tool_calls)
+            if forcing is not None and self.grammar() is not None:
+                raise UnsupportedField("tool_choice", "tool_choice forces tool calls: it takes no response_format")
         out = []
         for j in range(self.n):
             m = self.base_input(max_tokens, k, j)
             m.messages.CopyFrom(messages)
+            if self.tools_active(tool_format):
+                m.skip_special_tokens = False  # a format's markers may be special tokens ([TOOL_CALLS])
+            if forcing is not None:
+                m.grammar.CopyFrom(forcing)
             out.append(m)
         return out

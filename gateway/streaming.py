@@ -24,6 +24,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway import responses
+from gateway.chat_output import ChatOutput
 from gateway.errors import ApiError, from_grpc
 from gateway.mux import MuxStream
 from gateway.overhead import Clock
@@ -54,6 +55,7 @@ class EventStream(Response):
         top: int | None,
         n: int,  # choices per prompt: its usage counts each prompt once
         include_usage: bool,
+        shapes: list[ChatOutput] | None = None,  # per choice, its reasoning and tool calls parsed out
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -61,6 +63,7 @@ class EventStream(Response):
         self.upstream, self.inputs = upstream, inputs
         self.rid, self.model, self.chat, self.top, self.n = rid, model, chat, top, n
         self.include_usage = include_usage
+        self.shapes = shapes
         self.created = responses.now()
         self.calls: list[MuxStream] = []
         self.gone = False  # the client closed the connection
@@ -191,6 +194,8 @@ class EventStream(Response):
 
     def _event(self, index: int, msg: Message) -> bytes:
         """The chunk(s) of one gRPC message: its piece, then the finish reason if it is the last."""
+        if self.shapes is not None:
+            return self._shaped_event(index, msg, self.shapes[index])
         if msg.logprobs:
             out = sse(self._chunk([self._piece(index, msg.text, list(msg.logprobs))]))
         elif msg.text:
@@ -204,6 +209,28 @@ class EventStream(Response):
             last |= {"delta": {}} if self.chat else {"text": ""}
             last["logprobs"] = None
             out += sse(self._chunk([last]))
+        return out
+
+    def _shaped_event(self, index: int, msg: Message, shape: ChatOutput) -> bytes:
+        """A chat message's piece read for reasoning and tool calls: a chunk per delta (the piece's
+        logprobs on the first), then, at the end, the finish reason (tool_calls when it called)."""
+        deltas = shape.feed(msg.text) if msg.text else []
+        last = msg.HasField("output")
+        if last:
+            deltas += shape.finish()
+        lps = responses.chat_logprobs(list(msg.logprobs), self.top) if self.top is not None and msg.logprobs else None
+        if lps is not None and not deltas:
+            deltas = [{}]
+        out = b""
+        for i, delta in enumerate(deltas):
+            piece = {"index": index, "delta": delta, "finish_reason": None, "logprobs": lps if i == 0 else None}
+            out += sse(self._chunk([piece]))
+        if last:
+            self.finals[index] = msg.output
+            finish = responses.FINISH.get(msg.output.finish_reason)
+            if shape.called and finish == "stop":
+                finish = "tool_calls"
+            out += sse(self._chunk([{"index": index, "delta": {}, "finish_reason": finish, "logprobs": None}]))
         return out
 
     def _piece(self, index: int, text: str, lps: list) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class Upstream:
         # a request's prompts x n at most (its inputs are one BatchGenerate); the server's own, read
         # at start (model_info), until then the orchestrator's constant
         self.max_batch_prompts = MAX_BATCH_PROMPTS
+        # how the model writes tool calls and reasoning ("": not at all), the server's, read at start
+        self.tool_call_format = ""
+        self.reasoning_format = ""
 
     async def generate_all(
         self, inputs: list[generation_pb2.GenerationInput], choices: int = 1
@@ -91,6 +94,7 @@ class Upstream:
                     generation_pb2.GetServerMetadataRequest(), metadata=self.metadata, timeout=5
                 )
                 self.max_batch_prompts = meta.max_batch_prompts or MAX_BATCH_PROMPTS  # 0: a server that does not say
+                self.tool_call_format, self.reasoning_format = meta.tool_call_format, meta.reasoning_format
                 return r.model
             except grpc.aio.AioRpcError:
                 if asyncio.get_running_loop().time() > deadline:

@@ -9,12 +9,20 @@ A template is the checkpoint's code, downloaded with it: beyond the sandbox, a r
 bounded in output (`max_bytes`: streamed, and a string or list repeated past the bound is refused
 before it is built), and the server renders in processes it can kill (moe_lightning.template_renderer)
 for the time and memory a render may take. No error meant for a client names a server path.
+
+Tools and thinking models (docs/openai.md): render() takes the request's `tools` (ToolSpec, passed to
+the template as the OpenAI tool objects transformers is given), messages with role `tool` and
+assistant messages with `tool_calls` (ToolCall, whose JSON `arguments` are parsed to a value before
+rendering, as vLLM does, since templates write them with `tojson`), and `template_kwargs`, extra
+template variables such as Qwen3's `enable_thinking` (chat_template_kwargs). The model's answer is
+read back by moe_lightning.tool_calls and moe_lightning.reasoning.
 """
 
 from __future__ import annotations
 
 import contextvars
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -31,9 +39,39 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 if TYPE_CHECKING:
     from moe_lightning.tokenizer import TextTokenizer
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+# transformers' other templates of a checkpoint (additional_chat_templates/NAME.jinja); `tool_use` is
+# the one apply_chat_template renders with when it is given tools
+TEMPLATES_DIR = "additional_chat_templates"
+TOOL_USE = "tool_use"
+# The template variables render() sets itself: template_kwargs may not name them. transformers passes
+# apply_chat_template's own arguments (tools, documents, add_generation_prompt) as these variables and
+# fails on a `messages` keyword (the conversation is its own argument), so none can come from the
+# client's chat_template_kwargs. bos_token and eos_token are not among them: transformers lets its
+# kwargs override the special tokens ({**special_tokens_map, **kwargs}), and so do we.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# apply_chat_template's other parameters: transformers takes them for itself, so they never reach a
+# template; a client that names one expects what it does there (tokenize, continue a message), which a
+# template variable would silently not do
+_APPLY_PARAMETERS = frozenset(
+    {
+        "conversation",
+        "chat_template",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+MAX_VALUE_DEPTH = 64  # nesting of a template variable's value (JSON from the client; marshal allows 2000)
 
 
 # a number a template computes with ** may have at most this many bits (no chat needs more than a few)
@@ -55,10 +93,130 @@ class RenderLimitError(ChatTemplateError):
     """A render stopped at one of its bounds (output size, a repeated value, a number's size)."""
 
 
+def _check_str(value: object, what: str, optional: bool = False) -> None:
+    if not (isinstance(value, str) or (optional and value is None)):
+        raise ChatTemplateError(f"{what} must be a string, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call of an assistant message, in OpenAI's terms: `arguments` is JSON text, as
+    OpenAI sends and returns it (the template is given its value: ChatTemplate.render). `id` is what
+    the tool result's `tool_call_id` names; moe_lightning.tool_calls makes them for parsed calls."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+    def __post_init__(self) -> None:
+        _check_str(self.id, "a tool call's id")
+        _check_str(self.name, "a tool call's function name")
+        _check_str(self.arguments, "a tool call's arguments")
+
+    @classmethod
+    def from_openai(cls, call: Mapping[str, Any]) -> ToolCall:
+        """`{"id": ..., "type": "function", "function": {"name": ..., "arguments": "<JSON text>"}}`.
+        Arguments given as a JSON value rather than its text are taken too (some clients send the
+        dict); null arguments are `{}`, as vLLM renders empty ones."""
+        if not isinstance(call, Mapping):
+            raise ChatTemplateError("a tool call must be an object")
+        kind = call.get("type", "function")
+        if kind != "function":
+            raise ChatTemplateError(f"only function tool calls are supported, got type {kind!r}")
+        function = call.get("function")
+        if not isinstance(function, Mapping):
+            raise ChatTemplateError("a tool call needs a 'function' object")
+        arguments = function.get("arguments")
+        if arguments is None:
+            arguments = "{}"
+        elif not isinstance(arguments, str):
+            arguments = json.dumps(_plain(arguments, "a tool call's arguments"), ensure_ascii=False)
+        return cls(id=call.get("id"), name=function.get("name"), arguments=arguments)  # type: ignore[arg-type]
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def arguments_value(self) -> Any:
+        """The arguments as the template gets them: vLLM parses the JSON text to a value (templates
+        write it with `tojson`; given the text, Qwen's would write it as is and others as a quoted
+        string), and empty arguments are `{}`."""
+        if not self.arguments.strip():
+            return {}
+        try:
+            return json.loads(self.arguments)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ChatTemplateError(
+                f"the arguments of tool call {self.id!r} ({self.name}) are not JSON: {exc}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function the model may call: an OpenAI tool `{"type": "function", "function": {"name",
+    "description", "parameters"}}`. `parameters` is the JSON schema of its arguments as JSON text (so
+    the spec is immutable and goes over any wire as it is), None where the client gave none."""
+
+    name: str
+    description: str | None = None
+    parameters: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_str(self.name, "a tool's function name")
+        _check_str(self.description, "a tool's description", optional=True)
+        _check_str(self.parameters, "a tool's parameters", optional=True)
+        if self.parameters is not None:
+            self.parameters_schema()  # refused now, not at the render
+
+    @classmethod
+    def from_openai(cls, tool: Mapping[str, Any]) -> ToolSpec:
+        if not isinstance(tool, Mapping):
+            raise ChatTemplateError("a tool must be an object")
+        if tool.get("type", "function") != "function":
+            raise ChatTemplateError(f"only function tools are supported, got type {tool.get('type')!r}")
+        function = tool.get("function")
+        if not isinstance(function, Mapping):
+            raise ChatTemplateError("a tool needs a 'function' object")
+        parameters = function.get("parameters")
+        if parameters is not None:
+            if not isinstance(parameters, Mapping):
+                raise ChatTemplateError("a tool's parameters must be a JSON schema object")
+            parameters = json.dumps(_plain(parameters, "a tool's parameters"), ensure_ascii=False)
+        return cls(name=function.get("name"), description=function.get("description"), parameters=parameters)  # type: ignore[arg-type]
+
+    def parameters_schema(self) -> dict[str, Any] | None:
+        if self.parameters is None:
+            return None
+        try:
+            schema = json.loads(self.parameters)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ChatTemplateError(f"the parameters of tool {self.name!r} are not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise ChatTemplateError(f"the parameters of tool {self.name!r} must be a JSON schema object")
+        return schema
+
+    def to_openai(self) -> dict[str, Any]:
+        """The tool object as the template gets it: the fields the client gave, in OpenAI's order
+        (transformers passes the client's dicts as they are; a field left out stays out, where vLLM's
+        model_dump would write it as null)."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters_schema()
+        return {"type": "function", "function": function}
+
+
 @dataclass(frozen=True)
 class ChatMessage:
+    """One message of a conversation. `tool_calls` and `reasoning_content` are an assistant's (its
+    calls, and the thinking a template may render back, as Qwen3's does after the last user turn);
+    `tool_call_id` is a tool result's, naming the call it answers."""
+
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -67,11 +225,52 @@ class ChatMessage:
             )
         if not isinstance(self.content, str):
             raise ChatTemplateError(f"message content must be a string, got {type(self.content).__name__}")
+        if not isinstance(self.tool_calls, tuple) or not all(isinstance(c, ToolCall) for c in self.tool_calls):
+            raise ChatTemplateError("a message's tool_calls must be a tuple of ToolCall")
+        if self.tool_calls and self.role != "assistant":
+            raise ChatTemplateError(f"only an assistant message has tool_calls, not a {self.role} message")
+        _check_str(self.tool_call_id, "a message's tool_call_id", optional=True)
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ChatTemplateError(f"only a tool message has a tool_call_id, not a {self.role} message")
+        _check_str(self.reasoning_content, "a message's reasoning_content", optional=True)
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ChatTemplateError(f"only an assistant message has reasoning_content, not a {self.role} message")
 
     @classmethod
     def from_openai(cls, message: Mapping[str, Any]) -> ChatMessage:
-        """An OpenAI chat message: `content` may be a string or a list of text parts."""
-        return cls(role=message.get("role"), content=content_text(message.get("content")))  # type: ignore[arg-type]
+        """An OpenAI chat message: `content` may be a string or a list of text parts, and is null in
+        an assistant message that only calls tools (rendered as "", as vLLM renders it). `reasoning`
+        is vLLM's name for `reasoning_content`."""
+        role, content = message.get("role"), message.get("content")
+        calls = message.get("tool_calls")
+        if content is None and role == "assistant":
+            content = ""
+        reasoning = message.get("reasoning_content")
+        if reasoning is None:
+            reasoning = message.get("reasoning")
+        return cls(
+            role=role,  # type: ignore[arg-type]
+            content=content_text(content),  # type: ignore[arg-type]
+            tool_calls=tuple(ToolCall.from_openai(c) for c in calls) if isinstance(calls, list) else (),
+            tool_call_id=message.get("tool_call_id"),
+            reasoning_content=reasoning,
+        )
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as the template sees it: transformers' normalised dict (an unset field is left
+        out, not None), with its reasoning aliased as transformers aliases it (`thinking` first, for
+        gpt-oss templates, and `reasoning_content`), and vLLM's parsed tool call arguments."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_value()}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            d = {"thinking": self.reasoning_content, **d, "reasoning_content": self.reasoning_content}
+        return d
 
 
 def content_text(content: str | list[dict[str, Any]]) -> str:
@@ -93,6 +292,53 @@ def content_text(content: str | list[dict[str, Any]]) -> str:
             raise ChatTemplateError("a text content part needs a string 'text' field")
         texts.append(part["text"])
     return "\n".join(texts)
+
+
+def _plain(value: Any, what: str, depth: int = 0) -> Any:
+    """`value` rebuilt of JSON's types (dict with string keys, list, str, int, float, bool, None), as
+    transformers rebuilds what a template sees (_plain_template_data), so the sandbox is never handed
+    an object with methods of its own; a tuple becomes a list. Refused past MAX_VALUE_DEPTH levels."""
+    if depth > MAX_VALUE_DEPTH:
+        raise ChatTemplateError(f"{what} is nested more than {MAX_VALUE_DEPTH} levels deep")
+    if value is None or type(value) in (str, int, bool):
+        return value
+    if type(value) is float:
+        if not math.isfinite(value):  # json.dumps would write NaN, which is no JSON
+            raise ChatTemplateError(f"{what} holds a number that is not finite: {value}")
+        return value
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise ChatTemplateError(f"{what} has a key that is not a string: {k!r}")
+            out[str.__str__(k)] = _plain(v, what, depth + 1)
+        return out
+    if isinstance(value, list | tuple):
+        return [_plain(v, what, depth + 1) for v in value]
+    raise ChatTemplateError(f"{what} holds a {type(value).__name__}; only JSON values are allowed")
+
+
+def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The client's chat_template_kwargs as template variables: JSON values (copied, _plain), under
+    names render() does not set itself (RESERVED_VARIABLES) and that are no apply_chat_template
+    parameter. ChatTemplateError (the client's) otherwise. Cheap: the API checks it before a render."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ChatTemplateError("chat_template_kwargs must be an object")
+    out = _plain(kwargs, "chat_template_kwargs")
+    for name in out:
+        if name in RESERVED_VARIABLES:
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {name!r}: the request's own fields set it "
+                f"(the template variables {', '.join(sorted(RESERVED_VARIABLES))} are reserved)"
+            )
+        if name in _APPLY_PARAMETERS:
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {name!r}: it is an apply_chat_template option, not a "
+                "template variable, and this server has no such option"
+            )
+    return out
 
 
 def _raise_exception(message: str) -> None:
@@ -177,10 +423,12 @@ def _compile(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
-def _parse(source: str, origin: str) -> None:
+def _parse(source: str, origin: str) -> set[str]:
     """Parses (nothing of the template runs: compiling evaluates its constant expressions, filters
     included, so that is left to the first render, or to a renderer process that can be killed):
-    a syntax error, or a template that loads others, is refused now, naming `origin`."""
+    a syntax error, or a template that loads others, is refused now, naming `origin`. Returns the
+    names the template reads: those of its context among them, and of its own variables (what vLLM
+    finds with jinja2.meta, which runs the code generator, and with it constant expressions: not here)."""
     try:
         ast = _environment().parse(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -190,6 +438,7 @@ def _parse(source: str, origin: str) -> None:
             f"{origin}: chat templates may not include, import or extend other templates "
             f"(line {node.lineno}: {{% {_LOADS[type(node)]} %}}); put what it loads in the template itself"
         )
+    return {node.name for node in ast.find_all(jinja2.nodes.Name) if node.ctx == "load"}
 
 
 def _token_text(value: Any) -> str | None:
@@ -201,25 +450,46 @@ def _token_text(value: Any) -> str | None:
 
 class ChatTemplate:
     def __init__(
-        self, source: str, bos_token: str | None = None, eos_token: str | None = None, origin: str = "chat template"
+        self,
+        source: str,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        origin: str = "chat template",
+        tool_source: str | None = None,
     ) -> None:
         """Parses now, so a broken template fails at start-up naming `origin`, not on the first request
         (`origin` is for the server's log and start-up errors: no message sent to a client names it).
-        Compiled on first use, or by compile()."""
+        Compiled on first use, or by compile(). `tool_source`: the checkpoint's `tool_use` template,
+        which transformers renders with instead whenever it is given tools."""
         self.source, self.bos_token, self.eos_token, self.origin = source, bos_token, eos_token, origin
-        _parse(source, origin)
+        self.tool_source = tool_source
+        self.variables = _parse(source, origin)  # the names it reads (supports_tools)
+        if tool_source is not None:
+            self.variables |= _parse(tool_source, f"{origin} ({TOOL_USE})")
         self._template: jinja2.Template | None = None
+        self._tool_template: jinja2.Template | None = None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the template reads `tools` at all: one that does not renders a request's tools as
+        nothing, as transformers and vLLM render them (the API may rather refuse such a request)."""
+        return "tools" in self.variables
 
     def compile(self) -> None:
         """Compiles now (a renderer process does, under its limits). A syntax error only the compiler
         finds (a block defined twice) is a ChatTemplateError naming `origin`."""
         if self._template is None:
-            try:
-                self._template = _compile(self.source)
-            except jinja2.TemplateSyntaxError as exc:
-                raise ChatTemplateError(
-                    f"{self.origin}: chat template syntax error on line {exc.lineno}: {exc.message}"
-                ) from exc
+            self._template = self._compiled(self.source, self.origin)
+        if self.tool_source is not None and self._tool_template is None:
+            self._tool_template = self._compiled(self.tool_source, f"{self.origin} ({TOOL_USE})")
+
+    @staticmethod
+    def _compiled(source: str, origin: str) -> jinja2.Template:
+        try:
+            return _compile(source)
+        except jinja2.TemplateSyntaxError as exc:
+            message = f"{origin}: chat template syntax error on line {exc.lineno}: {exc.message}"
+            raise ChatTemplateError(message) from exc
 
     @classmethod
     def from_model_dir(cls, model_dir: Path, override: Path | None = None) -> ChatTemplate | None:
@@ -234,16 +504,35 @@ class ChatTemplate:
             return cls(_read_text(Path(override)), origin=str(override), **tokens)
         template_file = model_dir / TEMPLATE_FILE
         if template_file.is_file():
-            return cls(_read_text(template_file), origin=str(template_file), **tokens)
-        source = _pick_template(config.get("chat_template"), model_dir / TOKENIZER_CONFIG_FILE)
+            # transformers: template files win over the config's entries, its tool_use one included
+            tool_file = model_dir / TEMPLATES_DIR / f"{TOOL_USE}.jinja"
+            tool_source = _read_text(tool_file) if tool_file.is_file() else None
+            return cls(_read_text(template_file), origin=str(template_file), tool_source=tool_source, **tokens)
+        value = config.get("chat_template")
+        source = _pick_template(value, model_dir / TOKENIZER_CONFIG_FILE)
         if source is None:
             return None
-        return cls(source, origin=f"{model_dir / TOKENIZER_CONFIG_FILE}: chat_template", **tokens)
+        tool_source = None
+        if isinstance(value, list):
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+            if TOOL_USE in named and "default" in named:
+                tool_source = _checked(named[TOOL_USE], model_dir / TOKENIZER_CONFIG_FILE)
+        origin = f"{model_dir / TOKENIZER_CONFIG_FILE}: chat_template"
+        return cls(source, origin=origin, tool_source=tool_source, **tokens)
 
     def render(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, max_bytes: int | None = None
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        max_bytes: int | None = None,
+        *,
+        tools: Sequence[ToolSpec] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text, as `apply_chat_template(messages, tokenize=False)` returns it.
+        """The prompt text, as `apply_chat_template(messages, tools=tools, tokenize=False,
+        add_generation_prompt=..., **template_kwargs)` returns it. `tools` None is no tools (the
+        template's `tools` is none); an empty sequence is passed as []. `template_kwargs` are the
+        client's chat_template_kwargs (check_template_kwargs: JSON values, no reserved name).
 
         With `max_bytes`, a render whose text passes that many UTF-8 bytes is stopped as soon as it
         does (the output is streamed), and a `*` that would build a longer string or list is refused
@@ -253,24 +542,32 @@ class ChatTemplate:
         for m in messages:
             if not isinstance(m, ChatMessage):
                 raise TypeError(f"messages must be ChatMessage, got {type(m).__name__}")  # the caller's bug
+        if tools is not None:
+            for t in tools:
+                if not isinstance(t, ToolSpec):
+                    raise TypeError(f"tools must be ToolSpec, got {type(t).__name__}")
+        variables = check_template_kwargs(template_kwargs)
         # transformers passes tools/documents even when None (a template may test `is defined`), and
-        # leaves out an unset special token rather than passing None, which would render as "None"
+        # leaves out an unset special token rather than passing None, which would render as "None";
+        # its kwargs go after the special tokens, which they may override
         context: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
-            "tools": None,
+            "messages": [m.template_dict() for m in messages],
+            "tools": None if tools is None else [t.to_openai() for t in tools],
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
         }
         for name in ("bos_token", "eos_token"):
             if getattr(self, name) is not None:
                 context[name] = getattr(self, name)
+        context.update(variables)
         self.compile()
-        assert self._template is not None
+        template = self._tool_template if tools is not None and self._tool_template is not None else self._template
+        assert template is not None
         token = _render_limit.set(max_bytes)
         try:
             if max_bytes is None:
-                return self._template.render(**context)
-            return _bounded(self._template.generate(**context), max_bytes)
+                return template.render(**context)
+            return _bounded(template.generate(**context), max_bytes)
         except ChatTemplateError:
             raise  # raise_exception's message (the template's own words, as transformers shows it), or a bound
         except jinja2.TemplateError as exc:
@@ -292,9 +589,13 @@ class ChatTemplate:
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         max_bytes: int | None = None,
+        *,
+        tools: Sequence[ToolSpec] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The rendered chat's token ids, as `apply_chat_template(tokenize=True)` gives them (rendered_ids)."""
-        return rendered_ids(tokenizer, self.render(messages, add_generation_prompt, max_bytes))
+        text = self.render(messages, add_generation_prompt, max_bytes, tools=tools, template_kwargs=template_kwargs)
+        return rendered_ids(tokenizer, text)
 
 
 def rendered_ids(tokenizer: TextTokenizer, text: str) -> list[int]:

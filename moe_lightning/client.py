@@ -40,18 +40,50 @@ class Prompt:
     ignore_eos: bool = False
     request_id: str = ""
     logprobs: int = 0  # top log-probabilities per generated token (0..20)
+    # the sampling controls (docs/api.md): 0 / None is none
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: int | None = None  # the prompt's log-probabilities, with the top this-many (0..20)
+    echo: bool = False  # the prompt's text back in Completion.prompt_text
+    # structured output: (kind, source), kind one of json_object, json_schema, regex, choice, tool_calls
+    grammar: tuple[str, str] | None = None
 
     def to_pb(self) -> generation_pb2.GenerationInput:
         m = generation_pb2.GenerationInput(
-            stop=self.stop, ignore_eos=self.ignore_eos, request_id=self.request_id, logprobs=self.logprobs
+            stop=self.stop,
+            ignore_eos=self.ignore_eos,
+            request_id=self.request_id,
+            logprobs=self.logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=self.min_tokens,
+            stop_token_ids=self.stop_token_ids,
+            echo=self.echo,
         )
+        if self.grammar is not None:
+            kind, source = self.grammar
+            m.grammar.kind = generation_pb2.GrammarKind.Value(f"GRAMMAR_KIND_{kind.upper()}")
+            m.grammar.source = source
         if self.token_ids is not None:
             m.token_ids.ids.extend(self.token_ids)
         elif self.messages is not None:
             m.messages.messages.extend(generation_pb2.ChatMessage(**msg) for msg in self.messages)
         elif self.text is not None:
             m.text = self.text
-        for name in ("max_new_tokens", "temperature", "top_k", "top_p", "seed"):
+        for name in (
+            "max_new_tokens",
+            "temperature",
+            "top_k",
+            "top_p",
+            "seed",
+            "repetition_penalty",
+            "prompt_logprobs",
+        ):
             value = getattr(self, name)
             if value is not None:
                 setattr(m, name, value)
@@ -94,6 +126,9 @@ class Completion:
     # per generated token, when asked: {"token_id", "logprob", "top_token_ids", "top_logprobs"}
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     preemptions: int = 0  # times the server preempted it (docs/kv-cache.md); the output is the same
+    # with prompt_logprobs: per prompt token from the second on, as `logprobs`
+    prompt_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    prompt_text: str = ""  # with echo
 
     @classmethod
     def from_pb(cls, m: generation_pb2.GenerationOutput) -> Completion:
@@ -109,12 +144,15 @@ class Completion:
             m.timings.total_ns / 1e9,
             _logprobs(m.logprobs),
             m.preemptions,
+            _logprobs(m.prompt_logprobs),
+            m.prompt_text,
         )
 
     def to_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-        if not out["logprobs"]:
-            del out["logprobs"]  # keeps job outputs' columns as they were when nobody asked
+        for name in ("logprobs", "prompt_logprobs", "prompt_text"):
+            if not out[name]:
+                del out[name]  # keeps job outputs' columns as they were when nobody asked
         return out
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.logits_processors import process_logits
 from moe_lightning.output_text import OutputText
-from moe_lightning.request import GenerationRequest, GenerationResult
+from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
 from moe_lightning.sampling import SequenceSampler, sample
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import (
@@ -123,10 +124,21 @@ class InProcessEngine:
         limits = RequestLimits.of(self.spec, has_tokenizer=self.tokenizer is not None)
         for r in requests:
             validate(r, limits)
+            if r.grammar is not None or r.echo or r.sampling.prompt_logprobs is not None:
+                raise InvalidRequestError(
+                    "the in-process engine takes no grammar, echo or prompt_logprobs: serve the model (up) for them"
+                )
         seqs = [
-            _Sequence(i, r, OutputText(r, self.spec.eos_token_ids, self.tokenizer), SequenceSampler.start(r.sampling))
+            _Sequence(
+                i,
+                r,
+                OutputText(r, self.spec.eos_token_ids, self.tokenizer),
+                SequenceSampler.start(r.sampling, prompt_len=len(r.prompt_ids)),
+            )
             for i, r in enumerate(requests)
         ]
+        for s in seqs:
+            s.sampler.feed(0, s.request.prompt_ids)
         blocks = sum(blocks_needed(r, self.block_size) for r in requests)
         cache = PagedKVCache(
             self.spec, max(blocks, 1), self.block_size, self.kv_dtype, self.device, self.kv_shuffle_seed
@@ -141,10 +153,11 @@ class InProcessEngine:
         while True:
             if on_logits is not None:
                 on_logits(step, [s.index for s in active], logits)
-            next_ids = sample(
-                logits, [s.sampler.params for s in active], [s.sampler.next_generator() for s in active]
-            ).tolist()
+            samplers = [s.sampler for s in active]
+            processed = process_logits(logits, samplers, self.spec.eos_token_ids)  # penalties, bias, min_tokens
+            next_ids = sample(processed, [p.params for p in samplers], [p.next_generator() for p in samplers]).tolist()
             for s, tok in zip(active, next_ids, strict=True):
+                s.sampler.feed(len(s.request.prompt_ids) + len(s.output.token_ids), [tok])
                 _, reason = s.output.append(tok)  # no stream: the text is read at the end
                 if reason is not None:
                     cache.free(s.index)

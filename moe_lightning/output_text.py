@@ -86,12 +86,17 @@ class OutputText:
         decoded until the end, and the finishing token's delta is the whole text."""
         if request.stop and tokenizer is None:  # validation refuses this first; a stop could never match
             raise InvalidRequestError(STOP_NEEDS_TOKENIZER)
+        if tokenizer is not None and not request.skip_special_tokens:
+            tokenizer = tokenizer.keeping_special_tokens()
         self.token_ids: list[int] = []
         self.finish_reason: str | None = None
         self._max_new_tokens = request.max_new_tokens
         self._stops = request.stop
         self._matcher = StopMatcher(request.stop)
         self._eos = frozenset(() if request.ignore_eos else eos_ids)
+        self._stop_ids = frozenset(request.sampling.stop_token_ids)
+        self._min_tokens = request.sampling.min_tokens  # nothing but the token budget ends it before these
+        self._last_is_stop_token = False
         self._tokenizer = tokenizer
         self._stream = stream
         decode = tokenizer is not None and (stream or bool(request.stop))
@@ -128,15 +133,20 @@ class OutputText:
             return self._final
         if self._tokenizer is None:
             return None
-        ids = self.token_ids[:-1] if self.finish_reason == FINISH_EOS else self.token_ids
+        ends = self.finish_reason == FINISH_EOS or self._last_is_stop_token
+        ids = self.token_ids[:-1] if ends else self.token_ids
         text = self._tokenizer.decode(ids)
         if self.finish_reason is not None:
             self._final = text  # decoded once: the result and the last delta both read it
         return text
 
     def _check(self, token: int) -> str | None:
-        if token in self._eos:  # not decoded: EOS is no part of the text
+        early = len(self.token_ids) <= self._min_tokens  # (the head masks EOS and stop ids until then)
+        if not early and token in self._eos:  # not decoded: EOS is no part of the text
             return FINISH_EOS
+        if not early and token in self._stop_ids:  # "stop", as a stop string; the token, as EOS, is not text
+            self._last_is_stop_token = True
+            return FINISH_STOP
         if self._detok is not None:
             new = self._detok.push([token])
             before = self._size
@@ -145,12 +155,13 @@ class OutputText:
                 self._pending += new
             if self._stops and new:
                 hit = self._matcher.feed(new)  # only the newest text can complete a stop string
-                if hit != NO_STOP:
+                if hit != NO_STOP and len(self.token_ids) >= self._min_tokens:
                     assert self._tokenizer is not None  # _detok exists only with one
                     # the output text is the whole output decoded, cut at the stop; the incremental
                     # text is the fallback should the whole decode not show the stop
                     text = self._tokenizer.decode(self.token_ids)
-                    cut = first_stop(text, self._stops)
+                    # (under min_tokens a stop in the text before the minimum did not count: cut at this one)
+                    cut = -1 if self._min_tokens else first_stop(text, self._stops)
                     self._final = text[:cut] if cut >= 0 else self._detok.text[: before + hit]
                     return FINISH_STOP
         if len(self.token_ids) >= self._max_new_tokens:

@@ -5,8 +5,12 @@ it against the model's own limits, as the in-process engine does."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moe_lightning.sampling import SamplingParams, TokenLogprobs
+
+if TYPE_CHECKING:
+    from moe_lightning.grammar import GrammarSpec
 
 FINISH_EOS = "eos"
 FINISH_STOP = "stop"
@@ -25,6 +29,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     request_id: str = ""
+    grammar: GrammarSpec | None = None  # structured output: the orchestrator masks what it does not allow
+    echo: bool = False  # return the prompt's text with the result
+    skip_special_tokens: bool = True  # False: the output's text keeps them (a tool-call parser reads them)
 
 
 @dataclass(slots=True)
@@ -35,6 +42,7 @@ class GenerationResult:
     prompt_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token, when asked
     preemptions: int = 0  # times its KV was freed and its tokens re-prefilled (orchestrator/batcher.py)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.., when asked
 
     @property
     def completion_tokens(self) -> int:

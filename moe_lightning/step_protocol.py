@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 from enum import StrEnum
 
 from moe_lightning.placement import Placement
-from moe_lightning.sampling import SamplingParams, TokenLogprobs
+from moe_lightning.sampling import PromptLogprobs, SamplingParams, TokenLogprobs
 
 
 class StepKind(StrEnum):
@@ -24,6 +24,10 @@ class SequenceWork:
     # with `sampling`: the random draws the sequence made before this step. 0 on its first step; a sequence
     # preempted and re-prefilled (docs/kv-cache.md) resumes its stream at the tokens it had generated
     draws: int = 0
+    prompt_len: int = 0  # with `sampling`: the sequence's prompt length (penalties and prompt logprobs tell it apart)
+    # the tokens its grammar allows next (structured output): ceil(V / 32) little-endian int32 words, bit
+    # t % 32 of word t // 32 for token t (logits_processors.py); only on a step whose sample it keeps
+    token_mask: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -91,3 +95,4 @@ class StepOutput:
     timings: StepTimings
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq id -> this step's (if asked)
     ranks: list[RankStep] = field(default_factory=list)  # tensor-parallel ranks, rank by rank
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # seq id -> this step's prompt entries

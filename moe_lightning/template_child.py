@@ -11,13 +11,57 @@ import marshal
 import os
 import struct
 import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from moe_lightning.chat_template import (
+    ChatMessage,
+    ChatTemplate,
+    ChatTemplateError,
+    ToolCall,
+    ToolSpec,
+    check_template_kwargs,
+)
 
 MAX_ERROR_CHARS = 2000  # an error's text (a template's raise_exception may quote the whole conversation)
 REPLY_OK, REPLY_ERROR = 0, 1
 REPLY_HEAD = struct.Struct(">BI")
 FRAME_HEAD = struct.Struct(">I")
+
+
+def encode_render(
+    messages: Sequence[ChatMessage],
+    add_generation_prompt: bool,
+    tools: Sequence[ToolSpec] | None,
+    template_kwargs: Mapping[str, Any] | None,
+) -> tuple[Any, ...]:
+    """One render's frame, of what marshal writes: each message as (role, content, tool calls as
+    (id, name, arguments) tuples, tool_call_id, reasoning_content), the tools as (name, description,
+    parameters) or None, and the kwargs as the plain JSON values check_template_kwargs makes of them
+    (in the parent: a refused one never reaches a child, and marshal meets no other type)."""
+    encoded = tuple(
+        (
+            m.role,
+            m.content,
+            tuple((c.id, c.name, c.arguments) for c in m.tool_calls),
+            m.tool_call_id,
+            m.reasoning_content,
+        )
+        for m in messages
+    )
+    specs = None if tools is None else tuple((t.name, t.description, t.parameters) for t in tools)
+    return encoded, bool(add_generation_prompt), specs, check_template_kwargs(template_kwargs)
+
+
+def decode_render(frame: tuple[Any, ...]) -> tuple[list[ChatMessage], bool, list[ToolSpec] | None, dict[str, Any]]:
+    """encode_render's frame back to domain objects (checked again as they are built)."""
+    encoded, add_generation_prompt, specs, kwargs = frame
+    messages = [
+        ChatMessage(role, content, tuple(ToolCall(*c) for c in calls), call_id, reasoning)
+        for role, content, calls, call_id, reasoning in encoded
+    ]
+    tools = None if specs is None else [ToolSpec(*t) for t in specs]
+    return messages, add_generation_prompt, tools, kwargs
 
 
 def _read_frame(inp: int) -> bytes | None:
@@ -64,10 +108,10 @@ def _child() -> None:
     frame = _read_frame(0)
     if frame is None:
         return
-    source, bos, eos, max_bytes, memory_bytes = marshal.loads(frame)
+    source, bos, eos, max_bytes, memory_bytes, tool_source = marshal.loads(frame)
     _limit_memory(memory_bytes)
     try:
-        template = ChatTemplate(source, bos_token=bos, eos_token=eos, origin="chat template")
+        template = ChatTemplate(source, bos_token=bos, eos_token=eos, origin="chat template", tool_source=tool_source)
         template.compile()  # under the limit: compiling evaluates the template's constant expressions
     except ChatTemplateError as exc:  # an error only the compiler finds; the server names the template
         return reply(REPLY_ERROR, str(exc).removeprefix("chat template: "))
@@ -76,10 +120,9 @@ def _child() -> None:
         return reply(REPLY_ERROR, message[:MAX_ERROR_CHARS])
     reply(REPLY_OK, "")
     while (frame := _read_frame(0)) is not None:
-        pairs, add_generation_prompt = marshal.loads(frame)
         try:
-            messages = [ChatMessage(role, content) for role, content in pairs]
-            text = template.render(messages, add_generation_prompt, max_bytes)
+            messages, add_generation_prompt, tools, kwargs = decode_render(marshal.loads(frame))
+            text = template.render(messages, add_generation_prompt, max_bytes, tools=tools, template_kwargs=kwargs)
         except ChatTemplateError as exc:
             message = str(exc)
             if len(message) > MAX_ERROR_CHARS:

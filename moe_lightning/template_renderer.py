@@ -14,9 +14,11 @@ the parent-death signal armed (moe_lightning.children), and killed by close() at
 
 The child's side is moe_lightning/template_child.py. Wire format, parent to child: frames of a
 4-byte big-endian length and a marshal payload, the first
-(source, bos_token, eos_token, max_bytes, memory_bytes), then (((role, content), ...), add_generation_prompt)
-per render. Child to parent: a status byte, a 4-byte length and UTF-8 bytes (the text, or the error
-for the client). The parent never unmarshals what a child sends.
+(source, bos_token, eos_token, max_bytes, memory_bytes, tool_source), then per render
+(messages, add_generation_prompt, tools, template_kwargs) as template_child.encode_render writes it
+(plain tuples of strings, and the kwargs already checked to be JSON values: check_template_kwargs).
+Child to parent: a status byte, a 4-byte length and UTF-8 bytes (the text, or the error for the
+client). The parent never unmarshals what a child sends.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError
+from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, ToolSpec
 from moe_lightning.config.orchestrator import CHAT_TEMPLATE_TIMEOUT
-from moe_lightning.template_child import FRAME_HEAD, MAX_ERROR_CHARS, REPLY_HEAD, REPLY_OK
+from moe_lightning.template_child import FRAME_HEAD, MAX_ERROR_CHARS, REPLY_HEAD, REPLY_OK, encode_render
 
 RENDERERS = 2  # processes; each render takes about a millisecond, so two serve thousands a second
 DEFAULT_TIMEOUT = CHAT_TEMPLATE_TIMEOUT  # seconds a render may take (--chat-template-timeout)
@@ -240,7 +243,9 @@ class TemplateRenderer:
             raise _Died("closed")
         t = self.template
         try:
-            w.send(marshal.dumps((t.source, t.bos_token, t.eos_token, self.max_bytes, self.memory_bytes)))
+            w.send(
+                marshal.dumps((t.source, t.bos_token, t.eos_token, self.max_bytes, self.memory_bytes, t.tool_source))
+            )
         except _Died:
             self._discard(w, replace=False)
             raise
@@ -321,13 +326,18 @@ class TemplateRenderer:
         messages: Sequence[ChatMessage],
         add_generation_prompt: bool = True,
         cancel: threading.Event | None = None,
+        *,
+        tools: Sequence[ToolSpec] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The template's text for `messages`, as ChatTemplate.render gives it. ChatTemplateError (the
-        client's: INVALID_ARGUMENT) when the template refuses or fails, passes `max_bytes`, or takes
-        over `timeout`; a set `cancel` (the client left) stops the render and kills its process."""
+        """The template's text for `messages` (and `tools`, `template_kwargs`), as ChatTemplate.render
+        gives it. ChatTemplateError (the client's: INVALID_ARGUMENT) when the template refuses or fails,
+        passes `max_bytes`, or takes over `timeout`, or when `template_kwargs` are refused (checked here,
+        before any renderer is taken); a set `cancel` (the client left) stops the render and kills its
+        process."""
         if not messages:
             raise ChatTemplateError("a chat needs at least one message")
-        payload = marshal.dumps((tuple((m.role, m.content) for m in messages), bool(add_generation_prompt)))
+        payload = marshal.dumps(encode_render(messages, add_generation_prompt, tools, template_kwargs))
         for attempt in range(2):
             w = self._take()
             start = time.monotonic()

@@ -10,8 +10,14 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 class TextTokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip_special = skip_special_tokens
+
+    def keeping_special_tokens(self) -> TextTokenizer:
+        """The same tokenizer, decoding special tokens as text (a tool-call parser reads Mistral's
+        [TOOL_CALLS] and Llama's <|python_tag|>, which are special tokens)."""
+        return TextTokenizer(self._tok, skip_special_tokens=False)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path) -> TextTokenizer | None:
@@ -43,4 +49,4 @@ class TextTokenizer:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._tok.decode(ids, skip_special_tokens=self._skip_special)

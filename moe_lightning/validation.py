@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from moe_lightning.request import GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import SamplingParams
@@ -156,12 +157,38 @@ def prompt_ids(text: str | None, token_ids: Sequence[int] | None, tokenizer: Tex
     raise InvalidRequestError("prompt is missing: set text or token_ids")
 
 
-def sampling_params(temperature: float, top_k: int, top_p: float, seed: int | None, logprobs: int) -> SamplingParams:
-    """SamplingParams holds the one definition of what is allowed; a client's bad value is its error."""
+def sampling_params(
+    temperature: float, top_k: int, top_p: float, seed: int | None, logprobs: int, **controls: Any
+) -> SamplingParams:
+    """SamplingParams holds the one definition of what is allowed; a client's bad value is its error.
+    `controls`: its other fields (penalties, logit_bias, min_tokens, stop_token_ids, prompt_logprobs)."""
     try:
-        return SamplingParams(temperature, top_k, top_p, seed, logprobs)
+        return SamplingParams(temperature, top_k, top_p, seed, logprobs, **controls)
     except ValueError as exc:
         raise InvalidRequestError(str(exc)) from None
+
+
+def _check_sampling_tokens(request: GenerationRequest, limits: RequestLimits) -> None:
+    """What SamplingParams cannot check alone: token ids in the vocabulary, min_tokens within the budget,
+    and a grammar's demands."""
+    p = request.sampling
+    for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]), ("stop_token_ids", p.stop_token_ids)):
+        bad = [t for t in ids if t >= limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} token ids {bad[:5]} are outside the vocabulary; allowed: 0..{limits.vocab_size - 1}"
+            )
+    if p.min_tokens > request.max_new_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({p.min_tokens}) must be at most max_new_tokens ({request.max_new_tokens})"
+        )
+    if request.grammar is not None:
+        if request.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be combined with a grammar: the output ends where it does")
+        if not limits.has_tokenizer:
+            raise InvalidRequestError("structured output needs the model's tokenizer.json, and this model has none")
+    if request.echo and not limits.has_tokenizer:
+        raise InvalidRequestError("echo needs the model's tokenizer.json to decode the prompt, and this model has none")
 
 
 def blocks_needed(request: GenerationRequest, block_size: int) -> int:
@@ -191,7 +218,19 @@ def response_bytes(request: GenerationRequest, vocab_size: int) -> int:
     per_token = id_bytes + TEXT_BYTES_PER_TOKEN
     if k:
         per_token += LOGPROBS_ENTRY_BYTES + 2 * id_bytes + k * (id_bytes + 4)
-    return RESPONSE_OVERHEAD_BYTES + len(request.request_id.encode()) + request.max_new_tokens * per_token
+    total = RESPONSE_OVERHEAD_BYTES + len(request.request_id.encode()) + request.max_new_tokens * per_token
+    prompt_k = request.sampling.prompt_logprobs
+    if prompt_k is not None:  # an entry per prompt token, with its text
+        entry = (
+            LOGPROBS_ENTRY_BYTES
+            + 2 * id_bytes
+            + TEXT_BYTES_PER_TOKEN
+            + prompt_k * (id_bytes + 4 + TEXT_BYTES_PER_TOKEN)
+        )
+        total += len(request.prompt_ids) * entry
+    if request.echo:
+        total += len(request.prompt_ids) * TEXT_BYTES_PER_TOKEN
+    return total
 
 
 def _check_response(total: int, limit: int, what: str) -> None:
@@ -245,6 +284,7 @@ def validate(request: GenerationRequest, limits: RequestLimits) -> None:
             f"exceeds the model's context of {limits.max_context} tokens"
         )
     _check_stops(request.stop)
+    _check_sampling_tokens(request, limits)
     if request.stop and not limits.has_tokenizer:
         raise InvalidRequestError(STOP_NEEDS_TOKENIZER)
     check_prompt_length(n, limits)

@@ -21,7 +21,7 @@ import asyncio
 import functools
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -31,7 +31,7 @@ import structlog
 from moe_lightning import __version__
 from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.generation.v1 import generation_pb2, generation_pb2_grpc
-from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, rendered_ids
+from moe_lightning.chat_template import ChatTemplate, ChatTemplateError, rendered_ids
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import TokenLogprobs
 from moe_lightning.service.convert import logprobs_to_pb, model_info_to_pb
@@ -42,14 +42,14 @@ from moe_lightning.validation import (
     MAX_BATCH_PROMPTS,
     RequestLimits,
     check_batch,
-    check_conversation_size,
     check_prompt_length,
     check_text_size,
     max_text_bytes,
     prompt_ids,
-    sampling_params,
     validate,
 )
+from orchestrator.conversation import Conversation, conversation_from_pb
+from orchestrator.request_options import grammar_from_input, sampling_from_input
 from orchestrator.scheduler import Scheduler
 from orchestrator.streams import generate_streams
 from orchestrator.ticket import Ticket, TokenCallback
@@ -104,22 +104,6 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-class _Contents(Sequence[str]):
-    """The messages' contents, read one at a time (each read copies one content out of the protobuf
-    message): check_conversation_size stops at the first past the bound, so a conversation of many
-    large messages is refused having copied little more than the bound. Only a conversation within it
-    is then copied in full, into ChatMessages (_conversation)."""
-
-    def __init__(self, messages: Sequence[generation_pb2.ChatMessage]) -> None:
-        self._messages = messages
-
-    def __len__(self) -> int:
-        return len(self._messages)
-
-    def __getitem__(self, i: int) -> str:  # type: ignore[override]
-        return self._messages[i].content
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, device: str = "", workers: int = 8, stream_interval: int = 1) -> None:
         self.scheduler: Scheduler | None = None
@@ -130,6 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.chat_template: ChatTemplate | None = None  # renders a `messages` prompt (docs/openai.md)
         # its renderer processes (server.py starts them); without, chats render in process, bounded in size only
         self.renderer: TemplateRenderer | None = None
+        # how outputs carry tool calls and reasoning ("": not at all), for the gateway (output_formats.py)
+        self.tool_call_format = ""
+        self.reasoning_format = ""
         # checks and tokenisation: a bounded prompt (check_text_size) takes milliseconds
         self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="orchestrator-tokenize")
         self._workers = max(1, workers)
@@ -167,22 +154,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 m.token_ids.ids if which == "token_ids" else None,
                 self._sched().tokenizer,
             )
-        sampling = sampling_params(
-            m.temperature if m.HasField("temperature") else 0.0,
-            m.top_k if m.HasField("top_k") else 0,
-            m.top_p if m.HasField("top_p") else 1.0,
-            m.seed if m.HasField("seed") else None,
-            m.logprobs,
-        )
         request = GenerationRequest(
             prompt_ids=prompt,
             max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else DEFAULT_MAX_NEW_TOKENS,
-            sampling=sampling,
+            sampling=sampling_from_input(m),
             stop=tuple(m.stop),
             ignore_eos=m.ignore_eos,
             request_id=m.request_id or uuid.uuid4().hex[:16],
+            grammar=grammar_from_input(m),
+            echo=m.echo,
+            skip_special_tokens=m.skip_special_tokens if m.HasField("skip_special_tokens") else True,
         )
         validate(request, limits)
+        if request.grammar is not None:
+            self._sched().grammars.check(request.grammar)  # compiled once per grammar: cached
         return request
 
     def _chat_prompt(
@@ -193,30 +178,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         three apart, the render alone under a render slot."""
         return self._chat_ids(self._render(self._conversation(m, limits), limits, cancel), limits)
 
-    def _conversation(self, m: generation_pb2.ChatMessages, limits: RequestLimits) -> list[ChatMessage]:
+    def _conversation(self, m: generation_pb2.ChatMessages, limits: RequestLimits) -> Conversation:
         """The conversation to render, refused first if no prompt could hold it."""
         if self.chat_template is None or self._sched().tokenizer is None:
             raise InvalidRequestError(
                 "this model has no chat template (none in its tokenizer_config.json, no --chat-template on the "
                 "server): send a text prompt instead of messages"
             )
-        if not m.messages:
-            raise InvalidRequestError("messages is empty: give at least one message")
-        check_conversation_size(_Contents(m.messages), limits.max_prompt_tokens)
-        try:
-            return [ChatMessage(msg.role, msg.content) for msg in m.messages]
-        except ChatTemplateError as exc:  # a role no template takes
-            raise InvalidRequestError(str(exc)) from None
+        return conversation_from_pb(m, limits.max_prompt_tokens)
 
-    def _render(self, messages: list[ChatMessage], limits: RequestLimits, cancel: threading.Event | None = None) -> str:
+    def _render(self, conv: Conversation, limits: RequestLimits, cancel: threading.Event | None = None) -> str:
         """The template's text: in a renderer process (bounded in time, output and memory), or, without
         one (in-process tests), here, bounded in output only."""
         assert self.chat_template is not None  # _conversation refuses a chat without one
+        extra = {"tools": conv.tools, "template_kwargs": conv.template_kwargs}
         try:
             if self.renderer is not None:
-                return self.renderer.render(messages, cancel=cancel)
+                return self.renderer.render(conv.messages, cancel=cancel, **extra)
             max_bytes = None if limits.max_prompt_tokens is None else max_text_bytes(limits.max_prompt_tokens)
-            return self.chat_template.render(messages, max_bytes=max_bytes)
+            return self.chat_template.render(conv.messages, max_bytes=max_bytes, **extra)
         except ChatTemplateError as exc:
             raise InvalidRequestError(str(exc)) from None
 
@@ -259,7 +239,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def to_output(self, t: Ticket) -> generation_pb2.GenerationOutput:
         r = t.wait(0)
-        return generation_pb2.GenerationOutput(
+        out = generation_pb2.GenerationOutput(
             request_id=t.request.request_id,
             text=r.text or "",
             token_ids=r.token_ids,
@@ -272,7 +252,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
             logprobs=self.logprobs_pb(r.logprobs),
             preemptions=r.preemptions,
+            prompt_logprobs=self.logprobs_pb(r.prompt_logprobs),
         )
+        tokenizer = self.scheduler.tokenizer if self.scheduler is not None else None
+        if t.request.echo and tokenizer is not None:  # (validation refuses echo without one)
+            ids = t.request.prompt_ids
+            out.prompt_text = tokenizer.decode(ids)
+            out.prompt_token_ids.extend(ids)
+            out.prompt_tokens.extend(tokenizer.decode([i]) for i in ids)
+        return out
 
     # ---- RPCs ----------------------------------------------------------------------------------
     async def _submit_async(
@@ -293,7 +281,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         requests: list[GenerationRequest] = []
         rendered: dict[int, str] = {}  # a chat's text, from its render until its row is converted
 
-        def convert(start: int, end: int) -> list[ChatMessage] | None:
+        def convert(start: int, end: int) -> Conversation | None:
             """Rows start..end-1 become requests (a chat among them was rendered); row `end`, when it
             is a chat, is checked and read for its render, which comes next."""
             i = start
@@ -362,9 +350,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 job.add_done_callback(on_left)
             raise
 
-    async def _render_in_slot(
-        self, conversation: list[ChatMessage], limits: RequestLimits, cancel: threading.Event
-    ) -> str:
+    async def _render_in_slot(self, conversation: Conversation, limits: RequestLimits, cancel: threading.Event) -> str:
         """The conversation's text, rendered on a worker thread under a render slot, held until the
         render ends, even when the client leaves first (its thread is busy until the render stops)."""
         slots = await self._render_slot()
@@ -486,4 +472,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             max_batch_prompts=MAX_BATCH_PROMPTS,
             micro_batch_size=s.config.micro_batch_size,
             kv_cache_dtype=self.kv_cache_dtype,
+            tool_call_format=self.tool_call_format,
+            reasoning_format=self.reasoning_format,
         )

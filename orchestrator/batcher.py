@@ -28,17 +28,21 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from moe_lightning.batching import balance
 from moe_lightning.config.choices import KV_ADMISSIONS, STEP_SCHEDULES
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.request import GenerationRequest
-from moe_lightning.sampling import TokenLogprobs
+from moe_lightning.sampling import PromptLogprobs, TokenLogprobs
 from moe_lightning.service.errors import ResourceExhaustedError
 from moe_lightning.step_protocol import SequenceWork, StepKind, StepOutput, StepPlan
 from moe_lightning.validation import blocks_needed
 from orchestrator.backend import KVCapacity
+
+if TYPE_CHECKING:
+    from moe_lightning.grammar import GrammarState
 
 FINISH_CANCELLED = "cancelled"
 # free blocks kept back at admission while anything runs (vLLM's watermark): a cache filled to the last
@@ -68,6 +72,9 @@ class Sequence:
     blocks: int = 0  # KV blocks it holds now (in the workers' caches)
     cached: int = 0  # its tokens in the KV cache once the step scheduled last has run
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # with prompt_logprobs: one entry per prompt token from the second on, filled as its chunks run
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured output: the grammar's state after its output so far
     admitted: bool = False
     preemptions: int = 0
     # its last step was a chunk short of its end, whose sampled token it did not keep: the workers'
@@ -237,6 +244,10 @@ class Batcher:
         """Appends each sequence's sampled token; the finished leave the running batch. A chunk of a
         re-prefill that does not reach the sequence's end samples nothing it keeps."""
         by_seq = dict(zip(out.seq_ids, out.token_ids, strict=True))
+        for seq in step.sequences:
+            chunk = out.prompt_logprobs.get(seq.seq_id)
+            if chunk is not None:
+                _merge_prompt_logprobs(seq, chunk)
         tokens = []
         for seq in step.sequences:
             if seq.seq_id not in by_seq or seq.seq_id not in self.running or seq.cached != seq.length:
@@ -360,7 +371,7 @@ class Batcher:
     def _prefill_work(self, s: Sequence, tokens: int) -> SequenceWork:
         ids, start = self._feed(s, tokens)
         # every chunk carries the sampling parameters: the workers (re)start its stream at `draws`
-        return SequenceWork(s.seq_id, ids, start, s.request.sampling, len(s.output))
+        return SequenceWork(s.seq_id, ids, start, s.request.sampling, len(s.output), s.prompt_len)
 
     def _decode_works(self) -> tuple[list[SequenceWork], list[Sequence]]:
         """A token for every running sequence that decodes, the newest preempted first if the cache
@@ -372,7 +383,8 @@ class Batcher:
         works = []
         for s in seqs:
             sampling = s.request.sampling if s.stream_ahead else None  # (before _feed clears it)
-            works.append(SequenceWork(s.seq_id, *self._feed(s, 1), sampling, len(s.output) if sampling else 0))
+            draws = len(s.output) if sampling else 0
+            works.append(SequenceWork(s.seq_id, *self._feed(s, 1), sampling, draws, s.prompt_len if sampling else 0))
         return works, seqs
 
     def _step(
@@ -402,3 +414,12 @@ class Batcher:
     def _plan(self, mbs: list[list[SequenceWork]], kind: StepKind) -> StepPlan:
         release, self._release_next = self._release_next, []
         return StepPlan(next(self._step_ids), mbs, kind, release, self.placement, self.config.expert_groups)
+
+
+def _merge_prompt_logprobs(seq: Sequence, chunk: PromptLogprobs) -> None:
+    """Appends a chunk's prompt entries in position order; a re-prefill after a preemption computes
+    entries the sequence has already, which are dropped."""
+    have = len(seq.prompt_logprobs) + 1  # the position of the next entry (position 0 has none)
+    skip = have - chunk.first_position
+    if skip >= 0:
+        seq.prompt_logprobs.extend(chunk.entries[skip:])

@@ -28,6 +28,7 @@ from moe_lightning.validation import RequestLimits, check_kv
 from orchestrator import metrics
 from orchestrator.backend import Backend, KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, NewToken, ScheduledStep, SchedulerConfig, Sequence
+from orchestrator.grammars import Grammars
 from orchestrator.planner import Planner
 from orchestrator.ticket import Ticket, TokenCallback
 
@@ -48,6 +49,7 @@ class Scheduler:
         self.spec = spec
         self.backend = backend
         self.tokenizer = tokenizer
+        self.grammars = Grammars(spec, tokenizer)
         self.config = config
         self.planner = planner
         self.batcher = Batcher(kv, config, placement)  # guarded by _cv, like everything below
@@ -89,6 +91,7 @@ class Scheduler:
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback | None = None) -> Ticket:
         """Queues a request the API validated (moe_lightning/validation.py)."""
         text = OutputText(request, self.spec.eos_token_ids, self.tokenizer, stream=on_tokens is not None)
+        grammar = self.grammars.start(request)  # (compiled when the API checked it: cached)
         with self._cv:
             # again under the lock: the cache may have shrunk since the API looked (a resume), and a
             # request that can never fit would block the head of the queue for good
@@ -100,6 +103,7 @@ class Scheduler:
             if self._suspended is not None:
                 raise UnavailableError(f"{self._suspended}; retry shortly")
             seq = self.batcher.add(request, text)
+            seq.grammar = grammar
             ticket = Ticket(seq, on_tokens)
             self._tickets[seq.seq_id] = ticket
             metrics.WAITING.set(len(self.batcher.waiting) + len(self.batcher.preempted))
@@ -252,6 +256,8 @@ class Scheduler:
         plan = step.plan
         t0 = time.perf_counter()
         try:
+            # the scheduler's thread alone moves grammar states (in update, below): no lock needed here
+            self.grammars.attach_masks(step)
             out = self.backend.step(plan)
         except Exception as exc:
             self.log.warning("step_failed", kind=plan.kind, error=str(exc), code=status_for(exc).name)
@@ -276,7 +282,9 @@ class Scheduler:
                 self.log.exception("planner_failed")
         now = time.monotonic()
         with self._cv:
-            for new in self.batcher.update(step, out):
+            tokens = self.batcher.update(step, out)
+            self.grammars.advance(tokens)
+            for new in tokens:
                 self._deliver(new, now)
             self._publish_gauges()
 
@@ -334,7 +342,13 @@ class Scheduler:
             self._fail(seq, ServiceError("the request was cancelled", grpc.StatusCode.CANCELLED))
             return
         ticket.result = GenerationResult(
-            seq.output, seq.text.final_text, reason, seq.prompt_len, seq.logprobs[: len(seq.output)], seq.preemptions
+            seq.output,
+            seq.text.final_text,
+            reason,
+            seq.prompt_len,
+            seq.logprobs[: len(seq.output)],
+            seq.preemptions,
+            seq.prompt_logprobs,
         )
         self._tickets.pop(seq.seq_id)
         try:

@@ -28,6 +28,7 @@ from orchestrator import metrics
 from orchestrator.api import MAX_BATCH_PROMPTS, GenerationServicer, max_receive_bytes
 from orchestrator.backend import Backend, Capacity
 from orchestrator.debug import DebugPages
+from orchestrator.output_formats import output_formats
 from orchestrator.planner import Planner, PlannerConfig
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 from orchestrator.supervisor import BackendSupervisor
@@ -98,6 +99,9 @@ def _start(
         tokenizer.check_fits(backend.spec.vocab_size, config.tokenizer or backend.model_path)
     servicer.chat_template = ChatTemplate.from_model_dir(
         Path(config.tokenizer or backend.model_path), config.chat_template
+    )
+    servicer.tool_call_format, servicer.reasoning_format = output_formats(
+        servicer.chat_template, config.tool_call_parser, config.reasoning_parser
     )
     if servicer.chat_template is not None:  # rendered in killable processes, probed now (template_renderer.py)
         renderer = TemplateRenderer(

@@ -16,7 +16,15 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from moe_lightning.chat_template import ChatMessage, ChatTemplate, ChatTemplateError, content_text
+from moe_lightning.chat_template import (
+    ChatMessage,
+    ChatTemplate,
+    ChatTemplateError,
+    ToolCall,
+    ToolSpec,
+    check_template_kwargs,
+    content_text,
+)
 from moe_lightning.client import Prompt
 from moe_lightning.demo_model import build_tokenizer, write_demo_model
 from moe_lightning.tokenizer import TextTokenizer
@@ -71,7 +79,7 @@ class Setup:
         self.source = (DATA / f"{name}.jinja").read_text(encoding="utf-8")
         self.bos, self.eos = model["bos_token"], model["eos_token"]
         tok = Tokenizer.from_str(base)
-        tok.add_special_tokens([t for t in (self.bos, self.eos, *MARKERS) if t])
+        tok.add_special_tokens([t for t in (self.bos, self.eos, *MARKERS, *model.get("control_tokens", ())) if t])
         self.hf = PreTrainedTokenizerFast(
             tokenizer_object=tok, bos_token=self.bos, eos_token=self.eos, chat_template=self.source
         )
@@ -264,9 +272,9 @@ def test_malformed_tokenizer_config(tmp_path: Path) -> None:
 # -- messages ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("role", ["tool", "developer", "User", ""])
+@pytest.mark.parametrize("role", ["developer", "function", "User", ""])
 def test_bad_role(role: str) -> None:
-    with pytest.raises(ChatTemplateError, match="roles allowed are system, user, assistant"):
+    with pytest.raises(ChatTemplateError, match="roles allowed are system, user, assistant, tool"):
         ChatMessage(role, "x")
 
 
@@ -602,3 +610,311 @@ def test_a_template_that_fails_a_one_message_chat_fails_at_start(source: str, wo
         r.start()
     assert str(info.value).startswith("/models/m/chat_template.jinja: ") and words in str(info.value)
     assert r.pids() == []
+
+
+# -- tools, tool calls and template arguments (docs/openai.md) ---------------------------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "The city's name"}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time now", "parameters": {}}},
+]
+# what a client sends back after the model called the tools: its calls (arguments as JSON text, as
+# OpenAI gives them) and their results; Mistral's templates want 9-character ids
+ROUND_TRIP = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is the weather in Paris and the time?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "abcdefgh1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            },
+            {"id": "abcdefgh2", "type": "function", "function": {"name": "get_time", "arguments": ""}},
+        ],
+    },
+    {"role": "tool", "tool_call_id": "abcdefgh1", "content": '{"temperature": 18, "sky": "clear"}'},
+    {"role": "tool", "tool_call_id": "abcdefgh2", "content": "12:30"},
+]
+TOOL_TEMPLATES = sorted(name for name, m in MODELS.items() if m.get("tool_format"))
+# Llama 3.1's template takes one call per message, and says so; transformers gets the same error
+ONE_CALL = {"llama-3.1-8b-instruct"}
+
+
+def vllm_dicts(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to apply_chat_template: null content is "", and a tool call's
+    JSON arguments are parsed to a value (empty ones to {}); the reference our rendering matches."""
+    out = []
+    for m in chat:
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"] or "{}")}}
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def ours(chat: list[dict[str, Any]]) -> list[ChatMessage]:
+    return [ChatMessage.from_openai(m) for m in chat]
+
+
+def specs(tools: list[dict[str, Any]] | None) -> list[ToolSpec] | None:
+    return None if tools is None else [ToolSpec.from_openai(t) for t in tools]
+
+
+def assert_renders_as_transformers(
+    s: Setup, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None, add: bool = True, **kwargs: Any
+) -> str:
+    """Our text and token ids for `chat` are transformers' (on vLLM's messages), or both refuse it alike."""
+    reference = vllm_dicts(chat)
+    try:
+        want = s.hf.apply_chat_template(reference, tools=tools, tokenize=False, add_generation_prompt=add, **kwargs)
+    except jinja2.TemplateError as exc:
+        with pytest.raises(ChatTemplateError) as info:
+            s.template.render(ours(chat), add, tools=specs(tools), template_kwargs=kwargs)
+        assert str(info.value) == str(exc)
+        return ""
+    got = s.template.render(ours(chat), add, tools=specs(tools), template_kwargs=kwargs)
+    assert got == want
+    ids = s.hf.apply_chat_template(
+        reference, tools=tools, tokenize=True, add_generation_prompt=add, return_dict=False, **kwargs
+    )
+    assert s.template.prompt_ids(s.ours, ours(chat), add, tools=specs(tools), template_kwargs=kwargs) == ids
+    return got
+
+
+@pytest.mark.parametrize("name", TOOL_TEMPLATES)
+def test_tools_render_as_in_transformers(setups: dict[str, Setup], name: str) -> None:
+    s = setups[name]
+    text = assert_renders_as_transformers(s, ROUND_TRIP[:2], TOOLS)
+    assert "get_weather" in text and "The city's name" in text  # the template did write the tools
+    assert_renders_as_transformers(s, ROUND_TRIP[1:2], TOOLS)  # without a system message
+    assert_renders_as_transformers(s, ROUND_TRIP[1:2], [])  # tools: [] is passed as [], not as none
+
+
+@pytest.mark.parametrize("name", TOOL_TEMPLATES)
+def test_a_tool_call_round_trip_renders_as_in_transformers(setups: dict[str, Setup], name: str) -> None:
+    s = setups[name]
+    one_call = [*ROUND_TRIP[:2], {**ROUND_TRIP[2], "tool_calls": ROUND_TRIP[2]["tool_calls"][:1]}, ROUND_TRIP[3]]
+    text = assert_renders_as_transformers(s, one_call, TOOLS)
+    assert "Paris" in text and "18" in text  # the call and its result
+    two = assert_renders_as_transformers(s, ROUND_TRIP, TOOLS)  # two calls at once, two results
+    assert (two == "") == (name in ONE_CALL)
+    # the conversation goes on after the results: an answer, and a new question
+    more = [*one_call, {"role": "assistant", "content": "It is 18 degrees."}, {"role": "user", "content": "Thanks"}]
+    assert_renders_as_transformers(s, more, TOOLS)
+
+
+def test_arguments_are_parsed_as_vllm_does_before_the_template_writes_them(setups: dict[str, Setup]) -> None:
+    # Qwen2.5's template writes arguments with tojson: given the JSON text, it would write a quoted
+    # string, which is why vLLM (and we) parse it first; Qwen3's writes a string as it is
+    s = setups["qwen2.5-7b-instruct"]
+    call = ROUND_TRIP[:3]
+    as_text = s.hf.apply_chat_template([*call[:2], {**call[2], "content": ""}], tools=TOOLS, tokenize=False)
+    assert '"arguments": "{\\"city\\":\\"Paris\\"}"' in as_text
+    ours_text = s.template.render(ours(call), False, tools=specs(TOOLS))
+    assert '"arguments": {"city": "Paris"}' in ours_text and ours_text != as_text
+
+
+@pytest.mark.parametrize("enable_thinking", [False, True, None])
+def test_qwen3_enable_thinking(setups: dict[str, Setup], enable_thinking: bool | None) -> None:
+    s = setups["qwen3-30b-a3b"]
+    kwargs = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    for chat, tools in ((CHATS["multi-turn"], None), (ROUND_TRIP, TOOLS)):
+        dicts = as_dicts(chat) if tools is None else chat
+        text = assert_renders_as_transformers(s, dicts, tools, **kwargs)
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") == (enable_thinking is False)
+
+
+def test_qwen3_renders_the_reasoning_of_the_turn_in_progress(setups: dict[str, Setup]) -> None:
+    # after the last user message, an assistant's reasoning_content is written back (tool call loops)
+    s = setups["qwen3-30b-a3b"]
+    chat = [
+        ROUND_TRIP[1],
+        {**ROUND_TRIP[2], "reasoning_content": "The user wants the weather and the time."},
+        *ROUND_TRIP[3:],
+    ]
+    text = assert_renders_as_transformers(s, chat, TOOLS)
+    assert "<think>\nThe user wants the weather and the time.\n</think>" in text
+
+
+def test_template_kwargs_may_override_special_tokens_as_in_transformers(setups: dict[str, Setup]) -> None:
+    s = setups["mixtral-8x7b-instruct-v0.1"]
+    text = assert_renders_as_transformers(s, as_dicts(CHATS["user"]), None, bos_token="<BOS>")
+    assert text.startswith("<BOS>")
+
+
+@pytest.mark.parametrize(
+    "name", ["messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template"]
+)
+def test_reserved_template_variables_are_refused(name: str) -> None:
+    with pytest.raises(ChatTemplateError, match=f"chat_template_kwargs may not set '{name}'"):
+        ChatTemplate("x").render(USER, template_kwargs={name: True})
+
+
+def test_transformers_refuses_a_messages_kwarg_too(setups: dict[str, Setup]) -> None:
+    with pytest.raises(TypeError, match="multiple values for keyword argument 'messages'"):
+        setups["qwen3-30b-a3b"].hf.apply_chat_template(as_dicts(CHATS["user"]), tokenize=False, messages=[])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"x": float("nan")}, "not finite"),
+        ({"x": {1: "a"}}, "key that is not a string"),
+        ({"x": object()}, "only JSON values"),
+        ({"x": [[[[[[[[]]]]]]]] * 2}, None),
+        ("enable_thinking", "must be an object"),
+    ],
+)
+def test_template_kwargs_are_json_values(kwargs: Any, words: str | None) -> None:
+    if words is None:
+        assert check_template_kwargs(kwargs) == kwargs
+        return
+    with pytest.raises(ChatTemplateError, match=words):
+        check_template_kwargs(kwargs)
+
+
+def test_template_kwargs_nesting_is_bounded() -> None:
+    deep: Any = "x"
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(ChatTemplateError, match="nested more than 64 levels"):
+        check_template_kwargs({"deep": deep})
+
+
+def test_template_kwargs_reach_the_template_as_plain_values() -> None:
+    t = ChatTemplate("{{ a.b[1] }}|{{ flag is false }}|{{ n * 2 }}|{{ tools is none }}")
+    assert t.render(USER, template_kwargs={"a": {"b": (1, "two")}, "flag": False, "n": 21}) == "two|True|42|True"
+
+
+def test_tool_messages_and_calls_are_checked() -> None:
+    call = ToolCall("c1", "f", '{"a": 1}')
+    assert ChatMessage("assistant", "", tool_calls=(call,)).tool_calls == (call,)
+    for kwargs, words in (
+        ({"role": "user", "content": "x", "tool_calls": (call,)}, "only an assistant message has tool_calls"),
+        ({"role": "assistant", "content": "x", "tool_call_id": "c1"}, "only a tool message has a tool_call_id"),
+        ({"role": "user", "content": "x", "reasoning_content": "r"}, "only an assistant message has reasoning"),
+        ({"role": "assistant", "content": "x", "tool_calls": [call]}, "must be a tuple of ToolCall"),
+    ):
+        with pytest.raises(ChatTemplateError, match=words):
+            ChatMessage(**kwargs)
+    with pytest.raises(ChatTemplateError, match="only function tool calls"):
+        ToolCall.from_openai({"id": "x", "type": "custom", "function": {"name": "f"}})
+    with pytest.raises(ChatTemplateError, match="arguments of tool call 'c2' \\(f\\) are not JSON"):
+        ChatTemplate("{{ messages }}").render([ChatMessage("assistant", "", tool_calls=(ToolCall("c2", "f", "{x"),))])
+    with pytest.raises(ChatTemplateError, match="parameters of tool 'f' must be a JSON schema object"):
+        ToolSpec("f", parameters="[1]")
+    with pytest.raises(ChatTemplateError, match="only function tools"):
+        ToolSpec.from_openai({"type": "retrieval"})
+
+
+def test_openai_messages_become_chat_messages() -> None:
+    m = ChatMessage.from_openai(ROUND_TRIP[2])
+    assert m.content == "" and [c.name for c in m.tool_calls] == ["get_weather", "get_time"]
+    assert m.tool_calls[0].to_openai() == ROUND_TRIP[2]["tool_calls"][0]
+    assert m.tool_calls[1].arguments_value() == {}  # empty arguments render as {}, as vLLM's
+    assert ChatMessage.from_openai(ROUND_TRIP[3]).tool_call_id == "abcdefgh1"
+    given_as_value = {"id": "c", "function": {"name": "f", "arguments": {"é": [1, 2]}}}
+    assert ToolCall.from_openai(given_as_value).arguments == '{"é": [1, 2]}'
+    assert ChatMessage.from_openai({"role": "assistant", "content": "x", "reasoning": "r"}).reasoning_content == "r"
+    spec = ToolSpec.from_openai(TOOLS[0])
+    assert spec.to_openai() == TOOLS[0] and ToolSpec("f").to_openai() == {"type": "function", "function": {"name": "f"}}
+
+
+def test_supports_tools(setups: dict[str, Setup]) -> None:
+    assert {n for n, s in setups.items() if s.template.supports_tools} == set(TOOL_TEMPLATES)
+
+
+def test_a_tool_use_template_is_used_with_tools_as_in_transformers(tmp_path: Path) -> None:
+    model = write_demo_model(tmp_path / "demo", "tiny", seed=0, progress=False)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    tool_use = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1].content }}"
+    config["chat_template"] = [
+        {"name": "default", "template": "plain:{{ messages[-1].content }}"},
+        {"name": "tool_use", "template": tool_use},
+    ]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = AutoTokenizer.from_pretrained(model)
+    template = ChatTemplate.from_model_dir(model)
+    assert template is not None and template.supports_tools
+    chat = as_dicts(CHATS["user"])
+    for tools in (None, TOOLS, []):
+        want = hf.apply_chat_template(chat, tools=tools, tokenize=False)
+        assert template.render(as_messages(CHATS["user"]), False, tools=specs(tools)) == want
+    # as files: chat_template.jinja and additional_chat_templates/tool_use.jinja win over the config
+    (model / "chat_template.jinja").write_text("file:{{ messages[-1].content }}")
+    (model / "additional_chat_templates").mkdir()
+    (model / "additional_chat_templates" / "tool_use.jinja").write_text("tools-file:" + tool_use)
+    hf = AutoTokenizer.from_pretrained(model)
+    template = ChatTemplate.from_model_dir(model)
+    assert template is not None
+    for tools in (None, TOOLS):
+        want = hf.apply_chat_template(chat, tools=tools, tokenize=False)
+        assert template.render(as_messages(CHATS["user"]), False, tools=specs(tools)) == want
+
+
+def test_the_tool_use_template_is_checked_at_load(tmp_path: Path) -> None:
+    d = write_config(
+        tmp_path, chat_template=[{"name": "default", "template": "a"}, {"name": "tool_use", "template": "{% if %}"}]
+    )
+    with pytest.raises(ChatTemplateError, match=r"chat_template \(tool_use\): chat template syntax error"):
+        ChatTemplate.from_model_dir(d)
+
+
+def test_tools_are_bounded_as_any_render() -> None:
+    t = ChatTemplate("{% for t in tools %}{{ t | tojson }}{% endfor %}")
+    tools = [ToolSpec(f"f{i}", "x" * 1000) for i in range(100)]
+    with pytest.raises(ChatTemplateError, match="more than 65536 bytes"):
+        t.render(USER, tools=tools, max_bytes=65536)
+    assert len(t.render(USER, tools=tools[:10], max_bytes=65536)) > 10000
+
+
+@pytest.mark.parametrize("name", TOOL_TEMPLATES)
+def test_the_renderer_processes_render_tools_as_in_process(setups: dict[str, Setup], name: str) -> None:
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    s = setups[name]
+    r = TemplateRenderer(s.template, max_bytes=1 << 20, processes=1)
+    r.start()
+    try:
+        one_call = [*ROUND_TRIP[:2], {**ROUND_TRIP[2], "tool_calls": ROUND_TRIP[2]["tool_calls"][:1]}, ROUND_TRIP[3]]
+        for chat, kwargs in ((one_call, {}), (ROUND_TRIP[:2], {"enable_thinking": False, "x": [1, {"y": None}]})):
+            want = s.template.render(ours(chat), tools=specs(TOOLS), template_kwargs=kwargs)
+            assert r.render(ours(chat), tools=specs(TOOLS), template_kwargs=kwargs) == want
+        with pytest.raises(ChatTemplateError, match="may not set 'messages'"):  # refused before a renderer is used
+            r.render(ours(ROUND_TRIP[:2]), template_kwargs={"messages": []})
+        with pytest.raises(ChatTemplateError, match="are not JSON"):  # the child's error, for the client
+            bad = ChatMessage("assistant", "", tool_calls=(ToolCall("abcdefgh1", "f", "{"),))
+            r.render([*ours(ROUND_TRIP[:2]), bad])
+    finally:
+        r.close()
+
+
+def test_a_renderer_renders_with_the_tool_use_template() -> None:
+    from moe_lightning.template_renderer import TemplateRenderer
+
+    t = ChatTemplate("plain", tool_source="{% for t in tools %}{{ t.function.name }}{% endfor %}")
+    r = TemplateRenderer(t, max_bytes=65536, processes=1)
+    r.start()
+    try:
+        assert r.render(USER) == "plain" and r.render(USER, tools=specs(TOOLS)) == "get_weatherget_time"
+    finally:
+        r.close()

@@ -182,6 +182,37 @@ def test_logprobs_in_each_apis_form(stack: Stack, model_id: str) -> None:
     assert all(t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_the_grpc_api_does(stack: Stack, model_id: str) -> None:
+    c = client(stack)
+    prompt = "Once upon a time"
+    with GenerationClient(stack.api_address, timeout=60) as g:
+        ref = g.generate(Prompt(text=prompt, max_new_tokens=3, prompt_logprobs=2, logprobs=2, echo=True))
+    r = c.completions.create(model=model_id, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice = r.choices[0]
+    assert choice.text == prompt + ref.text and ref.prompt_text == prompt
+    lp = choice.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    n = len(ref.prompt_logprobs) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    assert lp.token_logprobs[1:n] == pytest.approx([e["logprob"] for e in ref.prompt_logprobs])
+    assert lp.token_logprobs[n:] == pytest.approx([e["logprob"] for e in ref.logprobs])
+    assert "".join(lp.tokens or []) == choice.text
+    assert lp.text_offset == [sum(len(t) for t in (lp.tokens or [])[:i]) for i in range(len(lp.tokens or []))]
+    # max_tokens 0 scores the prompt alone, as lm-eval's log-likelihood requests and OpenAI's legacy scoring do
+    scored = c.completions.create(model=model_id, prompt=prompt, max_tokens=0, logprobs=1, echo=True)
+    assert scored.choices[0].text == prompt and scored.usage is not None and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]  # type: ignore[union-attr]
+    # vLLM's prompt_logprobs field: None for the first token, then {id: {logprob, decoded_token}}
+    raw = httpx.post(
+        f"{stack.http_address}/v1/completions",
+        json={"model": model_id, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 0},
+        timeout=60,
+    ).json()
+    entries = raw["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == n
+    assert [next(iter(e.values()))["logprob"] for e in entries[1:]] == pytest.approx(lp.token_logprobs[1:n])
+
+
 def test_errors_have_openais_shape_and_status(stack: Stack, model_id: str) -> None:
     c = client(stack)
     with pytest.raises(openai.NotFoundError) as nf:
@@ -190,8 +221,8 @@ def test_errors_have_openais_shape_and_status(stack: Stack, model_id: str) -> No
     with pytest.raises(openai.BadRequestError) as bad:
         c.completions.create(model=model_id, prompt="x", temperature=-1)
     assert bad.value.body["param"] == "temperature"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError, match="echo is not supported") as echo:
-        c.completions.create(model=model_id, prompt="x", echo=True)
+    with pytest.raises(openai.BadRequestError, match="echo is not supported with stream") as echo:
+        c.completions.create(model=model_id, prompt="x", echo=True, stream=True)
     assert echo.value.body["param"] == "echo"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError, match="context"):  # the gRPC API's INVALID_ARGUMENT, as 400
         c.completions.create(model=model_id, prompt="x", max_tokens=10**6)
@@ -330,6 +361,15 @@ def test_openai_batch_files_through_run(stack: Stack, model_id: str, tmp_path: P
         "seed": 3,
         "temperature": 0.7,
     }
+    scoring = {"model": model_id, "prompt": "Once upon a time", "max_tokens": 0, "logprobs": 1, "echo": True}
+    controls = {
+        **chat,
+        "logit_bias": {"5": 4.0},
+        "repetition_penalty": 1.4,
+        "frequency_penalty": 0.5,
+        "min_tokens": 3,
+        "stop_token_ids": [7],
+    }
     lines = [
         {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions", "body": chat},
         {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions", "body": completion},
@@ -346,6 +386,9 @@ def test_openai_batch_files_through_run(stack: Stack, model_id: str, tmp_path: P
             "url": "/v1/completions",
             "body": {**completion, "max_tokens": 10**6},
         },
+        # the new fields read as the gateway reads them: echo + logprobs (scoring), and the controls
+        {"custom_id": "echo", "method": "POST", "url": "/v1/completions", "body": scoring},
+        {"custom_id": "controls", "method": "POST", "url": "/v1/chat/completions", "body": controls},
     ]
     src, out = tmp_path / "batch.jsonl", tmp_path / "results.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
@@ -364,7 +407,7 @@ def test_openai_batch_files_through_run(stack: Stack, model_id: str, tmp_path: P
     assert r.returncode == 0, r.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [x["custom_id"] for x in results] == [line["custom_id"] for line in lines]
-    assert [x["response"]["status_code"] for x in results] == [200, 200, 400, 400, 400]
+    assert [x["response"]["status_code"] for x in results] == [200, 200, 400, 400, 400, 200, 200]
     http = client(stack)
     want_chat = http.chat.completions.create(**chat).choices[0].message.content  # type: ignore[call-overload]
     assert results[0]["response"]["body"]["choices"][0]["message"]["content"] == want_chat
@@ -373,3 +416,9 @@ def test_openai_batch_files_through_run(stack: Stack, model_id: str, tmp_path: P
     assert results[2]["response"]["body"]["error"]["param"] == "temperature"
     assert "url must be one of" in results[3]["response"]["body"]["error"]["message"]
     assert "context" in results[4]["response"]["body"]["error"]["message"]
+    direct = [  # the same bodies straight to the gateway
+        httpx.post(f"{stack.http_address}{path}", json=body, timeout=60).json()["choices"]
+        for path, body in (("/v1/completions", scoring), ("/v1/chat/completions", controls))
+    ]
+    assert results[5]["response"]["body"]["choices"] == direct[0]
+    assert results[6]["response"]["body"]["choices"] == direct[1]

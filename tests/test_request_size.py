@@ -234,7 +234,7 @@ class GatedRenderer:
         self.started.setdefault(content, threading.Event())
         return self.gates.setdefault(content, threading.Event())
 
-    def render(self, messages: Any, add_generation_prompt: bool = True, cancel: Any = None) -> str:
+    def render(self, messages: Any, add_generation_prompt: bool = True, cancel: Any = None, **extra: Any) -> str:
         content = messages[0].content
         with self._lock:
             self.order.append(content)

@@ -24,6 +24,7 @@ from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.output_files import output_file
 from moe_lightning.validation import MAX_BATCH_PROMPTS
 
+Input = generation_pb2.GenerationInput
 ROUTES: dict[str, type[CompletionRequest] | type[ChatCompletionRequest]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
@@ -53,18 +54,30 @@ class BatchLine:
     outputs: list[generation_pb2.GenerationOutput] = field(default_factory=list)
 
 
-def read_batch(path: Path) -> list[BatchLine]:
+@dataclass(frozen=True, slots=True)
+class OutputFormats:
+    """How the server's model writes tool calls and reasoning (GetServerMetadata; "": not at all)."""
+
+    tool_call_format: str = ""
+    reasoning_format: str = ""
+
+
+NO_FORMATS = OutputFormats()
+
+
+def read_batch(path: Path, formats: OutputFormats = NO_FORMATS) -> list[BatchLine]:
+    """`formats`: the server's (tool calls, reasoning), which chat lines with tools are read by."""
     lines = []
     with path.open() as f:
         for n, raw in enumerate(f, start=1):
             if raw.strip():
-                lines.append(_parse(raw, n))
+                lines.append(_parse(raw, n, formats.tool_call_format))
     if not lines:
         raise ValueError(f"{path}: no requests")
     return lines
 
 
-def _parse(raw: str, n: int) -> BatchLine:
+def _parse(raw: str, n: int, tool_format: str = "") -> BatchLine:
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -75,7 +88,7 @@ def _parse(raw: str, n: int) -> BatchLine:
         return line
     try:
         line.request = ROUTES[line.route].model_validate(obj.get("body") or {})
-        line.inputs = line.request.inputs()
+        line.inputs = _inputs(line.request, tool_format)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(x) for x in first["loc"]) or None
@@ -83,6 +96,27 @@ def _parse(raw: str, n: int) -> BatchLine:
     except UnsupportedField as exc:
         line.error = bad_request(str(exc), exc.param)
     return line
+
+
+def with_formats(lines: list[BatchLine], formats: OutputFormats) -> None:
+    """Reads the chat lines with tools again by the server's formats, known once it is reached (read_batch
+    read them without: their error says the server parses no tool calls)."""
+    for line in lines:
+        request = line.request
+        if isinstance(request, ChatCompletionRequest) and request.tools:
+            line.error = None
+            try:
+                line.inputs = _inputs(request, formats.tool_call_format)
+            except UnsupportedField as exc:
+                line.error = bad_request(str(exc), exc.param)
+
+
+def _inputs(
+    request: CompletionRequest | ChatCompletionRequest, tool_format: str
+) -> list[generation_pb2.GenerationInput]:
+    if isinstance(request, ChatCompletionRequest):
+        return request.inputs(tool_format=tool_format)
+    return request.inputs()
 
 
 def chunk_lines(lines: list[BatchLine], chunk_size: int, max_inputs: int) -> list[list[BatchLine]]:
@@ -136,7 +170,7 @@ def run_batch(
         list(pool.map(one, chunks))
 
 
-def result_line(line: BatchLine, model: str) -> dict[str, Any]:
+def result_line(line: BatchLine, model: str, formats: OutputFormats = NO_FORMATS) -> dict[str, Any]:
     request_id = uuid.uuid4().hex
     if line.error is not None:
         response = {"status_code": line.error.status, "request_id": request_id, "body": line.error.body()}
@@ -144,17 +178,20 @@ def result_line(line: BatchLine, model: str) -> dict[str, Any]:
         assert line.request is not None
         if isinstance(line.request, CompletionRequest):
             rid = responses.new_id("cmpl")
-            body = responses.completion(rid, model, line.outputs, line.request.n, line.request.logprobs is not None)
+            body = line.request.response(rid, model, line.outputs)
         else:
-            top = (line.request.top_logprobs or 0) if line.request.logprobs else None
-            body = responses.chat_completion(responses.new_id("chatcmpl"), model, line.outputs, top)
+            body = line.request.response(
+                responses.new_id("chatcmpl"), model, line.outputs, formats.tool_call_format, formats.reasoning_format
+            )
         response = {"status_code": 200, "request_id": request_id, "body": body}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": response, "error": None}
 
 
-def write_results(lines: list[BatchLine], model: str, path: Path, overwrite: bool = False) -> None:
+def write_results(
+    lines: list[BatchLine], model: str, path: Path, overwrite: bool = False, formats: OutputFormats = NO_FORMATS
+) -> None:
     """The results file, written as every output of a job is (output_files.py: whole or not at all,
     never through a symbolic link or into another user's file; an own file only with `overwrite`)."""
     with output_file(path, overwrite) as f:
         for line in lines:
-            f.write((json.dumps(result_line(line, model), separators=(",", ":")) + "\n").encode())
+            f.write((json.dumps(result_line(line, model, formats), separators=(",", ":")) + "\n").encode())

@@ -152,9 +152,12 @@ def _submit_openai(args: argparse.Namespace, addr: str, lines: list[Any]) -> int
     t0 = time.perf_counter()
     with _client(args, addr) as client, tqdm(total=len(lines), unit="request", disable=args.no_progress) as bar:
         model = Path(client.model_info().model.model_path).name
+        meta = client.server_metadata()
+        formats = openai_batch.OutputFormats(meta.tool_call_format, meta.reasoning_format)
+        openai_batch.with_formats(lines, formats)
         metadata = client._metadata or ()
         openai_batch.run_batch(lines, client.stub, metadata, args.chunk_size, max(1, args.in_flight or 4), bar.update)
-    openai_batch.write_results(lines, model, args.output, args.overwrite)
+    openai_batch.write_results(lines, model, args.output, args.overwrite, formats)
     failed = sum(line.error is not None for line in lines)
     sys.stderr.write(
         f"{len(lines)} requests ({failed} failed) in {time.perf_counter() - t0:.2f} s; wrote {args.output}\n"

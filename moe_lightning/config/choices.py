@@ -38,3 +38,10 @@ EXPERT_KERNELS = ("fastest", "exact")  # gpu_expert's quantized GEMMs
 TP_BACKENDS = (AUTO, "nccl", "gloo")  # the ranks' all-reduces; auto: NCCL on CUDA, gloo on CPU
 DEVICE_TYPES = ("cpu", "cuda")  # a device is one of these, cuda with an optional :index
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # any case on the command line
+
+# how a model writes tool calls and its reasoning (moe_lightning/tool_calls.py, reasoning.py); the
+# parsers' auto reads it from the chat template, none parses nothing
+TOOL_CALL_FORMATS = ("hermes", "mistral", "llama3_json")
+TOOL_CALL_PARSERS = (AUTO, "none", *TOOL_CALL_FORMATS)
+REASONING_FORMATS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = (AUTO, "none", *REASONING_FORMATS)

@@ -184,6 +184,18 @@ CHAT_TEMPLATE = Flag(
     "a Jinja chat template file for `messages` prompts (default: the one in the model's tokenizer_config.json, if any)",
     type=Path,
 )
+TOOL_CALL_PARSER = Flag(
+    "--tool-call-parser",
+    "how the model writes tool calls, for the OpenAI API's tools: auto reads it from the chat template "
+    '(docs/openai.md, "Tools"); none parses none',
+    choices=choices.TOOL_CALL_PARSERS,
+)
+REASONING_PARSER = Flag(
+    "--reasoning-parser",
+    "how the model writes its reasoning, returned apart as reasoning_content: auto reads it from the chat "
+    "template; none returns it as content",
+    choices=choices.REASONING_PARSERS,
+)
 STREAM_INTERVAL = Flag(
     "--stream-interval",
     "streams (gRPC and HTTP) send a message once this many tokens are new: 1, a message per decode step; larger, "

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.config import flags
-from moe_lightning.config.choices import KV_ADMISSIONS, STEP_SCHEDULES
+from moe_lightning.config.choices import AUTO, KV_ADMISSIONS, STEP_SCHEDULES
 from moe_lightning.config.flag import REQUIRED, Flag, option
 from moe_lightning.config.service import ServiceConfig
 from moe_lightning.config.units import positive_int
@@ -82,6 +82,8 @@ class OrchestratorConfig(ServiceConfig):
     tokenizer: Path | None = option(TOKENIZER)
     chat_template: Path | None = option(flags.CHAT_TEMPLATE)
     chat_template_timeout: float = option(CHAT_TEMPLATE_TIMEOUT_FLAG, CHAT_TEMPLATE_TIMEOUT)
+    tool_call_parser: str = option(flags.TOOL_CALL_PARSER, AUTO)
+    reasoning_parser: str = option(flags.REASONING_PARSER, AUTO)
     max_batch_size: int | None = option(flags.MAX_BATCH_SIZE)  # None: the HRM's policy
     micro_batch_size: int | None = option(flags.MICRO_BATCH_SIZE)  # None: the HRM's; 0: the whole batch
     expected_prompt_len: float = option(EXPECTED_PROMPT_LEN, 77.0)

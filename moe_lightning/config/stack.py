@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.config import flags
-from moe_lightning.config.choices import KV_ADMISSIONS, STEP_SCHEDULES
+from moe_lightning.config.choices import AUTO, KV_ADMISSIONS, STEP_SCHEDULES
 from moe_lightning.config.cpu_attention import DEFAULT_KV_CACHE_MEMORY, CpuAttentionConfig
 from moe_lightning.config.flag import REQUIRED, CliConfig, Flag, option
 from moe_lightning.config.gateway import GatewayConfig
@@ -33,7 +33,19 @@ LOG_DIR = Flag("--log-dir", "write each service's log to DIR/<service>.log", typ
 SERVICE_NAMES = ("weight_store", "cpu_attention", "gpu_expert", "orchestrator", "gateway")
 INTERNAL = ("weight_store", "cpu_attention", "gpu_expert")  # on unix sockets in the run's private directory
 # the options of the public API's exposure: `up`'s, not `run --model`'s (whose stack binds loopback only)
-EXPOSURE = ("model", "host", "port", "chat_template", "stream_interval", "tls_cert", "tls_key", "tls_ca", "auth_token")
+EXPOSURE = (
+    "model",
+    "host",
+    "port",
+    "chat_template",
+    "tool_call_parser",
+    "reasoning_parser",
+    "stream_interval",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "auth_token",
+)
 
 
 @dataclass(kw_only=True)
@@ -50,6 +62,8 @@ class StackConfig(CliConfig):
     attention_placement: str = option(flags.ATTENTION_PLACEMENT, "auto")
     experts_placement: str = option(flags.EXPERTS_PLACEMENT, "auto")
     chat_template: Path | None = option(flags.CHAT_TEMPLATE)
+    tool_call_parser: str = option(flags.TOOL_CALL_PARSER, AUTO)
+    reasoning_parser: str = option(flags.REASONING_PARSER, AUTO)
     stream_interval: int = option(flags.STREAM_INTERVAL, 1)
     tls_cert: Path | None = option(flags.TLS_CERT)  # the public API over TLS (the rest stays on unix sockets)
     tls_key: Path | None = option(flags.TLS_KEY)
@@ -187,6 +201,8 @@ def _orchestrator(c: StackConfig, w: Wiring) -> tuple[type[OrchestratorConfig], 
         attention_placement=c.attention_placement,
         experts_placement=c.experts_placement,
         chat_template=c.chat_template,
+        tool_call_parser=c.tool_call_parser,
+        reasoning_parser=c.reasoning_parser,
         stream_interval=c.stream_interval,
         tls_cert=c.tls_cert if tls else None,
         tls_key=c.tls_key if tls else None,

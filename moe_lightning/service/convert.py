@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
 from moe_lightning.api.common.v1 import common_pb2
+from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2
 from moe_lightning.arena_layout import ArenaLayout, Page
 from moe_lightning.hrm.roofs import Measurements
 from moe_lightning.placement import Placement, Side
-from moe_lightning.sampling import SamplingParams, TokenLogprobs
+from moe_lightning.sampling import PromptLogprobs, SamplingParams, TokenLogprobs
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
@@ -83,12 +84,37 @@ def layout_from_pb(pages: list[common_pb2.TensorDescriptor], total_bytes: int) -
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
-        temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed, logprobs=p.logprobs
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed,
+        logprobs=p.logprobs,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=None if p.repetition_penalty == 1.0 else p.repetition_penalty,
+        logit_bias=dict(p.logit_bias),
+        min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids,
+        prompt_logprobs=p.prompt_logprobs,
     )
 
 
+def sampling_controls_from_pb(m: common_pb2.SamplingParams | generation_pb2.GenerationInput) -> dict[str, Any]:
+    """SamplingParams' controls from either message that carries them (the fields share their names)."""
+    return {
+        "presence_penalty": m.presence_penalty,
+        "frequency_penalty": m.frequency_penalty,
+        "repetition_penalty": m.repetition_penalty if m.HasField("repetition_penalty") else 1.0,
+        "logit_bias": tuple(sorted(m.logit_bias.items())),
+        "min_tokens": m.min_tokens,
+        "stop_token_ids": tuple(m.stop_token_ids),
+        "prompt_logprobs": m.prompt_logprobs if m.HasField("prompt_logprobs") else None,
+    }
+
+
 def sampling_from_pb(m: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(m.temperature, m.top_k, m.top_p, m.seed if m.HasField("seed") else None, m.logprobs)
+    seed = m.seed if m.HasField("seed") else None
+    return SamplingParams(m.temperature, m.top_k, m.top_p, seed, m.logprobs, **sampling_controls_from_pb(m))
 
 
 def logprobs_to_pb(t: TokenLogprobs) -> common_pb2.TokenLogprobs:
@@ -99,6 +125,35 @@ def logprobs_to_pb(t: TokenLogprobs) -> common_pb2.TokenLogprobs:
 
 def logprobs_from_pb(m: common_pb2.TokenLogprobs) -> TokenLogprobs:
     return TokenLogprobs(m.token_id, m.logprob, list(m.top_token_ids), list(m.top_logprobs))
+
+
+def prompt_logprobs_to_pb(p: PromptLogprobs) -> common_pb2.PromptLogprobs:
+    """Columns: a long prompt's thousands of entries cost a few packed fields, not a message each."""
+    top = len(p.entries[0].top_token_ids) if p.entries else 0
+    return common_pb2.PromptLogprobs(
+        first_position=p.first_position,
+        top=top,
+        token_ids=[e.token_id for e in p.entries],
+        logprobs=[e.logprob for e in p.entries],
+        top_token_ids=[t for e in p.entries for t in e.top_token_ids],
+        top_logprobs=[v for e in p.entries for v in e.top_logprobs],
+    )
+
+
+def prompt_logprobs_from_pb(m: common_pb2.PromptLogprobs) -> PromptLogprobs:
+    n, k = len(m.token_ids), m.top
+    if len(m.logprobs) != n or len(m.top_token_ids) != n * k or len(m.top_logprobs) != n * k:
+        raise ServiceError(
+            f"prompt_logprobs columns disagree: {n} tokens, {len(m.logprobs)} logprobs, top {k} with "
+            f"{len(m.top_token_ids)} ids and {len(m.top_logprobs)} values",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+    ids, values = list(m.top_token_ids), list(m.top_logprobs)
+    entries = [
+        TokenLogprobs(m.token_ids[i], m.logprobs[i], ids[i * k : (i + 1) * k], values[i * k : (i + 1) * k])
+        for i in range(n)
+    ]
+    return PromptLogprobs(m.first_position, entries)
 
 
 def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
@@ -113,6 +168,8 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
                         start_position=s.start,
                         sampling=None if s.sampling is None else sampling_to_pb(s.sampling),
                         draws=s.draws,
+                        prompt_length=s.prompt_len,
+                        token_mask=s.token_mask or b"",
                     )
                     for s in mb
                 ]
@@ -139,6 +196,8 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
                     s.start_position,
                     sampling_from_pb(s.sampling) if s.HasField("sampling") else None,
                     s.draws,
+                    s.prompt_length,
+                    s.token_mask or None,
                 )
                 for s in mb.sequences
             ]
@@ -163,6 +222,8 @@ def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
         ),
         logprob_seq_ids=list(out.logprobs),
         logprobs=[logprobs_to_pb(t) for t in out.logprobs.values()],
+        prompt_logprob_seq_ids=list(out.prompt_logprobs),
+        prompt_logprobs=[prompt_logprobs_to_pb(p) for p in out.prompt_logprobs.values()],
         ranks=[
             gpu_expert_pb2.RankStep(
                 rank=r.rank,
@@ -184,7 +245,8 @@ def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
         **{k: getattr(t, f"{k}_ns") for k in StepTimings().stages()},
     )
     ranks = [RankStep(r.rank, r.bytes_streamed, r.expert_wait_ns, r.collectives_ns, r.step_ns) for r in m.ranks]
-    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs, ranks)
+    prompt = {s: prompt_logprobs_from_pb(p) for s, p in zip(m.prompt_logprob_seq_ids, m.prompt_logprobs, strict=True)}
+    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs, ranks, prompt)
 
 
 def _enum_from_pb(table: dict[int, _E], value: int, field: str) -> _E:

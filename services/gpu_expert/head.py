@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from moe_lightning.sampling import SequenceSampler, sample, token_logprobs
+from moe_lightning.logits_processors import process_logits
+from moe_lightning.prompt_logprobs import compute_prompt_logprobs
+from moe_lightning.sampling import PromptLogprobs, SequenceSampler, TokenLogprobs, sample, token_logprobs
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import head_logits
 from moe_lightning.step_protocol import SequenceWork
@@ -20,20 +22,34 @@ class Head:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, samplers: Samplers, clock: StageClock) -> None:
         self.spec, self.weights, self.samplers, self.clock = spec, weights, samplers, clock
 
-    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict]:
-        """The logits of each sequence's last row, its sampled token and log-probabilities."""
+    def sample(
+        self, states: list[MicroBatchState], works: list[SequenceWork]
+    ) -> tuple[list[int], dict[int, TokenLogprobs], dict[int, PromptLogprobs]]:
+        """Each sequence's sampled token from the logits of its last row (after its controls and grammar
+        mask), their log-probabilities (the raw logits'), and the prompt rows' where asked."""
         t0 = self.clock.mark()
         hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
         logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
         chosen = [self.samplers[w.seq_id] for w in works]
-        tokens = sample(logits, [c.params for c in chosen], [c.next_generator() for c in chosen]).tolist()
+        masks = [w.token_mask for w in works] if any(w.token_mask is not None for w in works) else []
+        processed = process_logits(logits, chosen, self.spec.eos_token_ids, masks)
+        tokens = sample(processed, [c.params for c in chosen], [c.next_generator() for c in chosen]).tolist()
         logprobs = {
             w.seq_id: token_logprobs(logits[b], tokens[b], c.params.logprobs)
             for b, (w, c) in enumerate(zip(works, chosen, strict=True))
             if c.params.logprobs
         }
+        prompt: dict[int, PromptLogprobs] = {}
+        if any(c.params.prompt_logprobs is not None for c in chosen):
+            prompt = compute_prompt_logprobs(
+                self.spec,
+                self.weights,
+                [st.hidden for st in states],
+                [[(w.seq_id, w.token_ids, w.start) for w in st.works] for st in states],
+                self.samplers,
+            )
         self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
-        return tokens, logprobs
+        return tokens, logprobs, prompt
 
     def seq_ids(self, works: list[SequenceWork]) -> list[int]:
         return [w.seq_id for w in works]
@@ -42,8 +58,8 @@ class Head:
 class NoHead:
     """A rank other than 0: rank 0 samples and reports the step."""
 
-    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict]:
-        return [], {}
+    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict, dict]:
+        return [], {}, {}
 
     def seq_ids(self, works: list[SequenceWork]) -> list[int]:
         return []

@@ -181,8 +181,15 @@ class ExpertRunner:
     def _micro_batch(self, mb: list[SequenceWork], place: AttentionPlace) -> MicroBatchState:
         check_micro_batch(mb, self.samplers)
         for w in mb:
+            sampler = self.samplers.get(w.seq_id)
             if w.sampling is not None:
-                self.samplers[w.seq_id] = SequenceSampler.start(w.sampling, w.draws, self.device)
+                if sampler is None or w.start == 0:
+                    sampler = SequenceSampler.start(w.sampling, w.draws, self.device, w.prompt_len)
+                    self.samplers[w.seq_id] = sampler
+                else:  # the next chunk of a prompt spanning steps: its history and pending prompt row stay
+                    sampler.resume(w.draws)
+            if sampler is not None:
+                sampler.feed(w.start, w.token_ids)
         st = MicroBatchState.embed(mb, self.weights.embed, self.device)
         place.begin(mb, st)
         return st
@@ -203,7 +210,7 @@ class ExpertRunner:
             order = place.order(self.spec.num_layers, len(states), groups)
             self._run(order, _Step(plan, states, source, timings))
             works = [w for st in states for w in st.works]
-            tokens, logprobs = self.head.sample(states, works)
+            tokens, logprobs, prompt_logprobs = self.head.sample(states, works)
             # after the sampled tokens reached the host: the step's events have all completed, so the
             # device-side expert waits are known without waiting for anything
             self.experts.end_step()
@@ -231,7 +238,7 @@ class ExpertRunner:
         TOKENS.inc(len(tokens))
         if plan.kind is not StepKind.PREFILL:  # a step that decoded: its routing is the batch's
             self.hot.after_decode_step()
-        return StepOutput(self.head.seq_ids(works), tokens, timings, logprobs, ranks)
+        return StepOutput(self.head.seq_ids(works), tokens, timings, logprobs, ranks, prompt_logprobs)
 
     def _run(self, order: Iterable[Op], s: _Step) -> None:
         """The step's order (schedule.py), op by op: every choice was made when the parts were."""

@@ -71,18 +71,22 @@ class ConnectResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_position", "sampling", "draws")
+    __slots__ = ("seq_id", "token_ids", "start_position", "sampling", "draws", "prompt_length", "token_mask")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAWS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
     sampling: _common_pb2.SamplingParams
     draws: int
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draws: _Optional[int] = ...) -> None: ...
+    prompt_length: int
+    token_mask: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draws: _Optional[int] = ..., prompt_length: _Optional[int] = ..., token_mask: _Optional[bytes] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("sequences",)
@@ -155,20 +159,24 @@ class RankStep(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bytes_streamed: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ..., step_ns: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs", "ranks")
+    __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs", "ranks", "prompt_logprob_seq_ids", "prompt_logprobs")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROB_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     timings: StepTimings
     logprob_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprobs]
     ranks: _containers.RepeatedCompositeFieldContainer[RankStep]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ...) -> None: ...
+    prompt_logprob_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprobs]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ..., prompt_logprob_seq_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("query",)

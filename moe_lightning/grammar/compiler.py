@@ -1,0 +1,227 @@
+"""Specs to compiled grammars (cached) and each sequence's matcher state, on llguidance."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from moe_lightning.grammar.spec import GrammarError, GrammarKind, GrammarSpec
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from moe_lightning.grammar.vocabulary import GrammarVocabulary
+
+# Whitespace between JSON tokens: what JSON allows, at most 32 characters a gap. Unbounded whitespace
+# lets a model that has lost the thread emit newlines until max_tokens (the failure vLLM added
+# `disable-any-whitespace` for); no whitespace at all forbids the pretty-printed JSON models are
+# trained on. 32 covers a newline plus 7 levels of 4-space indentation.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
+
+# llguidance's JSON options, forced over any "x-guidance" a client put in its schema: strict (an
+# unsupported keyword is an error, not silently ignored), oneOf only where the branches are disjoint
+JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE, "lenient": False, "coerce_one_of": False}
+
+MAX_ERROR_CHARS = 1000  # an HTTP 400's message, not a dump of the parser
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The llguidance grammar (its JSON form, or Lark) for a spec; checks nothing."""
+    import llguidance
+
+    match spec.kind:
+        case GrammarKind.JSON_OBJECT:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        case GrammarKind.JSON_SCHEMA:
+            return llguidance.LLMatcher.grammar_from_json_schema(spec.source, overrides=JSON_OPTIONS)
+        case GrammarKind.REGEX:
+            return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        case GrammarKind.CHOICE:
+            # literals, not a regex of escaped alternatives: nothing in a choice is syntax
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_literal, spec.parsed())))
+        case GrammarKind.TOOL_CALLS:
+            return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec.parsed()))
+    raise AssertionError(spec.kind)
+
+
+def _lark_literal(text: str) -> str:
+    # a JSON string with every non-ASCII character escaped is a valid Lark literal
+    return json.dumps(text, ensure_ascii=True)
+
+
+def _tool_calls_lark(spec: dict[str, Any]) -> str:
+    """begin call (separator call)* end, each call a JSON value of the schema (Lark's %json); a null
+    separator: begin call end."""
+    schema = {**spec["schema"], "x-guidance": JSON_OPTIONS}
+    parts = [_lark_literal(spec["begin"])] if spec["begin"] else []
+    parts.append("call")
+    separator = spec["separator"]
+    if separator is not None:  # None: exactly one call
+        parts.append(f"({_lark_literal(separator)} call)*" if separator else "call*")
+    if spec["end"]:
+        parts.append(_lark_literal(spec["end"]))
+    return f"start: {' '.join(parts)}\ncall: %json {json.dumps(schema)}\n"
+
+
+def _error(spec: GrammarSpec, message: str) -> GrammarError:
+    message = message.strip()
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + "..."
+    return GrammarError(f"{spec.kind} grammar: {message}")
+
+
+def _limits() -> llguidance.LLParserLimits:
+    import llguidance
+
+    # verbose errors append the parser state and the whole grammar: noise in a 400, and in logs
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raises GrammarError for a spec the library cannot compile, without a vocabulary: for a process
+    that has no tokenizer loaded. GrammarCompiler.check also checks against the model's tokens."""
+    import llguidance
+
+    try:
+        text = grammar_text(spec)
+    except ValueError as exc:
+        raise _error(spec, str(exc)) from None
+    message = llguidance.LLMatcher.validate_grammar(text, None, limits=_limits())
+    if message:
+        raise _error(spec, message)
+
+
+class CompiledGrammar:
+    """A spec compiled for one vocabulary. Holds a matcher at the start state that each sequence's
+    state copies (a copy is ~10 µs and shares the lexer's lazily built tables, where a new matcher
+    rebuilds them: ~1 ms for a 30-property schema)."""
+
+    __slots__ = ("_template", "spec", "vocabulary", "warnings")
+
+    def __init__(self, spec: GrammarSpec, vocabulary: GrammarVocabulary) -> None:
+        import llguidance
+
+        try:
+            text = grammar_text(spec)
+        except ValueError as exc:  # a schema the library's JSON reader refuses
+            raise _error(spec, str(exc)) from None
+        matcher = llguidance.LLMatcher(vocabulary._ll, text, log_level=0, limits=_limits())
+        if matcher.is_error():
+            raise _error(spec, matcher.get_error())
+        self.spec = spec
+        self.vocabulary = vocabulary
+        self.warnings: list[str] = matcher.get_grammar_warnings()
+        self._template = matcher
+
+    def new_state(self, replay: Iterable[int] = ()) -> GrammarState:
+        """A sequence's state at the start, then through `replay` (the tokens a preempted sequence had
+        generated, re-prefilled: its mask continues where it left off)."""
+        state = GrammarState(self)
+        state.replay(replay)
+        return state
+
+
+class GrammarStateError(RuntimeError):
+    """A token the grammar did not allow was accepted: the mask was not applied, or not this one's."""
+
+
+class GrammarState:
+    """One sequence's position in its grammar. Not thread-safe: the head owns it."""
+
+    __slots__ = ("_matcher", "_terminated", "error", "grammar", "num_tokens")
+
+    def __init__(self, grammar: CompiledGrammar) -> None:
+        self.grammar = grammar
+        self._matcher: llguidance.LLMatcher = grammar._template.deep_copy()
+        self._terminated = False
+        self.num_tokens = 0  # tokens accepted, stop token included
+        # the library's message when it failed mid-sequence (a parser or lexer limit): from then on the
+        # mask allows only the stop tokens, and the head can report why the output stopped early
+        self.error: str | None = None
+
+    @property
+    def is_terminated(self) -> bool:
+        """A stop token was accepted: the output is complete and matches the grammar."""
+        return self._terminated
+
+    @property
+    def is_accepting(self) -> bool:
+        """The text so far is a complete match (a stop token is allowed now)."""
+        return self._matcher.is_accepting()
+
+    def accept(self, token_id: int) -> None:
+        if self._consumes(token_id):
+            self._record(token_id, self._matcher.consume_token(token_id))
+        else:
+            self._record(token_id, True)
+
+    def replay(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.accept(t)
+
+    def _consumes(self, token_id: int) -> bool:
+        """Whether the token goes to the library (False: a failed state ending on a stop token)."""
+        if self._terminated:
+            raise GrammarStateError(f"token {token_id} after the grammar terminated")
+        if not self._matcher.is_error():
+            return True
+        # the library failed computing the last mask (a parser or lexer limit); that mask allowed only
+        # the stop tokens, so the sequence ends here rather than running unconstrained
+        if self.error is None:
+            self.error = self._matcher.get_error()
+        if token_id not in self.grammar.vocabulary.stop_token_ids:
+            raise GrammarStateError(f"token {token_id} after the grammar failed: {self.error}")
+        return False
+
+    def _record(self, token_id: int, ok: bool) -> None:
+        if not ok:
+            raise GrammarStateError(
+                f"{self.grammar.spec.kind} grammar rejected token {token_id} after {self.num_tokens} tokens: "
+                f"{self._matcher.get_error()}"
+            )
+        self.num_tokens += 1
+        self._terminated = token_id in self.grammar.vocabulary.stop_token_ids
+
+
+class GrammarCompiler:
+    """Compiles specs for one vocabulary, keeping the last `cache_size` (a compile is cheap with
+    llguidance, ~0.1-2 ms, since it builds lexer tables lazily, but requests repeat their schema).
+    Thread-safe."""
+
+    def __init__(self, vocabulary: GrammarVocabulary, cache_size: int = 256) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        self.vocabulary = vocabulary
+        self.cache_size = cache_size
+        self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        with self._lock:
+            compiled = self._cache.get(spec)
+            if compiled is not None:
+                self._cache.move_to_end(spec)
+                self.hits += 1
+                return compiled
+            self.misses += 1
+        # outside the lock: a large schema takes milliseconds and other specs need not wait; two
+        # threads compiling the same spec at once both succeed and one result is kept
+        compiled = CompiledGrammar(spec, self.vocabulary)
+        with self._lock:
+            self._cache[spec] = compiled
+            self._cache.move_to_end(spec)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Raises GrammarError before a request is admitted; the compiled grammar stays cached for it."""
+        self.compile(spec)
+
+    def __len__(self) -> int:
+        return len(self._cache)
