@@ -38,7 +38,7 @@ class ChatOutput:
                 out["content"] = parsed.content or None
                 out["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
                 return out
-        out["content"] = content if content is not None or self.tool_format else ""
+        out["content"] = content  # None only where the reasoning took all of it, as vLLM gives it
         return out
 
     def feed(self, text: str) -> list[dict[str, Any]]:

@@ -242,3 +242,29 @@ def test_the_server_says_its_formats(stack: Stack) -> None:
     with GenerationClient(stack.api_address, timeout=30) as c:
         meta = c.server_metadata()
     assert (meta.tool_call_format, meta.reasoning_format) == ("hermes", "qwen3")
+
+
+def test_template_kwargs_and_reasoning_through_the_stack(stack: Stack) -> None:
+    """Qwen3's enable_thinking reaches its template (the prompt differs), and the answer's reasoning comes
+    back apart: with thinking on, a random model never closes </think>, so all of it is reasoning; with
+    it off, all of it is content."""
+    c = client(stack)
+    kw: dict[str, Any] = {"model": stack.config.model.name, "max_tokens": 6, "temperature": 0}
+    user = [{"role": "user", "content": "Hi"}]
+    on = c.chat.completions.create(messages=user, **kw)
+    off = c.chat.completions.create(
+        messages=user, extra_body={"chat_template_kwargs": {"enable_thinking": False}}, **kw
+    )
+    assert on.usage is not None and off.usage is not None and off.usage.prompt_tokens > on.usage.prompt_tokens
+    reasoning = on.choices[0].message.model_extra.get("reasoning_content")  # type: ignore[union-attr]
+    assert reasoning and on.choices[0].message.content is None
+    assert off.choices[0].message.content and not (off.choices[0].message.model_extra or {}).get("reasoning_content")
+    streamed = c.chat.completions.create(messages=user, stream=True, **kw)
+    pieces = [ch.choices[0].delta.model_extra.get("reasoning_content") or "" for ch in streamed if ch.choices]  # type: ignore[union-attr]
+    assert "".join(pieces) == reasoning
+    bad = httpx.post(
+        f"{stack.http_address}/v1/chat/completions",
+        json={**kw, "messages": user, "chat_template_kwargs": {"messages": []}},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and "reserved" in bad.json()["error"]["message"], bad.text
