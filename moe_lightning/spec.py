@@ -1,7 +1,7 @@
 """ModelSpec: one normalized, validated description of an MoE decoder.
 
 Every process (weight store, expert runner, attention, orchestrator) works from this object, never
-from a raw HF config (`hf_configs.py` reads those, one reader per family), so the differences
+from a raw HF config (moe_lightning/families/ reads those, one reader per family), so the differences
 between model families live in one place.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.config.choices import DTYPE_CHOICES, DTYPE_NAMES
-from moe_lightning.hf_configs import ModelSpecError, read_hf_config, spec_fields
+from moe_lightning.hf_configs import ModelSpecError, read_hf_config
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
@@ -196,7 +196,10 @@ class ModelSpec:
     # ---- parsing -------------------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
-        """Builds a spec from the dict of an HF `config.json`; errors name the offending field."""
+        """Builds a spec from the dict of an HF `config.json` by its family's reader; errors name the
+        offending field."""
+        from moe_lightning.families import spec_fields  # the families' presets are ModelSpecs: imported late
+
         return cls(**spec_fields(config))
 
     @classmethod

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.demo_model import mixtral_config
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
@@ -109,6 +110,7 @@ def exhaustive(
     max_micro_batch: int | None = None,
     kv_dtype: str | None = None,
     quant: QuantScheme = NO_QUANT,
+    expert_groups: Iterable[int] = EXPERT_GROUP_CHOICES,
 ) -> Estimate:
     """optimize() before it skipped points: the best fitting policy; ValueError when nothing fits.
 
@@ -123,6 +125,9 @@ def exhaustive(
     `quant`: the format of the expert pages (default: the model dtype); smaller pages stream faster and
     leave room for more resident experts and a larger batch.
 
+    `expert_groups`: the schedules of a layer's experts, as optimize() searches them (each choice's best,
+    a later one kept only when faster beyond a tie; a group larger than `max_micro_batch` is not run).
+
     `mus` / `n_ubs` replace the default grids (tests compare against brute force on small ones).
     """
     n_max = max_batch(spec, work, hw, dtype, headroom, batch_cap, kv_dtype, quant)
@@ -131,22 +136,36 @@ def exhaustive(
             f"the weights alone ({spec.num_parameters() / 1e9:.1f} B parameters) do not fit in "
             f"{headroom.cpu:.0%} of host memory ({hw.cpu_memory / 1e9:.0f} GB)"
         )
-    best: Estimate | None = None
+    winner: Estimate | None = None
     attention, experts = tuple(attention), tuple(experts)
     mu_max = n_max if max_micro_batch is None else max(1, min(n_max, max_micro_batch))
-    for mu in micro_batch_sizes(mu_max) if mus is None else [m for m in mus if m <= mu_max]:
-        for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
-            for att in attention:
-                for exp in experts:
-                    for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
-                        base = Policy(mu * n_ub, mu, att, exp, resident or 0, r_c)
-                        if resident is None:
-                            est = best_resident(spec, work, hw, base, dtype, headroom, kv_dtype, quant)
-                        else:
-                            est = estimate(spec, work, hw, base, dtype, headroom, kv_dtype, quant)
-                            est = est if est.cpu_bytes <= est.cpu_capacity else None
-                        if est is not None and _better(est, best):
-                            best = est
+    for choice in expert_groups:  # a later choice's best wins only when faster beyond a tie
+        best: Estimate | None = None
+        for mu in micro_batch_sizes(mu_max) if mus is None else [m for m in mus if m <= mu_max]:
+            for n_ub in micro_batch_counts(n_max // mu) if n_ubs is None else [u for u in n_ubs if mu * u <= n_max]:
+                groups = choice if 0 < choice < n_ub else 0  # as many groups as micro-batches: the same schedule
+                if groups and max_micro_batch is not None and -(-n_ub // groups) * mu > max(max_micro_batch, 1):
+                    continue  # gpu_expert would split such a group
+                for att in attention:
+                    for exp in experts:
+                        for r_c in KV_GPU_FRACTIONS if att == "gpu" else (0.0,):
+                            base = Policy(mu * n_ub, mu, att, exp, resident or 0, r_c, groups)
+                            if resident is None:
+                                est = best_resident(spec, work, hw, base, dtype, headroom, kv_dtype, quant)
+                            else:
+                                est = estimate(spec, work, hw, base, dtype, headroom, kv_dtype, quant)
+                                est = est if est.cpu_bytes <= est.cpu_capacity else None
+                            if est is not None and _better(est, best):
+                                best = est
+        if best is not None and (
+            winner is None
+            or (
+                best.tokens_per_second > winner.tokens_per_second
+                and not math.isclose(best.tokens_per_second, winner.tokens_per_second, rel_tol=1e-9)
+            )
+        ):
+            winner = best
+    best = winner
     if best is None:
         raise ValueError("no policy fits: the dense weights and one micro-batch exceed device memory")
     return best

@@ -277,3 +277,33 @@ def test_plan_presets_have_the_real_sizes() -> None:
     assert round(ARCHS["olmoe-1b-7b"].num_parameters() / 1e9, 1) == 6.9  # OLMoE-1B-7B
     assert round(ARCHS["qwen3-30b-a3b"].num_parameters() / 1e9, 1) == 30.5  # Qwen3-30B-A3B
     assert round(ARCHS["qwen1.5-moe-a2.7b"].num_parameters() / 1e9, 1) == 14.3  # Qwen1.5-MoE-A2.7B
+    assert round(ARCHS["qwen3-235b-a22b"].num_parameters() / 1e9, 1) == 235.1  # Qwen3-235B-A22B
+
+
+def test_the_registry_is_the_one_list_of_families() -> None:
+    """The CLI's --family choices, the supported architectures, the plan presets and the reference's
+    families all come from moe_lightning/families/; a config names its family by architecture or,
+    without one, by model_type; an unknown one is refused with the list."""
+    from moe_lightning import families
+    from moe_lightning.cli import build_parser
+    from moe_lightning.demo_model import PRESETS
+    from moe_lightning.hf_configs import ModelSpecError
+    from moe_lightning.hrm.archs import ARCHS
+
+    from reference import FAMILIES as REFERENCE
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    family_flag = next(a for a in sub.choices["make-demo-model"]._actions if a.dest == "family")
+    assert tuple(family_flag.choices) == families.FAMILY_NAMES
+    assert {model for _, model in REFERENCE.values()} == set(families.SUPPORTED_ARCHITECTURES)
+    assert {n: p for f in families.FAMILIES for n, p in f.plan_presets.items()} == ARCHS
+    assert all(families.by_architecture(p.architecture).plan_presets[n] is p for n, p in ARCHS.items())
+    for f in families.FAMILIES:
+        config = families.by_name(f.name).demo_config(PRESETS["tiny"], "float32")
+        assert families.of_config(config) is f
+        assert families.of_config({"model_type": f.model_type}) is f
+        assert ModelSpec.from_hf_config(config).architecture == f.architecture
+    with pytest.raises(ModelSpecError, match="'GPT2LMHeadModel' is not supported; supported: MixtralForCausalLM"):
+        families.of_config({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="unknown family 'llama'; choose one of mixtral, olmoe"):
+        families.by_name("llama")

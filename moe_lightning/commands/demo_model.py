@@ -1,4 +1,4 @@
-"""make-demo-model: write a built-in HF-format Mixtral checkpoint."""
+"""make-demo-model: write a built-in HF-format checkpoint of any family (random weights, no download)."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import time
 from typing import Any
 
 from moe_lightning.config import flags
-
-FAMILIES = ("mixtral", "olmoe", "qwen2-moe", "qwen3-moe", "dbrx")  # moe_lightning/demo_model.py writes each
+from moe_lightning.families import FAMILY_NAMES
 
 
 def add_parser(sub: Any, name: str) -> None:
-    p = sub.add_parser(name, help="write a built-in HF-format Mixtral checkpoint (no download)")
+    p = sub.add_parser(name, help="write a built-in HF-format checkpoint with random weights (no download)")
     p.add_argument("--preset", default="tiny", help="tiny (a few MB) or bench (~0.8 B params, 3.2 GB fp32)")
     flags.OUT.add_to(p, required=True)
     flags.SEED.add_to(p, default=0)
     flags.DTYPE.add_to(p, default="auto")  # auto: float32, the dtype a checkpoint written on a CPU keeps
-    p.add_argument("--family", default="mixtral", choices=FAMILIES, help="the model family to write")
+    p.add_argument("--family", default="mixtral", choices=FAMILY_NAMES, help="the model family to write")
 
 
 def run(args: argparse.Namespace) -> int:

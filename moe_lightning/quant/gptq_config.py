@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.checkpoint_error import CheckpointError
+from moe_lightning.families import of_config
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 
 QUANTIZE_CONFIG = "quantize_config.json"
@@ -83,11 +84,9 @@ def read_gptq_config(model_dir: str | Path) -> GPTQConfig | None:
             f"{source}: quant_method {method!r} is not supported; moe-lightning loads {SUPPORTED} "
             "or unquantized checkpoints"
         )
-    if config.get("model_type") == "dbrx" or "DbrxForCausalLM" in (config.get("architectures") or []):
-        raise CheckpointError(
-            f"{source}: a GPTQ DBRX checkpoint is not supported: DBRX stores each layer's experts as one "
-            "fused parameter, not as the per-expert Linear layers GPTQ quantizes"
-        )
+    why = _family_cannot(config)
+    if why is not None:
+        raise CheckpointError(f"{source}: a GPTQ {config.get('model_type')} checkpoint is not supported: {why}")
     bits = _field(raw, "bits", int, None, source) if "bits" in raw else None
     if bits != 4:
         raise CheckpointError(f"{source}: GPTQ with bits={bits} is not supported; moe-lightning loads {SUPPORTED}")
@@ -109,3 +108,12 @@ def read_gptq_config(model_dir: str | Path) -> GPTQConfig | None:
         checkpoint_format=fmt,
         static_groups=_field(raw, "static_groups", bool, False, source),
     )
+
+
+def _family_cannot(config: dict[str, Any]) -> str | None:
+    """Why the config's family cannot load from GPTQ (its `gptq_unsupported`); None when it can, or
+    when the family is unknown (the spec names that problem)."""
+    try:
+        return of_config(config).gptq_unsupported
+    except ValueError:
+        return None
