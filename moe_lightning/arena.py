@@ -28,9 +28,10 @@ from moe_lightning.arena_layout import (  # noqa: F401
     Page,
     expert_page_names,
     expert_prefix,
+    mla_shapes,
     page_shapes,
 )
-from moe_lightning.checkpoint import CheckpointReader, load_layer, top_names
+from moe_lightning.checkpoint import CheckpointReader, load_layer, skip_extra_layers, top_names
 from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
@@ -38,7 +39,21 @@ from moe_lightning.safetensors_files import INDEX_FILE
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import SOLO, Shard, ffn_slice, shard_layer
 from moe_lightning.torch_dtypes import DTYPES
-from moe_lightning.weights import ExpertWeights, LayerWeights, ModelWeights, Weight
+from moe_lightning.weights import ExpertWeights, LayerWeights, MlaWeights, ModelWeights, Weight
+
+# a layer's tensors that are one page each (the MLPs' and experts' are two)
+DENSE_FIELDS = (
+    "attn_norm",
+    "wqkv",
+    "wo",
+    "ffn_norm",
+    "router",
+    "router_bias",
+    "q_norm",
+    "k_norm",
+    "wqkv_bias",
+    "shared_gate",
+)
 
 PAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}
 
@@ -69,6 +84,7 @@ def fill_arena(
     from tqdm import tqdm
 
     reader = CheckpointReader(model_dir)
+    skip_extra_layers(reader, spec)
     dtype = DTYPES[next(iter(layout.pages.values())).dtype]
     scheme = layout.expert_scheme()
     ranks = layout.ranks()
@@ -101,13 +117,16 @@ def fill_arena(
     for i in tqdm(range(spec.num_layers), desc=desc, unit="layer", disable=not progress, leave=False):
         layer = load_layer(reader, spec, i, dtype, "cpu")
         p = f"layers.{i}"
-        for field in ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm", "wqkv_bias", "shared_gate"):
+        for field in DENSE_FIELDS:
             if getattr(layer, field) is not None:
                 put(f"{p}.{field}", getattr(layer, field))
         for kind, mlp in (("shared", layer.shared), ("mlp", layer.mlp)):
             if mlp is not None:
                 put(f"{p}.{kind}.w13", mlp.w13)
                 put(f"{p}.{kind}.w2", mlp.w2)
+        if layer.mla is not None:
+            for name, t in layer.mla.named():
+                put(f"{p}.mla.{name}", t)
         for e, expert in enumerate(layer.experts):
             full = expert
             if scheme.quantized:  # the whole weight, then sliced: int8's per-row scales span every rank
@@ -176,9 +195,11 @@ def weights_from_arena(
         return w if experts_on_host or dev.type == "cpu" else w.to(dev)
 
     def dense_on_device(layer: LayerWeights) -> LayerWeights:
-        fields = ("attn_norm", "wqkv", "wo", "ffn_norm", "router", "q_norm", "k_norm", "wqkv_bias", "shared_gate")
+        fields = DENSE_FIELDS
         moved = {f: on_device(getattr(layer, f)) for f in fields if getattr(layer, f) is not None}
         mlps = {f: getattr(layer, f).to(dev) for f in ("shared", "mlp") if getattr(layer, f) is not None}
+        if layer.mla is not None:
+            mlps["mla"] = MlaWeights(**{name: on_device(t) for name, t in layer.mla.named()})
         return replace(layer, **moved, **mlps)
 
     embed = on_device(get("embed"))
@@ -187,9 +208,11 @@ def weights_from_arena(
         p = f"layers.{i}"
         sparse = spec.is_sparse(i)
         shared = sparse and spec.shared_expert_size > 0
+        mla = spec.attention == "mla"
         layer = LayerWeights(
             attn_norm=get(f"{p}.attn_norm"),
-            wqkv=get(f"{p}.wqkv"),
+            wqkv=None if mla else get(f"{p}.wqkv"),
+            mla=MlaWeights(**{n: get(f"{p}.mla.{n}") for n, _ in mla_shapes(spec)}) if mla else None,
             wo=get(f"{p}.wo"),
             ffn_norm=get(f"{p}.ffn_norm"),
             router=get(f"{p}.router") if sparse else None,
@@ -198,7 +221,8 @@ def weights_from_arena(
             k_norm=get(f"{p}.k_norm") if spec.qk_norm else None,
             wqkv_bias=get(f"{p}.wqkv_bias") if spec.qkv_bias else None,
             shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2")) if shared else None,
-            shared_gate=get(f"{p}.shared_gate") if shared else None,
+            shared_gate=get(f"{p}.shared_gate") if shared and spec.shared_expert_gate else None,
+            router_bias=get(f"{p}.router_bias") if sparse and spec.router_score == "sigmoid" else None,
             mlp=None if sparse else ExpertWeights(get(f"{p}.mlp.w13"), get(f"{p}.mlp.w2")),
         )
         layers.append(dense_on_device(shard_layer(spec, layer, shard)))

@@ -39,7 +39,7 @@ class ArenaLayout:
         offset = 0
         for name, shape in page_shapes(spec, ranks):
             parts = _expert_parts(name, shape, scheme) if ".experts." in name else []
-            parts = parts or [(name, dtype, shape)]
+            parts = parts or [(name, "float32" if _kept_fp32(spec, name) else dtype, shape)]
             for k, (part, part_dtype, part_shape) in enumerate(parts):
                 n = ITEMSIZE[part_dtype] * math.prod(part_shape)
                 pages[part] = Page(part, offset, n, part_dtype, part_shape)
@@ -88,6 +88,28 @@ def _expert_parts(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> lis
     return [(f"{name}.{suffix}", dt, shp) for suffix, dt, shp in scheme.components(*shape, parts)]
 
 
+def _kept_fp32(spec: ModelSpec, name: str) -> bool:
+    """A sigmoid router and its selection bias stay fp32 in any model dtype, as the reference keeps them
+    (their scores pick the experts: a bf16 bias would tie and swap experts the reference keeps apart)."""
+    return spec.router_score == "sigmoid" and name.endswith((".router", ".router_bias"))
+
+
+def mla_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The pages of one layer's MLA projections (weights.MlaWeights's fields, o_proj aside: it is `wo`)."""
+    d, h, c, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    n, qk = spec.qk_nope_head_dim, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+    yield "kv_a_proj_with_mqa", (c + r, d)
+    yield "kv_a_layernorm", (c,)
+    yield "w_uk", (h, n, c)
+    yield "w_uv", (h, spec.v_head_dim, c)
+    if spec.q_lora_rank is None:
+        yield "q_proj", (h * qk, d)
+    else:
+        yield "q_a_proj", (spec.q_lora_rank, d)
+        yield "q_a_layernorm", (spec.q_lora_rank,)
+        yield "q_b_proj", (h * qk, spec.q_lora_rank)
+
+
 def page_shapes(spec: ModelSpec, ranks: int = 1) -> Iterator[tuple[str, tuple[int, ...]]]:
     d, v, inter = spec.hidden_size, spec.vocab_size, spec.intermediate_size
     yield "embed", (v, d)
@@ -97,8 +119,11 @@ def page_shapes(spec: ModelSpec, ranks: int = 1) -> Iterator[tuple[str, tuple[in
     for i in range(spec.num_layers):
         p = f"layers.{i}"
         yield f"{p}.attn_norm", (d,)
-        yield f"{p}.wqkv", (spec.q_size + 2 * spec.kv_size, d)
-        yield f"{p}.wo", (d, spec.q_size)
+        if spec.attention == "mla":
+            yield from ((f"{p}.mla.{name}", shape) for name, shape in mla_shapes(spec))
+        else:
+            yield f"{p}.wqkv", (spec.q_size + 2 * spec.kv_size, d)
+        yield f"{p}.wo", (d, spec.o_proj_in)
         if spec.qk_norm is not None:
             q_norm, k_norm = spec.qk_norm_shapes()
             yield f"{p}.q_norm", (q_norm,)
@@ -108,13 +133,16 @@ def page_shapes(spec: ModelSpec, ranks: int = 1) -> Iterator[tuple[str, tuple[in
         if spec.shared_expert_size and spec.is_sparse(i):  # part of the sparse block, not of a dense layer
             yield f"{p}.shared.w13", (2 * spec.shared_expert_size, d)
             yield f"{p}.shared.w2", (d, spec.shared_expert_size)
-            yield f"{p}.shared_gate", (1, d)
+            if spec.shared_expert_gate:
+                yield f"{p}.shared_gate", (1, d)
         yield f"{p}.ffn_norm", (d,)
         if not spec.is_sparse(i):
             yield f"{p}.mlp.w13", (2 * spec.dense_intermediate_size, d)
             yield f"{p}.mlp.w2", (d, spec.dense_intermediate_size)
             continue
         yield f"{p}.router", (spec.num_experts, d)
+        if spec.router_score == "sigmoid":
+            yield f"{p}.router_bias", (spec.num_experts,)
         for e in range(spec.num_experts):
             for r in range(ranks) if ranks > 1 else (None,):
                 w13, w2 = expert_page_names(i, e, r)

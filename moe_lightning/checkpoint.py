@@ -8,9 +8,11 @@ checkpoint (quant/gptq.py) loads with its experts kept int4 and every other line
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import structlog
 import torch
 from tqdm import tqdm
 
@@ -42,6 +44,22 @@ class CheckpointReader(SafetensorsFiles):
         return self.get(f"{base}.weight", shape)
 
 
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.blocks)\.(\d+)\.")
+
+
+def skip_extra_layers(reader: CheckpointReader, spec: ModelSpec) -> list[int]:
+    """Layers the checkpoint holds past the decoder's last (the multi-token-prediction layers DeepSeek-V3
+    and GLM-4.5 publish, which generation does not run): none is read, and the log names them."""
+    extra = sorted({int(m[1]) for name in reader.entries if (m := _LAYER.match(name)) and int(m[1]) >= spec.num_layers})
+    if extra:
+        structlog.get_logger().info(
+            "checkpoint_layers_skipped",
+            layers=extra,
+            reason=f"past the decoder's {spec.num_layers} layers (multi-token prediction): not used for generation",
+        )
+    return extra
+
+
 def family_of(spec: ModelSpec) -> Family:
     return by_architecture(spec.architecture)
 
@@ -68,6 +86,7 @@ def load_model_weights(
 ) -> ModelWeights:
     """Loads (a subset of) the model into our layout, converting to `dtype` on `device`."""
     reader = CheckpointReader(model_dir)
+    skip_extra_layers(reader, spec)
     d, v = spec.hidden_size, spec.vocab_size
     names = top_names(spec)
     embed = to_layout(reader.get(names.embed, (v, d)), dtype, device)

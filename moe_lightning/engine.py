@@ -20,13 +20,12 @@ from moe_lightning.sampling import SequenceSampler, sample
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import (
     AttentionMetadata,
+    attend,
     embed_tokens,
     head_logits,
-    paged_attention,
     plan_attention,
     post_attention,
     pre_attention,
-    write_kv,
 )
 from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.validation import RequestLimits, blocks_needed, validate
@@ -85,8 +84,7 @@ def forward_step(
     hidden = embed_tokens(weights.embed, tokens)  # (T, D)
     for i, layer in enumerate(weights.layers):
         q, k, v = pre_attention(spec, layer, hidden, positions)
-        write_kv(cache.k[i], cache.v[i], k, v, plan.write_slots)
-        attn = paged_attention(q, cache.k[i], cache.v[i], plan)  # (T, H * Hd)
+        attn = attend(spec, q, k, v, cache.k[i], cache.v[i], plan)  # (T, H * Hd)
         hidden, _ = post_attention(spec, layer, hidden, attn)
     if every_position:
         return head_logits(spec, weights.final_norm, weights.lm_head, hidden)

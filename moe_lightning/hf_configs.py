@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_lightning.config.choices import DTYPE_NAMES
+from moe_lightning.yarn import YarnScaling
 
 
 class ModelSpecError(ValueError):
@@ -33,14 +34,39 @@ def require(config: dict[str, Any], key: str) -> Any:
     return config[key]
 
 
-def rope_theta(config: dict[str, Any], default: float) -> float:
+def rope_theta(config: dict[str, Any], default: float, types: tuple[str, ...] = ("default",)) -> float:
+    """The rotary base; `types`: the rope_types the family reads (others are refused)."""
     # transformers 5 writes rope_parameters; released checkpoints carry a top-level rope_theta.
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ModelSpecError(f"rope_parameters.rope_type = {rope_type!r} is not supported; supported: 'default'")
+    if rope_type not in (*types, None):
+        supported = ", ".join(repr(t) for t in types)
+        raise ModelSpecError(f"rope_parameters.rope_type = {rope_type!r} is not supported; supported: {supported}")
     theta = params.get("rope_theta", config.get("rope_theta", default))
     return float(theta)
+
+
+def yarn_scaling(config: dict[str, Any]) -> YarnScaling | None:
+    """The YaRN scaling of rope_parameters (transformers 5) or rope_scaling (released configs), when its
+    rope_type is "yarn"; absent fields as transformers takes them (a null beta is its default, a null
+    factor max_position_embeddings / original_max_position_embeddings)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if params.get("rope_type", params.get("type")) != "yarn":
+        return None
+    original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    if not original:
+        raise ModelSpecError("YaRN rope_parameters need original_max_position_embeddings")
+    factor = params.get("factor") or float(require(config, "max_position_embeddings")) / float(original)
+    return YarnScaling(
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+        truncate=bool(params.get("truncate", True)),
+    )
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:
@@ -58,14 +84,17 @@ def checkpoint_dtype(config: dict[str, Any]) -> str:
     return dtype
 
 
-def common_fields(config: dict[str, Any], arch: str, rope_default: float, eps_default: float) -> dict[str, Any]:
-    """The fields every supported family spells the same way."""
+def common_fields(
+    config: dict[str, Any], arch: str, rope_default: float, eps_default: float, attention_bias: bool = False
+) -> dict[str, Any]:
+    """The fields every supported family spells the same way; `attention_bias`: whether the family
+    reads attention_bias = true (as q/k/v biases) rather than refusing it."""
     hidden = int(require(config, "hidden_size"))
     heads = int(require(config, "num_attention_heads"))
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ModelSpecError(f"hidden_act = {act!r} is not supported for {arch}; supported: 'silu'")
-    if config.get("attention_bias"):
+    if config.get("attention_bias") and not attention_bias:
         raise ModelSpecError(f"attention_bias = true is not supported for {arch}")
     head_dim = config.get("head_dim") or (hidden // heads if heads else 0)
     return dict(

@@ -79,8 +79,8 @@ class PagedKVCache:
         if storage is None and kv_format.is_quantized(self.format):
             storage = self.storage_in(_zeros(device), spec, num_blocks, block_size, self.format)
         elif storage is None:
-            t = getattr(torch, self.format)
-            storage = (torch.zeros(shape, dtype=t, device=device), torch.zeros(shape, dtype=t, device=device))
+            k = torch.zeros(shape, dtype=getattr(torch, self.format), device=device)
+            storage = (k, k if spec.kv_tensors == 1 else torch.zeros_like(k))
         elif tuple(storage[0].shape) != shape or tuple(storage[1].shape) != shape:
             raise ValueError(f"KV storage must have shape {shape}")
         elif isinstance(storage[0], Int8KV) != kv_format.is_quantized(self.format):
@@ -99,7 +99,9 @@ class PagedKVCache:
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype | str) -> int:
         """K and V of one block across all layers, scales included: the unit a KV memory budget is divided
         into. `dtype`: a kv_format name, or a float torch dtype."""
-        per_token = kv_format.bytes_per_token(format_name(dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        per_token = kv_format.bytes_per_token(
+            format_name(dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_tensors
+        )
         return block_size * per_token
 
     @classmethod
@@ -109,8 +111,9 @@ class PagedKVCache:
         fmt = format_name(dtype)
         if not kv_format.is_quantized(fmt):
             return num_blocks * cls.bytes_per_block(spec, block_size, fmt)
-        values = 2 * _numel(cls.storage_shape(spec, num_blocks, block_size))
-        scales = 2 * _numel(cls.storage_shape(spec, num_blocks, block_size)[:-1]) * kv_format.SCALE_BYTES[fmt]
+        n = spec.kv_tensors
+        values = n * _numel(cls.storage_shape(spec, num_blocks, block_size))
+        scales = n * _numel(cls.storage_shape(spec, num_blocks, block_size)[:-1]) * kv_format.SCALE_BYTES[fmt]
         return _aligned(values) + scales
 
     @classmethod
@@ -121,12 +124,13 @@ class PagedKVCache:
         `storage_bytes` bytes: K then V values; for int8, then K's scales and V's."""
         fmt = format_name(dtype)
         shape = cls.storage_shape(spec, num_blocks, block_size)
+        n = spec.kv_tensors  # 1: MLA's latent row is its own values (V is K)
         if not kv_format.is_quantized(fmt):
-            kv = view(0, getattr(torch, fmt), (2, *shape))  # K, then V: the two halves of the block budget
-            return kv[0], kv[1]
-        values = view(0, torch.int8, (2, *shape))
-        scales = view(_aligned(values.numel()), torch.float32, (2, *shape[:-1]))
-        return Int8KV(values[0], scales[0]), Int8KV(values[1], scales[1])
+            kv = view(0, getattr(torch, fmt), (n, *shape))  # K, then V: the two halves of the block budget
+            return kv[0], kv[n - 1]
+        values = view(0, torch.int8, (n, *shape))
+        scales = view(_aligned(values.numel()), torch.float32, (n, *shape[:-1]))
+        return Int8KV(values[0], scales[0]), Int8KV(values[n - 1], scales[n - 1])
 
     @classmethod
     def blocks_in(cls, nbytes: int, spec: ModelSpec, block_size: int, dtype: torch.dtype | str, budget: str) -> int:

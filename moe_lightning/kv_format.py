@@ -34,6 +34,6 @@ def bytes_per_head_token(fmt: str, head_dim: int) -> int:
     return head_dim * VALUE_BYTES[check_format(fmt)] + SCALE_BYTES.get(fmt, 0)
 
 
-def bytes_per_token(fmt: str, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
-    """K and V of one token across all layers."""
-    return 2 * num_layers * num_kv_heads * bytes_per_head_token(fmt, head_dim)
+def bytes_per_token(fmt: str, num_layers: int, num_kv_heads: int, head_dim: int, tensors: int = 2) -> int:
+    """K and V of one token across all layers (`tensors` 1: MLA's latent row, which is both)."""
+    return tensors * num_layers * num_kv_heads * bytes_per_head_token(fmt, head_dim)

@@ -13,6 +13,7 @@ from typing import Any
 
 from moe_lightning.config.choices import DTYPE_CHOICES, DTYPE_NAMES
 from moe_lightning.hf_configs import ModelSpecError, read_hf_config
+from moe_lightning.yarn import YarnScaling
 
 
 def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
@@ -29,6 +30,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
 
 
 NORMS = ("rms", "layer")  # RMSNorm, or LayerNorm without bias (DBRX)
+ATTENTIONS = ("gqa", "mla")  # grouped-query attention; multi-head latent attention (DeepSeek-V3, docs/mla.md)
+ROUTER_SCORES = ("softmax", "sigmoid")  # softmax over the experts; sigmoid with a selection bias (DeepSeek-V3, GLM-4.5)
 QK_NORMS = (None, "full", "head")  # RMSNorm of q and k: none, over the whole projection (OLMoE), per head (Qwen3)
 
 
@@ -66,9 +69,28 @@ class ModelSpec:
     norm: str = "rms"  # the decoder's norms (see NORMS); q/k norms are always RMSNorm
     topk_norm_p: float = 1.0  # with norm_topk_prob: divide the top-k weights by their L_p norm (DBRX's p)
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE)
-    shared_expert_size: int = 0  # intermediate width of an always-on shared expert with a sigmoid gate; 0: none
+    shared_expert_size: int = 0  # intermediate width of an always-on shared expert; 0: none
+    shared_expert_gate: bool = True  # the shared expert scaled by a sigmoid gate (Qwen2-MoE), or added as is
     dense_layers: tuple[int, ...] = ()  # layers whose FFN is one dense SwiGLU MLP, no router (Qwen-MoE)
     dense_intermediate_size: int = 0  # Id, that MLP's width
+    # routing (see ROUTER_SCORES): with "sigmoid", experts are chosen by score + a per-expert correction bias
+    # among the best `topk_group` of `n_group` expert groups, weighted by their unbiased scores
+    router_score: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this (after normalising)
+    rotary_dim: int | None = None  # the leading head dims RoPE rotates (GLM-4.5: half); None: all of Hd
+    rope_interleave: bool = False  # RoPE over interleaved pairs (DeepSeek-V3), not the two halves
+    yarn: YarnScaling | None = None
+    # MLA (attention "mla", see ATTENTIONS): the cache holds one latent row per token and layer, of
+    # C = kv_lora_rank compressed dims and R = qk_rope_head_dim RoPE dims, as one "KV head" (num_kv_heads 1,
+    # head_dim C + R); queries are absorbed into that space and values are the row's first C dims
+    attention: str = "gqa"
+    q_lora_rank: int | None = None  # the query's low-rank bottleneck; None: one q projection
+    kv_lora_rank: int = 0  # C
+    qk_nope_head_dim: int = 0  # each head's query/key dims without RoPE
+    qk_rope_head_dim: int = 0  # R
+    v_head_dim: int = 0  # each head's value dims after the value up-projection
 
     def __post_init__(self) -> None:
         positive = (
@@ -124,6 +146,37 @@ class ModelSpec:
                 f"dense layers {list(self.dense_layers)} need a positive intermediate_size, "
                 f"got {self.dense_intermediate_size!r}"
             )
+        if self.router_score not in ROUTER_SCORES:
+            raise ModelSpecError(f"router_score must be one of {ROUTER_SCORES}, got {self.router_score!r}")
+        if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ModelSpecError(
+                f"n_group ({self.n_group}) must divide n_routed_experts ({self.num_experts}) and topk_group "
+                f"({self.topk_group}) be in 1..n_group"
+            )
+        if self.n_group > 1 and self.router_score != "sigmoid":
+            raise ModelSpecError("grouped routing (n_group > 1) is only supported with sigmoid scores")
+        if self.n_group > 1 and self.num_experts // self.n_group * self.topk_group < self.top_k:
+            raise ModelSpecError(
+                f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} experts cannot "
+                f"hold num_experts_per_tok ({self.top_k})"
+            )
+        if not self.routed_scaling_factor > 0:
+            raise ModelSpecError(f"routed_scaling_factor must be positive, got {self.routed_scaling_factor!r}")
+        if self.rotary_dim is not None and not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise ModelSpecError(f"rotary_dim must be even and in 1..head_dim ({self.head_dim}), got {self.rotary_dim}")
+        if self.attention not in ATTENTIONS:
+            raise ModelSpecError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) <= 0:
+                    raise ModelSpecError(f"MLA needs a positive {name}, got {getattr(self, name)!r}")
+            if self.num_kv_heads != 1 or self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim:
+                raise ModelSpecError(
+                    "an MLA spec has one latent KV head of kv_lora_rank + qk_rope_head_dim dims, got "
+                    f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}"
+                )
+            if self.q_lora_rank is not None and self.q_lora_rank <= 0:
+                raise ModelSpecError(f"q_lora_rank must be positive or null, got {self.q_lora_rank!r}")
         if not self.topk_norm_p > 0:
             raise ModelSpecError(f"topk_norm_p must be positive, got {self.topk_norm_p!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -142,6 +195,22 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def o_proj_in(self) -> int:
+        """o_proj's input width: the heads' attention outputs, H * Hd (H * v_head_dim with MLA)."""
+        return self.num_heads * (self.v_head_dim if self.attention == "mla" else self.head_dim)
+
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors a KV cache keeps per layer: K and V (2), or MLA's one latent row, whose first C dims
+        are also the values (1)."""
+        return 1 if self.attention == "mla" else 2
+
+    @property
+    def rope_dim(self) -> int:
+        """The head dims RoPE rotates."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
@@ -169,15 +238,26 @@ class ModelSpec:
 
     def num_parameters(self) -> int:
         d, v = self.hidden_size, self.vocab_size
-        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + sum(self.qk_norm_shapes())
-        attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
-        shared = 3 * d * self.shared_expert_size + (d if self.shared_expert_size else 0)
+        attn = self.attention_params()
+        shared = 3 * d * self.shared_expert_size + (d if self.shared_expert_size and self.shared_expert_gate else 0)
         per_layer = attn + 2 * d
         sparse = self.num_experts * d + self.num_experts * self.expert_params() + shared
         dense = 3 * d * self.dense_intermediate_size
         head = 0 if self.tie_word_embeddings else v * d
         layers = self.num_layers * per_layer + self.num_sparse_layers * sparse + len(self.dense_layers) * dense
         return v * d + layers + d + head
+
+    def attention_params(self) -> int:
+        """Parameters of one layer's attention projections (and their biases and norms)."""
+        d = self.hidden_size
+        if self.attention == "mla":
+            h, c, r = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+            qk = self.qk_nope_head_dim + r
+            q = d * h * qk if self.q_lora_rank is None else self.q_lora_rank * (d + 1 + h * qk)
+            kv = d * (c + r) + c + h * (self.qk_nope_head_dim + self.v_head_dim) * c
+            return q + kv + self.o_proj_in * d
+        attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + sum(self.qk_norm_shapes())
+        return attn + ((self.q_size + 2 * self.kv_size) if self.qkv_bias else 0)
 
     def qk_norm_shapes(self) -> tuple[int, int]:
         """(q norm size, k norm size); (0, 0) without q/k norms."""
@@ -194,6 +274,16 @@ class ModelSpec:
         return out
 
     # ---- parsing -------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> ModelSpec:
+        """The spec `to_dict` (or its JSON) describes."""
+        fields = dict(fields)
+        fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
+        fields["dense_layers"] = tuple(fields.get("dense_layers", ()))
+        if isinstance(fields.get("yarn"), dict):
+            fields["yarn"] = YarnScaling(**fields["yarn"])
+        return cls(**fields)
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
         """Builds a spec from the dict of an HF `config.json` by its family's reader; errors name the

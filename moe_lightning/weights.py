@@ -73,10 +73,44 @@ class ExpertWeights:
         return self.in_buffer(page.to(device))
 
 
+@dataclass(frozen=True, slots=True)
+class MlaWeights:
+    """A layer's MLA projections (stages/mla.py; its shape letters Cq, C, N, R, Dv); o_proj is the layer's `wo`.
+    kv_b_proj is kept split per head into its key and value rows, the absorbed projections' operands."""
+
+    kv_a_proj_with_mqa: torch.Tensor  # (C + R, D): compressed KV rows [0, C), the shared rope key [C, C + R)
+    kv_a_layernorm: torch.Tensor  # (C,)
+    w_uk: torch.Tensor  # (H, N, C): kv_b_proj's key rows, per head (`split_kv_b_proj`)
+    w_uv: torch.Tensor  # (H, Dv, C): kv_b_proj's value rows, per head
+    q_a_proj: torch.Tensor | None = None  # (Cq, D)
+    q_a_layernorm: torch.Tensor | None = None  # (Cq,)
+    q_b_proj: torch.Tensor | None = None  # (H * (N + R), Cq): per head, nope rows then rope rows
+    q_proj: torch.Tensor | None = None  # (H * (N + R), D), in place of the three above when Cq is None
+
+    def __post_init__(self) -> None:
+        lora = (self.q_a_proj, self.q_a_layernorm, self.q_b_proj)
+        if self.q_proj is None and any(t is None for t in lora):
+            raise ValueError("MLA needs q_proj, or all of q_a_proj, q_a_layernorm and q_b_proj")
+        if self.q_proj is not None and any(t is not None for t in lora):
+            raise ValueError("MLA takes q_proj or the q LoRA (q_a_proj, q_a_layernorm, q_b_proj), not both")
+
+    def named(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(field, tensor) of every tensor it holds."""
+        for name in ("kv_a_proj_with_mqa", "kv_a_layernorm", "w_uk", "w_uv", "q_a_proj", "q_a_layernorm", "q_b_proj"):
+            t = getattr(self, name)
+            if t is not None:
+                yield name, t
+        if self.q_proj is not None:
+            yield "q_proj", self.q_proj
+
+    def tensors(self) -> Iterator[torch.Tensor]:
+        yield from (t for _, t in self.named())
+
+
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # (D,)
-    wqkv: torch.Tensor  # ((H + 2K) * Hd, D)
+    wqkv: torch.Tensor | None  # ((H + 2K) * Hd, D); None with MLA
     wo: torch.Tensor  # (D, H * Hd)
     ffn_norm: torch.Tensor  # (D,)
     router: torch.Tensor | None  # (E, D); None in a dense layer
@@ -85,12 +119,16 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None  # (K * Hd,) or (Hd,)
     wqkv_bias: torch.Tensor | None = None  # ((H + 2K) * Hd,) (Qwen2-MoE)
     shared: ExpertWeights | None = None  # an always-on expert (2Is, D) / (D, Is) (Qwen2-MoE)
-    shared_gate: torch.Tensor | None = None  # (1, D): sigmoid gate of the shared expert
+    shared_gate: torch.Tensor | None = None  # (1, D): sigmoid gate of the shared expert (Qwen2-MoE)
     mlp: ExpertWeights | None = None  # a dense layer's FFN (2Id, D) / (D, Id), in place of router + experts
+    router_bias: torch.Tensor | None = None  # (E,) fp32: the sigmoid router's selection bias (DeepSeek-V3, GLM-4.5)
+    mla: MlaWeights | None = None  # MLA's projections, in place of wqkv (DeepSeek-V3)
 
     def dense_tensors(self) -> Iterator[torch.Tensor]:
-        yield from (self.attn_norm, self.wqkv, self.wo, self.ffn_norm)
-        optional = (self.router, self.q_norm, self.k_norm, self.wqkv_bias, self.shared_gate)
+        yield from (t for t in (self.attn_norm, self.wqkv, self.wo, self.ffn_norm) if t is not None)
+        if self.mla is not None:
+            yield from self.mla.tensors()
+        optional = (self.router, self.router_bias, self.q_norm, self.k_norm, self.wqkv_bias, self.shared_gate)
         yield from (t for t in optional if t is not None)
         for mlp in (self.shared, self.mlp):
             if mlp is not None:

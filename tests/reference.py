@@ -13,6 +13,8 @@ FAMILIES = {  # our name -> (transformers config class, model class)
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "dbrx": ("DbrxConfig", "DbrxForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 
@@ -28,6 +30,11 @@ def save_hf(family: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
         for name, p in model.named_parameters():
             if "norm" in name and p.dim() == 1:  # also DBRX's norm_1 / norm_2 / norm_f
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("bias") and p.dim() == 1:  # HF initialises biases to zeros
+                p.add_(0.02 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # a sigmoid router's selection bias (zeros): large enough to
+            if name.endswith("e_score_correction_bias"):  # change which experts some tokens get
+                b.copy_(0.05 * torch.randn_like(b))
     model.save_pretrained(out)
     return out
 

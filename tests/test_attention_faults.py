@@ -72,7 +72,7 @@ def _once(real: object, error: Exception) -> object:
 
 @pytest.mark.parametrize(
     "target",
-    ["paged_attention", "decode_expert_message"],  # inside _handle's try, and before it (the message itself)
+    ["attend", "decode_expert_message"],  # inside _handle's try, and before it (the message itself)
 )
 def test_an_unexpected_exception_is_answered_as_internal_and_the_loop_serves_on(
     pair: tuple[ExpertRunner, AttentionWorker], monkeypatch: pytest.MonkeyPatch, target: str

@@ -180,6 +180,130 @@ CONFIGS["qwen2_moe_top4_norm_step2"] = (  # multi-head, 10 experts top-4 renorma
         bos_token_id=1,
     ),
 )
+CONFIGS["glm4_moe_groups_qk_norm"] = (  # GLM-4.5: sigmoid routing with a selection bias among the best 2 of
+    # 4 expert groups, scaled; a shared expert without gate; layer 0 dense; QKV bias, per-head q/k norm, RoPE
+    # over half of each head
+    "glm4_moe",
+    dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        attention_bias=True,
+        use_qk_norm=True,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        eos_token_id=None,
+        bos_token_id=1,
+    ),
+)
+CONFIGS["glm4_moe_air_mha"] = (  # GLM-4.5-Air's kind: one group, no q/k norm; here no dense layer, no bias,
+    # top-k weights not renormalised, a quarter of each head rotated, two shared experts
+    "glm4_moe",
+    dict(
+        vocab_size=200,
+        hidden_size=48,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=32,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        first_k_dense_replace=0,
+        attention_bias=False,
+        use_qk_norm=False,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        eos_token_id=None,
+        bos_token_id=1,
+    ),
+)
+CONFIGS["deepseek_v3_mla_yarn_groups"] = (  # DeepSeek-V3: MLA with q LoRA over a latent cache, interleaved
+    # RoPE with YaRN (factor 4 over 32 positions: the prompts and decode run past them), 16 experts in 4 groups,
+    # best 2 kept, top-4, scaled 2.5, a shared expert, layer 0 dense
+    "deepseek_v3",
+    dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=16,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        max_position_embeddings=128,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        eos_token_id=None,
+        bos_token_id=1,
+    ),
+)
+CONFIGS["deepseek_v3_no_q_lora"] = (  # DeepSeek-V2-Lite's kind of attention: one q projection; default RoPE,
+    # one group, top-2 not renormalised, no dense layer, v_head_dim != qk_nope_head_dim
+    "deepseek_v3",
+    dict(
+        vocab_size=200,
+        hidden_size=48,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        first_k_dense_replace=0,
+        q_lora_rank=None,
+        kv_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=12,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_id=None,
+        bos_token_id=1,
+    ),
+)
 PROMPTS = [
     [1, 17, 42, 99, 7, 3, 150, 11, 5, 8, 13, 21, 34],
     [1, 190],
@@ -203,17 +327,32 @@ def hf_reference(family_model: Path) -> dict[int, tuple[list[int], list[torch.Te
 
 def test_spec_reads_the_family(family_model: Path) -> None:
     spec = ModelSpec.from_pretrained(family_model)
-    qk_norm = {"OlmoeForCausalLM": "full", "Qwen3MoeForCausalLM": "head", "DbrxForCausalLM": None}
-    qk_norm["Qwen2MoeForCausalLM"] = None
-    assert spec.qkv_bias == (spec.architecture == "Qwen2MoeForCausalLM")
-    assert (spec.shared_expert_size > 0) == (spec.architecture == "Qwen2MoeForCausalLM")
-    assert spec.qk_norm == qk_norm[spec.architecture]
-    assert spec.norm == ("layer" if spec.architecture == "DbrxForCausalLM" else "rms")
     hf = load_hf(family_model)
+    c = hf.config
+    arch = spec.architecture
+    qk_norm = {"OlmoeForCausalLM": "full", "Qwen3MoeForCausalLM": "head", "DbrxForCausalLM": None}
+    qk_norm |= {"Qwen2MoeForCausalLM": None, "DeepseekV3ForCausalLM": None}
+    qk_norm["Glm4MoeForCausalLM"] = "head" if getattr(c, "use_qk_norm", False) is True else None
+    sigmoid = arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")  # DeepSeek-V3's router and shared experts
+    glm_bias = arch == "Glm4MoeForCausalLM" and c.attention_bias
+    assert spec.qkv_bias == (arch == "Qwen2MoeForCausalLM" or glm_bias)
+    assert (spec.shared_expert_size > 0) == (arch == "Qwen2MoeForCausalLM" or sigmoid)
+    assert spec.shared_expert_gate == (not sigmoid)
+    assert spec.qk_norm == qk_norm[arch]
+    assert spec.norm == ("layer" if arch == "DbrxForCausalLM" else "rms")
+    assert spec.attention == ("mla" if arch == "DeepseekV3ForCausalLM" else "gqa")
     assert spec.num_parameters() == sum(p.numel() for p in hf.parameters())
-    if spec.architecture.startswith("Qwen"):  # transformers' own rule decides which layers are dense
+    if arch.startswith(("Qwen", "Glm", "Deepseek")):  # transformers' own rule decides which layers are dense
         mlps = [type(layer.mlp).__name__ for layer in hf.model.layers]
         assert list(spec.dense_layers) == [i for i, name in enumerate(mlps) if name.endswith("MLP")]
+    if sigmoid:
+        assert (spec.router_score, spec.n_group, spec.topk_group) == ("sigmoid", c.n_group, c.topk_group)
+        assert spec.routed_scaling_factor == c.routed_scaling_factor
+    if arch == "Glm4MoeForCausalLM":
+        assert spec.rope_dim == int(c.head_dim * c.rope_parameters["partial_rotary_factor"])
+    if spec.attention == "mla":  # one latent row per token and layer, of kv_lora_rank + rope dims
+        assert (spec.num_kv_heads, spec.head_dim) == (1, c.kv_lora_rank + c.qk_rope_head_dim)
+        assert spec.kv_tensors == 1 and (spec.yarn is not None) == (c.rope_parameters["rope_type"] == "yarn")
 
 
 def test_ragged_batch_matches_transformers(family_model: Path, hf_reference: dict) -> None:
@@ -245,7 +384,7 @@ def test_the_stack_with_streamed_experts_matches_transformers(
     assert s.leaked_segments() == []
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen2-moe", "qwen3-moe", "dbrx"])
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2-moe", "qwen3-moe", "dbrx", "glm4-moe", "deepseek-v3"])
 def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
     """`make-demo-model --family` needs no transformers to write, and transformers loads what it wrote
     with the right class and computes the same logits we do."""
@@ -256,7 +395,9 @@ def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
         preset = PRESETS["tiny"] | {"num_hidden_layers": 3, "mlp_only_layers": [1]}
     out = write_demo_model(tmp_path / arch, preset, seed=5, progress=False, arch=arch)
     spec = ModelSpec.from_pretrained(out)
-    assert spec.dense_layers == ((1,) if arch.startswith("qwen") else ())
+    assert spec.dense_layers == {"qwen2-moe": (1,), "qwen3-moe": (1,), "glm4-moe": (0,), "deepseek-v3": (0,)}.get(
+        arch, ()
+    )
     hf = load_hf(out)
     assert type(hf).__name__ == spec.architecture
     engine = InProcessEngine(spec, load_model_weights(out, spec, progress=False))
@@ -278,6 +419,29 @@ def test_plan_presets_have_the_real_sizes() -> None:
     assert round(ARCHS["qwen3-30b-a3b"].num_parameters() / 1e9, 1) == 30.5  # Qwen3-30B-A3B
     assert round(ARCHS["qwen1.5-moe-a2.7b"].num_parameters() / 1e9, 1) == 14.3  # Qwen1.5-MoE-A2.7B
     assert round(ARCHS["qwen3-235b-a22b"].num_parameters() / 1e9, 1) == 235.1  # Qwen3-235B-A22B
+    assert round(ARCHS["glm-4.5-air"].num_parameters() / 1e9, 1) == 106.9  # GLM-4.5-Air, without its MTP layer
+    assert round(ARCHS["deepseek-v3"].num_parameters() / 1e9) == 671  # DeepSeek-V3, without its MTP layer
+
+
+def test_deepseek_v3_plans_by_its_latent_kv_bytes() -> None:
+    """`plan --arch deepseek-v3`: a token's KV in a layer is its latent row, 512 + 64 values (1,152 bytes in
+    bf16), not 128 heads' keys and values (65,536): the host holds ~57x the sequences a GQA cache would."""
+    from dataclasses import replace
+
+    from moe_lightning.hrm.archs import ARCHS
+    from moe_lightning.hrm.hardware import PRESETS
+    from moe_lightning.hrm.layercost import Headroom, Workload
+    from moe_lightning.hrm.optimizer import max_batch
+    from moe_lightning.hrm.sizes import kv_token_bytes
+
+    spec = ARCHS["deepseek-v3"]
+    assert kv_token_bytes(spec, "bfloat16") == (512 + 64) * 2
+    box = PRESETS["h100"].scaled(cpu_memory=2.5e12 / PRESETS["h100"].cpu_memory)  # bf16 weights: 1.34 TB
+    work = Workload(77, 32)
+    as_gqa = replace(spec, attention="gqa", num_kv_heads=128, head_dim=128, kv_lora_rank=0)  # K and V per head
+    assert kv_token_bytes(as_gqa, "bfloat16") == 2 * 128 * 128 * 2
+    latent, full = (max_batch(s, work, box, None, Headroom(), 10**7) for s in (spec, as_gqa))
+    assert latent > 40 * full > 0
 
 
 def test_the_registry_is_the_one_list_of_families() -> None:

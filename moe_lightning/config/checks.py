@@ -98,6 +98,8 @@ def check_splittable(spec: ModelSpec, world: int, scheme: QuantScheme | None = N
             problems.append(f"the {what} {width} does not divide by {world} ranks")
     if spec.qk_norm == "full":
         problems.append("its q/k norm spans all heads (OLMoE), which would need a collective per layer")
+    if spec.attention == "mla":
+        problems.append("its MLA attention is not split over ranks yet (one latent row is shared by every head)")
     if scheme is not None and scheme.quantized and not problems:
         cols = spec.intermediate_size // world  # w2's input width on a rank
         if scheme.act_order:

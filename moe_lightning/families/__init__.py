@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_lightning.families import dbrx, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moe_lightning.families import dbrx, deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moe_lightning.families.family import Family, Randoms, TopNames
 from moe_lightning.hf_configs import ModelSpecError
 from moe_lightning.spec import ModelSpec
 
-FAMILIES: tuple[Family, ...] = (mixtral.FAMILY, olmoe.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, dbrx.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    mixtral.FAMILY,
+    olmoe.FAMILY,
+    qwen2_moe.FAMILY,
+    qwen3_moe.FAMILY,
+    dbrx.FAMILY,
+    glm4_moe.FAMILY,
+    deepseek_v3.FAMILY,
+)
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)
 

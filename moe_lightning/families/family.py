@@ -40,10 +40,12 @@ class MoeNames:
     gate: str
     up: str
     down: str
+    shared: str = "shared_expert"  # `{module}.{shared}.{gate,up,down}_proj`: Qwen2-MoE's; "shared_experts": GLM's
 
 
 HF_TOP_NAMES = TopNames("model.embed_tokens.weight", "model.norm.weight")  # the shared HF layout's
 MLP_NAMES = MoeNames("mlp", "gate_proj", "up_proj", "down_proj")  # OLMoE, Qwen-MoE, transformers 5's Mixtral
+SHARED_EXPERTS_NAMES = MoeNames("mlp", "gate_proj", "up_proj", "down_proj", "shared_experts")  # GLM-4.5
 
 
 @dataclass(frozen=True, slots=True)

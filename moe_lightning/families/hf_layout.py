@@ -7,6 +7,7 @@ norms, QKV bias, shared expert, dense layers), which this module reads.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,8 @@ from moe_lightning.checkpoint_error import CheckpointError
 from moe_lightning.families.family import HF_TOP_NAMES, MLP_NAMES, MoeNames, Randoms
 from moe_lightning.quant.gptq import load_gptq_expert
 from moe_lightning.spec import ModelSpec
-from moe_lightning.weights import ExpertWeights, LayerWeights
+from moe_lightning.stages.mla import mla_shape, mla_weights_from_hf
+from moe_lightning.weights import ExpertWeights, LayerWeights, MlaWeights
 
 if TYPE_CHECKING:
     from moe_lightning.checkpoint import CheckpointReader
@@ -41,17 +43,28 @@ def load_layer(
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         return to_layout(reader.get(name, shape), dtype, device)
 
-    q = reader.weight(f"{p}.self_attn.q_proj", (spec.q_size, d))
-    k = reader.weight(f"{p}.self_attn.k_proj", (spec.kv_size, d))
-    v = reader.weight(f"{p}.self_attn.v_proj", (spec.kv_size, d))
-    router = mlp = None
+    wqkv = mla = None
+    if spec.attention == "mla":
+        mla = load_mla(reader, spec, f"{p}.self_attn", dtype, device)
+    else:
+        q = reader.weight(f"{p}.self_attn.q_proj", (spec.q_size, d))
+        k = reader.weight(f"{p}.self_attn.k_proj", (spec.kv_size, d))
+        v = reader.weight(f"{p}.self_attn.v_proj", (spec.kv_size, d))
+        wqkv = to_layout(torch.cat([q, k, v], dim=0), dtype, device)
+    router = mlp = router_bias = None
+    names = moe_names[-1]
     experts: list[ExpertWeights] = []
     if spec.is_sparse(i):
         names = next((n for n in moe_names if reader.has_linear(f"{p}.{n.module}.gate")), moe_names[-1])
         experts = load_experts(reader, spec, p, names, dtype, device)
         if len(experts) != e:
             raise CheckpointError(f"layer {i}: found {len(experts)} experts, config says {e}")
-        router = to_layout(reader.weight(f"{p}.{names.module}.gate", (e, d)), dtype, device)
+        # a sigmoid router and its selection bias stay fp32, as the reference keeps them (arena_layout.py)
+        router_dtype = torch.float32 if spec.router_score == "sigmoid" else dtype
+        router = to_layout(reader.weight(f"{p}.{names.module}.gate", (e, d)), router_dtype, device)
+        if spec.router_score == "sigmoid":
+            bias = reader.get(f"{p}.{names.module}.gate.e_score_correction_bias", (e,))
+            router_bias = to_layout(bias, torch.float32, device)
     else:  # a dense layer (Qwen-MoE): one SwiGLU MLP
         mlp = load_mlp(reader, f"{p}.mlp", d, spec.dense_intermediate_size, dtype, device)
     bias = shared = shared_gate = None
@@ -65,8 +78,9 @@ def load_layer(
         )
         bias = to_layout(bias, dtype, device)
     if spec.shared_expert_size and spec.is_sparse(i):
-        shared = load_mlp(reader, f"{p}.mlp.shared_expert", d, spec.shared_expert_size, dtype, device)
-        shared_gate = to_layout(reader.weight(f"{p}.mlp.shared_expert_gate", (1, d)), dtype, device)
+        shared = load_mlp(reader, f"{p}.{names.module}.{names.shared}", d, spec.shared_expert_size, dtype, device)
+        if spec.shared_expert_gate:
+            shared_gate = to_layout(reader.weight(f"{p}.{names.module}.{names.shared}_gate", (1, d)), dtype, device)
     q_norm = k_norm = None
     if spec.qk_norm is not None:
         q_size, k_size = spec.qk_norm_shapes()
@@ -74,8 +88,8 @@ def load_layer(
         k_norm = get(f"{p}.self_attn.k_norm.weight", (k_size,))
     return LayerWeights(
         attn_norm=get(f"{p}.input_layernorm.weight", (d,)),
-        wqkv=to_layout(torch.cat([q, k, v], dim=0), dtype, device),
-        wo=to_layout(reader.weight(f"{p}.self_attn.o_proj", (d, spec.q_size)), dtype, device),
+        wqkv=wqkv,
+        wo=to_layout(reader.weight(f"{p}.self_attn.o_proj", (d, spec.o_proj_in)), dtype, device),
         ffn_norm=get(f"{p}.post_attention_layernorm.weight", (d,)),
         router=router,
         experts=experts,
@@ -85,7 +99,39 @@ def load_layer(
         shared=shared,
         shared_gate=shared_gate,
         mlp=mlp,
+        router_bias=router_bias,
+        mla=mla,
     )
+
+
+def load_mla(
+    reader: CheckpointReader, spec: ModelSpec, prefix: str, dtype: torch.dtype, device: torch.device | str
+) -> MlaWeights:
+    """A layer's MLA projections under `prefix` (its self_attn), kv_b_proj split into w_uk / w_uv."""
+    tensors = {}
+    for name, shape in mla_checkpoint_shapes(spec):
+        t = (
+            reader.get(f"{prefix}.{name}", shape)
+            if "layernorm" in name
+            else reader.weight(f"{prefix}.{name[:-7]}", shape)
+        )
+        tensors[name] = to_layout(t, dtype, device)
+    return mla_weights_from_hf(mla_shape(spec), tensors)
+
+
+def mla_checkpoint_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Names (under self_attn) and shapes of a layer's MLA tensors in a checkpoint, o_proj aside."""
+    d, h, c, r = spec.hidden_size, spec.num_heads, spec.kv_lora_rank, spec.qk_rope_head_dim
+    qk = spec.qk_nope_head_dim + r
+    if spec.q_lora_rank is None:
+        yield "q_proj.weight", (h * qk, d)
+    else:
+        yield "q_a_proj.weight", (spec.q_lora_rank, d)
+        yield "q_a_layernorm.weight", (spec.q_lora_rank,)
+        yield "q_b_proj.weight", (h * qk, spec.q_lora_rank)
+    yield "kv_a_proj_with_mqa.weight", (c + r, d)
+    yield "kv_a_layernorm.weight", (c,)
+    yield "kv_b_proj.weight", (h * (spec.qk_nope_head_dim + spec.v_head_dim), c)
 
 
 def load_mlp(
@@ -138,10 +184,14 @@ def random_weights(
     for i in tqdm(range(spec.num_layers), desc="generating layers", unit="layer", disable=not progress, leave=False):
         p = f"model.layers.{i}"
         sd[f"{p}.input_layernorm.weight"] = norm(d)
-        sd[f"{p}.self_attn.q_proj.weight"] = normal(spec.q_size, d)
-        sd[f"{p}.self_attn.k_proj.weight"] = normal(spec.kv_size, d)
-        sd[f"{p}.self_attn.v_proj.weight"] = normal(spec.kv_size, d)
-        sd[f"{p}.self_attn.o_proj.weight"] = normal(d, spec.q_size)
+        if spec.attention == "mla":
+            for name, shape in mla_checkpoint_shapes(spec):
+                sd[f"{p}.self_attn.{name}"] = norm(shape[0]) if "layernorm" in name else normal(*shape)
+        else:
+            sd[f"{p}.self_attn.q_proj.weight"] = normal(spec.q_size, d)
+            sd[f"{p}.self_attn.k_proj.weight"] = normal(spec.kv_size, d)
+            sd[f"{p}.self_attn.v_proj.weight"] = normal(spec.kv_size, d)
+        sd[f"{p}.self_attn.o_proj.weight"] = normal(d, spec.o_proj_in)
         sd[f"{p}.post_attention_layernorm.weight"] = norm(d)
         if spec.qk_norm is not None:
             q_size, k_size = spec.qk_norm_shapes()
@@ -154,9 +204,12 @@ def random_weights(
             sd.update(random_mlp(f"{p}.mlp", d, spec.dense_intermediate_size, rand))
             continue
         if spec.shared_expert_size:
-            sd.update(random_mlp(f"{p}.mlp.shared_expert", d, spec.shared_expert_size, rand))
-            sd[f"{p}.mlp.shared_expert_gate.weight"] = normal(1, d)
+            sd.update(random_mlp(f"{p}.{moe.module}.{moe.shared}", d, spec.shared_expert_size, rand))
+            if spec.shared_expert_gate:
+                sd[f"{p}.{moe.module}.{moe.shared}_gate.weight"] = normal(1, d)
         sd[f"{p}.{moe.module}.gate.weight"] = normal(spec.num_experts, d)
+        if spec.router_score == "sigmoid":  # a bias large enough to change some choices
+            sd[f"{p}.{moe.module}.gate.e_score_correction_bias"] = rand.normal(spec.num_experts) * 5
         for e in range(spec.num_experts):
             q = f"{p}.{moe.module}.experts.{e}"
             sd[f"{q}.{moe.gate}.weight"] = normal(inter, d)

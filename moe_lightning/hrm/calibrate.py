@@ -15,7 +15,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +145,7 @@ def attention_bandwidth(
     dtype or a kv_format name: "int8" reads int8 values and their scales, dequantizing as it goes), counted
     in that format's bytes per token, scales included: the cost model multiplies this rate by them."""
     # one layer of attention is all this needs; the spec's dense layers would index past it
-    one_layer = ModelSpec(
-        **{**spec.to_dict(), "num_layers": 1, "eos_token_ids": tuple(spec.eos_token_ids), "dense_layers": ()}
-    )
+    one_layer = replace(spec, num_layers=1, dense_layers=())
     blocks = batch * -(-context // block_size)
     cache = PagedKVCache(one_layer, blocks, block_size, dtype=dtype)
     seqs = list(range(batch))
@@ -166,7 +164,7 @@ def attention_bandwidth(
         q_dtype = cache.k.dtype
     q = torch.randn(batch, spec.num_heads, spec.head_dim).to(q_dtype)
     seconds = _best_seconds(lambda: paged_attention(q, cache.k[0], cache.v[0], plan), torch.device("cpu"), repeats)
-    per_token = kv_format.bytes_per_token(cache.format, 1, spec.num_kv_heads, spec.head_dim)
+    per_token = kv_format.bytes_per_token(cache.format, 1, spec.num_kv_heads, spec.head_dim, spec.kv_tensors)
     return batch * context * per_token / seconds
 
 

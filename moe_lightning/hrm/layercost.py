@@ -251,7 +251,7 @@ class CostModel:
         self.w = weight_bytes(spec, b, quant)
         page_bpw = page_bytes_per_weight(spec, b, quant)
         self.kv_host_token = kv_token_bytes(spec, self.kv_format)  # K and V of one token in one layer, host cache
-        self.kv_device_token = 2 * spec.kv_size * b  # ... device cache (in the weights' dtype)
+        self.kv_device_token = spec.kv_tensors * spec.kv_size * b  # ... device cache (in the weights' dtype)
         self.total_experts = spec.total_experts
         self.kernels = {  # one machine: the expert GEMM's calibrated roofs are the device-side ones
             "gpu_experts": expert_kernels(hw, quant, b, page_bpw, True),
@@ -341,7 +341,8 @@ class CostModel:
             stages[stage] = Stage(seconds, present, (flops * share, nbytes * share))
 
         # --- device: dense projections, router, (experts), (attention), head amortised per layer -----
-        dense_flops = 2 * n * (h1 * (q + 2 * kv) + q * h1)
+        attn_weights = spec.attention_params() if spec.attention == "mla" else h1 * (q + 2 * kv) + q * h1
+        dense_flops = 2 * n * attn_weights
         dense_flops = dense_flops + 2 * n * (f * (h1 * spec.num_experts + 3 * h1 * spec.shared_expert_size))
         dense_flops = dense_flops + 2 * n * (1 - f) * 3 * h1 * spec.dense_intermediate_size
         roof("gpu_dense", dense_flops, n_ub * w["layer_dense"], gpu_roofs, True)  # each micro-batch re-reads

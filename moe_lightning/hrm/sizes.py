@@ -24,7 +24,7 @@ def kv_token_bytes(spec: ModelSpec, kv_format: str) -> int:
     """K and V of one token in one layer in a KV format (kv_format.py: an int8 cache adds its scales)."""
     if kv_format not in VALUE_BYTES:
         raise ValueError(f"the HRM needs a resolved kv_dtype, one of {', '.join(KV_FORMATS)}; got {kv_format!r}")
-    return 2 * spec.num_kv_heads * bytes_per_head_token(kv_format, spec.head_dim)
+    return spec.kv_tensors * spec.num_kv_heads * bytes_per_head_token(kv_format, spec.head_dim)
 
 
 def distinct_experts(tokens: float, spec: ModelSpec) -> float:
@@ -48,7 +48,9 @@ def page_bytes_per_weight(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT
 def weight_bytes(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> dict[str, float]:
     h1, h2, e = spec.hidden_size, spec.intermediate_size, spec.num_experts
     pb = page_bytes_per_weight(spec, b, quant)
-    attn = h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
+    attn = (
+        spec.attention_params() if spec.attention == "mla" else h1 * (spec.q_size + 2 * spec.kv_size) + spec.q_size * h1
+    )
     f = sparse_share(spec)
     # a shared expert (Qwen2-MoE) computes for every token: dense work, always on the device; so
     # does a dense layer's MLP

@@ -62,10 +62,7 @@ def model_info_to_pb(spec: ModelSpec, model_path: str = "") -> common_pb2.ModelI
 
 
 def spec_from_pb(info: common_pb2.ModelInfo) -> ModelSpec:
-    fields = json.loads(info.spec_json)
-    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
-    fields["dense_layers"] = tuple(fields.get("dense_layers", ()))
-    return ModelSpec(**fields)
+    return ModelSpec.from_dict(json.loads(info.spec_json))
 
 
 def pages_to_pb(layout: ArenaLayout, region: str) -> list[common_pb2.TensorDescriptor]:

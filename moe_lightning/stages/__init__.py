@@ -23,6 +23,7 @@ comment such as ``(T, H, Hd)`` means the same thing everywhere:
     BS   tokens per KV block (block size)
 """
 
+from moe_lightning.stages.attend import attend
 from moe_lightning.stages.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.stages.head import head_logits
 from moe_lightning.stages.moe import experts_forward, route
@@ -32,6 +33,7 @@ from moe_lightning.stages.pre_attention import embed_tokens, pre_attention
 __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
+    "attend",
     "attention_output",
     "embed_tokens",
     "experts_forward",

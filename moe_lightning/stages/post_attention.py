@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from moe_lightning.spec import ModelSpec
+from moe_lightning.stages.grouped_routing import route_grouped
 from moe_lightning.stages.linear import linear
+from moe_lightning.stages.mla import mla_output, mla_shape
 from moe_lightning.stages.moe import expert_ffn, experts_forward, route
 from moe_lightning.stages.norm import norm
 from moe_lightning.weights import ExpertWeights, LayerWeights
@@ -23,8 +25,12 @@ def _alone(t: torch.Tensor) -> torch.Tensor:
 def attention_output(
     spec: ModelSpec, layer: LayerWeights, residual: torch.Tensor, attn_out: torch.Tensor, reduce: Reduce = _alone
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual: (T, D), attn_out: (T, H * Hd) -> (h, the FFN's input norm(h)), both (T, D): the part of
-    the stage that is per token, so that a group of micro-batches can run its FFN once (`ffn`)."""
+    """residual: (T, D), attn_out: (T, H * Hd) (MLA: (T, H * C)) -> (h, the FFN's input norm(h)), both
+    (T, D): the part of the stage that is per token, so that a group of micro-batches can run its FFN
+    once (`ffn`)."""
+    if layer.mla is not None:  # MLA: the attended latents through each head's W_uv first
+        shape = mla_shape(spec)
+        attn_out = mla_output(shape, layer.mla, attn_out.view(-1, shape.heads, shape.kv_lora_rank))  # (T, H * Dv)
     h = residual + reduce(linear(attn_out, layer.wo))  # (T, D)
     return h, norm(spec, h, layer.ffn_norm)
 
@@ -43,12 +49,30 @@ def ffn(
     if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
         assert layer.mlp is not None
         return h + reduce(expert_ffn(layer.mlp, x)), torch.empty(0, dtype=torch.long, device=x.device)
-    weights, ids = route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)  # (T, A) each
+    weights, ids = route_layer(spec, layer, x)  # (T, A) each
     moe, counts = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D), (E,)
-    if layer.shared is not None:  # Qwen2-MoE: an always-on expert, scaled by a sigmoid gate
-        assert layer.shared_gate is not None
-        moe = moe + torch.sigmoid(linear(x, layer.shared_gate)) * expert_ffn(layer.shared, x)  # (T, D)
+    if layer.shared is not None:  # an always-on expert: scaled by a sigmoid gate (Qwen2-MoE), or as is
+        shared = expert_ffn(layer.shared, x)  # (T, D)
+        moe = moe + (shared if layer.shared_gate is None else torch.sigmoid(linear(x, layer.shared_gate)) * shared)
     return h + reduce(moe), counts
+
+
+def route_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (T, D) -> the layer's routing, weights (T, A) fp32 and expert ids (T, A), by the family's router."""
+    assert layer.router is not None
+    if spec.router_score == "sigmoid":  # DeepSeek-V3, GLM-4.5
+        assert layer.router_bias is not None
+        return route_grouped(
+            x,
+            layer.router,
+            layer.router_bias,
+            spec.top_k,
+            spec.n_group,
+            spec.topk_group,
+            spec.norm_topk_prob,
+            spec.routed_scaling_factor,
+        )
+    return route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)
 
 
 def post_attention(

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.linear import linear
+from moe_lightning.stages.mla import mla_pre_attention, mla_shape
 from moe_lightning.stages.norm import norm, rms_norm
-from moe_lightning.stages.rope import apply_rope, rope_cos_sin
+from moe_lightning.stages.rope import Rope, apply_rope, rope_cos_sin
 from moe_lightning.weights import LayerWeights
 
 
@@ -19,9 +22,20 @@ def embed_tokens(embed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
 def pre_attention(
     spec: ModelSpec, layer: LayerWeights, hidden: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """hidden: (T, D) residual stream, positions: (T,) -> q (T, H, Hd), k (T, K, Hd), v (T, K, Hd)."""
+    """hidden: (T, D) residual stream, positions: (T,) -> q (T, H, Hd), k (T, K, Hd), v (T, K, Hd).
+
+    With MLA (K = 1, Hd = C + R): q is the absorbed query and k = v the latent row the cache keeps
+    (stages/mla.py), which attention reads as both."""
     t = hidden.shape[0]
     x = norm(spec, hidden, layer.attn_norm)  # (T, D)
+    if spec.attention == "mla":
+        assert layer.mla is not None
+        rope = spec_rope(spec)
+        cos, sin = rope.cos_sin(positions, hidden.dtype)  # (T, R)
+        q, latent = mla_pre_attention(mla_shape(spec), layer.mla, x, cos, sin, rope.apply)
+        k = latent[:, None, :]  # (T, 1, C + R)
+        return q, k, k
+    assert layer.wqkv is not None
     qkv = linear(x, layer.wqkv)  # (T, (H + 2K) * Hd)
     if layer.wqkv_bias is not None:
         qkv = qkv + layer.wqkv_bias
@@ -38,5 +52,18 @@ def pre_attention(
     if spec.qk_norm == "head":  # Qwen3: per head, over Hd
         q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-    cos, sin = rope_cos_sin(positions, spec.head_dim, spec.rope_theta, hidden.dtype)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+    r = spec.rope_dim
+    cos, sin = rope_cos_sin(positions, r, spec.rope_theta, hidden.dtype)  # (T, r)
+    if r == spec.head_dim:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
+    # partial rotary (GLM-4.5): the leading r dims of each head rotate, the rest pass through
+    q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+    k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+    return q, k, v.contiguous()
+
+
+@functools.cache
+def spec_rope(spec: ModelSpec) -> Rope:
+    """The spec's RoPE (its rotated dims: R with MLA), with its layout and YaRN scaling."""
+    dims = spec.qk_rope_head_dim if spec.attention == "mla" else spec.rope_dim
+    return Rope(spec.rope_theta, dims, spec.rope_interleave, spec.yarn)

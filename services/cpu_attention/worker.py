@@ -25,7 +25,8 @@ from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm.channel import ChannelClosedError, ChannelTimeoutError, PeerDiedError, TensorChannel
 from moe_lightning.shm.segment import Segment, segment_name
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import AttentionPlan, paged_attention, plan_attention, write_kv
+from moe_lightning.stages.attend import attend
+from moe_lightning.stages.attention import AttentionPlan, plan_attention
 from moe_lightning.timeline import TimelineRecorder
 
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
@@ -216,8 +217,7 @@ class AttentionWorker:
                 raise LookupError(f"step {h.step} micro-batch {h.micro_batch} was never started at layer 0")
             q, k, v = msg.q, msg.k, msg.v
             with self._lock:  # K/V stored in the cache's format (--kv-dtype); attention computes in fp32
-                write_kv(self.cache.k[layer], self.cache.v[layer], k, v, mb.write_slots)
-                out = paged_attention(q, self.cache.k[layer], self.cache.v[layer], mb)  # in q's dtype
+                out = attend(self.spec, q, k, v, self.cache.k[layer], self.cache.v[layer], mb)  # in q's dtype
             self.timeline.record("cpu", "attention", h.step, layer, h.micro_batch, t0)
             if layer == self.spec.num_layers - 1:
                 del self._batches[key]

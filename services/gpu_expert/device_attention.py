@@ -15,7 +15,8 @@ import torch
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import paged_attention, plan_attention, write_kv
+from moe_lightning.stages.attend import attend
+from moe_lightning.stages.attention import plan_attention
 from moe_lightning.step_protocol import SequenceWork
 from services.gpu_expert.micro_batch import MicroBatchState
 from services.gpu_expert.schedule import Groups, Op, local_grouped_steps, local_steps
@@ -51,8 +52,7 @@ class DeviceAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: MicroBatchState
     ) -> torch.Tensor:
         assert st.attention is not None  # planned by `begin`
-        write_kv(self.kv.k[layer], self.kv.v[layer], k, v, st.attention.write_slots)
-        return paged_attention(q, self.kv.k[layer], self.kv.v[layer], st.attention)
+        return attend(self.spec, q, k, v, self.kv.k[layer], self.kv.v[layer], st.attention)
 
     def free(self, seq_ids: list[int]) -> None:
         for seq in seq_ids:

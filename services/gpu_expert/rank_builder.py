@@ -180,7 +180,7 @@ def build_worker(
         if rows := host_warm_up_rows(config.experts_placement, residency, host.device != experts[0].device):
             kernels.warm_up([host.w13, host.w2], dtype, max_rows=rows)
         log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
-    dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo)]
+    dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo) if t is not None]  # no wqkv: MLA
     measurements = cached_measurements(
         expert_side_key(device, dtype, mine, scheme),
         lambda: measure_expert_side(experts, str(device), budget, dtype=dtype, dense=dense, scheme=scheme),
