@@ -53,6 +53,8 @@ DENSE_FIELDS = (
     "k_norm",
     "wqkv_bias",
     "shared_gate",
+    "wo_bias",
+    "sinks",
 )
 
 PAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}
@@ -131,12 +133,15 @@ def fill_arena(
             full = expert
             if scheme.quantized:  # the whole weight, then sliced: int8's per-row scales span every rank
                 w13, w2 = (quantize(w, scheme) if isinstance(w, torch.Tensor) else w for w in (expert.w13, expert.w2))
-                full = ExpertWeights(w13, w2)
+                full = ExpertWeights(w13, w2, expert.b13, expert.b2)
             for r in range(ranks) if ranks > 1 else (None,):
                 part = full if r is None else ffn_slice(full.w13, full.w2, spec.intermediate_size, Shard(r, ranks))
                 n13, n2 = expert_page_names(i, e, r)
                 put_expert(n13, part.w13)
                 put_expert(n2, part.w2)
+                for name, bias in ((n13, part.b13), (n2, part.b2)):
+                    if bias is not None:
+                        put(f"{name}_bias", bias)
 
 
 def view_group(layout: ArenaLayout, name: str, w: QuantizedLinear) -> int:
@@ -191,7 +196,9 @@ def weights_from_arena(
         return t if dev.type == "cpu" else t.to(dev)
 
     def expert(i: int, e: int) -> ExpertWeights:
-        w = ExpertWeights(*(_expert_weight(arena, layout, n, scheme) for n in expert_page_names(i, e, rank)))
+        names = expert_page_names(i, e, rank)
+        biases = (get(f"{n}_bias") if spec.expert_bias else None for n in names)
+        w = ExpertWeights(*(_expert_weight(arena, layout, n, scheme) for n in names), *biases)
         return w if experts_on_host or dev.type == "cpu" else w.to(dev)
 
     def dense_on_device(layer: LayerWeights) -> LayerWeights:
@@ -222,7 +229,9 @@ def weights_from_arena(
             wqkv_bias=get(f"{p}.wqkv_bias") if spec.qkv_bias else None,
             shared=ExpertWeights(get(f"{p}.shared.w13"), get(f"{p}.shared.w2")) if shared else None,
             shared_gate=get(f"{p}.shared_gate") if shared and spec.shared_expert_gate else None,
-            router_bias=get(f"{p}.router_bias") if sparse and spec.router_score == "sigmoid" else None,
+            router_bias=get(f"{p}.router_bias") if sparse and spec.router_score != "softmax" else None,
+            wo_bias=get(f"{p}.wo_bias") if spec.o_bias else None,
+            sinks=get(f"{p}.sinks") if spec.attention_sinks else None,
             mlp=None if sparse else ExpertWeights(get(f"{p}.mlp.w13"), get(f"{p}.mlp.w2")),
         )
         layers.append(dense_on_device(shard_layer(spec, layer, shard)))

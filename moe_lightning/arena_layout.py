@@ -38,13 +38,14 @@ class ArenaLayout:
         pages: dict[str, Page] = {}
         offset = 0
         for name, shape in page_shapes(spec, ranks):
-            parts = _expert_parts(name, shape, scheme) if ".experts." in name else []
+            parts = _expert_parts(name, shape, scheme) if ".experts." in name and not name.endswith("_bias") else []
             parts = parts or [(name, "float32" if _kept_fp32(spec, name) else dtype, shape)]
             for k, (part, part_dtype, part_shape) in enumerate(parts):
                 n = ITEMSIZE[part_dtype] * math.prod(part_shape)
                 pages[part] = Page(part, offset, n, part_dtype, part_shape)
-                # an expert's two weights (and their parts) stay together: one range, one transfer
-                together = name.endswith(".w13") or k < len(parts) - 1
+                # an expert's weights (their parts, their biases) stay together: one range, one transfer
+                last = not (".experts." in name and not name.endswith(_last_expert_part(spec)))
+                together = k < len(parts) - 1 or name.endswith(".w13") or not last
                 align = COMPONENT_ALIGN if together else PAGE_ALIGN
                 offset = (offset + n + align - 1) // align * align
         return cls(pages, offset)
@@ -88,6 +89,10 @@ def _expert_parts(name: str, shape: tuple[int, ...], scheme: QuantScheme) -> lis
     return [(f"{name}.{suffix}", dt, shp) for suffix, dt, shp in scheme.components(*shape, parts)]
 
 
+def _last_expert_part(spec: ModelSpec) -> str:
+    return ".w2_bias" if spec.expert_bias else ".w2"
+
+
 def _kept_fp32(spec: ModelSpec, name: str) -> bool:
     """A sigmoid router and its selection bias stay fp32 in any model dtype, as the reference keeps them
     (their scores pick the experts: a bf16 bias would tie and swap experts the reference keeps apart)."""
@@ -124,6 +129,10 @@ def page_shapes(spec: ModelSpec, ranks: int = 1) -> Iterator[tuple[str, tuple[in
         else:
             yield f"{p}.wqkv", (spec.q_size + 2 * spec.kv_size, d)
         yield f"{p}.wo", (d, spec.o_proj_in)
+        if spec.o_bias:
+            yield f"{p}.wo_bias", (d,)
+        if spec.attention_sinks:
+            yield f"{p}.sinks", (spec.num_heads,)
         if spec.qk_norm is not None:
             q_norm, k_norm = spec.qk_norm_shapes()
             yield f"{p}.q_norm", (q_norm,)
@@ -141,13 +150,17 @@ def page_shapes(spec: ModelSpec, ranks: int = 1) -> Iterator[tuple[str, tuple[in
             yield f"{p}.mlp.w2", (d, spec.dense_intermediate_size)
             continue
         yield f"{p}.router", (spec.num_experts, d)
-        if spec.router_score == "sigmoid":
+        if spec.router_score != "softmax":
             yield f"{p}.router_bias", (spec.num_experts,)
         for e in range(spec.num_experts):
             for r in range(ranks) if ranks > 1 else (None,):
                 w13, w2 = expert_page_names(i, e, r)
                 yield w13, (2 * inter // ranks, d)
+                if spec.expert_bias:
+                    yield f"{w13}_bias", (2 * inter // ranks,)
                 yield w2, (d, inter // ranks)
+                if spec.expert_bias:
+                    yield f"{w2}_bias", (d,)
 
 
 def expert_prefix(layer: int, expert: int, rank: int | None = None) -> str:

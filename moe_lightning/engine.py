@@ -23,7 +23,7 @@ from moe_lightning.stages import (
     attend,
     embed_tokens,
     head_logits,
-    plan_attention,
+    plan_batch,
     post_attention,
     pre_attention,
 )
@@ -80,11 +80,11 @@ def forward_step(
     """Runs all layers for a ragged batch; tokens: (T,) -> logits of each sequence's last token (B, V),
     or of every token (T, V) with `every_position` (scoring a text)."""
     positions = meta.positions().to(tokens.device)  # (T,)
-    plan = plan_attention(meta, spec.sliding_window, tokens.device)
+    plans = plan_batch(spec, meta, tokens.device)
     hidden = embed_tokens(weights.embed, tokens)  # (T, D)
     for i, layer in enumerate(weights.layers):
         q, k, v = pre_attention(spec, layer, hidden, positions)
-        attn = attend(spec, q, k, v, cache.k[i], cache.v[i], plan)  # (T, H * Hd)
+        attn = attend(spec, q, k, v, cache.k[i], cache.v[i], plans[i], layer.sinks)  # (T, H * Hd)
         hidden, _ = post_attention(spec, layer, hidden, attn)
     if every_position:
         return head_logits(spec, weights.final_norm, weights.lm_head, hidden)

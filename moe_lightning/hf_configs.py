@@ -85,10 +85,16 @@ def checkpoint_dtype(config: dict[str, Any]) -> str:
 
 
 def common_fields(
-    config: dict[str, Any], arch: str, rope_default: float, eps_default: float, attention_bias: bool = False
+    config: dict[str, Any],
+    arch: str,
+    rope_default: float,
+    eps_default: float,
+    attention_bias: bool = False,
+    rope_types: tuple[str, ...] = ("default",),
 ) -> dict[str, Any]:
     """The fields every supported family spells the same way; `attention_bias`: whether the family
-    reads attention_bias = true (as q/k/v biases) rather than refusing it."""
+    reads attention_bias = true (as q/k/v biases) rather than refusing it; `rope_types`: the
+    rope_parameters types it reads."""
     hidden = int(require(config, "hidden_size"))
     heads = int(require(config, "num_attention_heads"))
     act = config.get("hidden_act", "silu")
@@ -106,7 +112,7 @@ def common_fields(
         head_dim=int(head_dim),
         top_k=int(require(config, "num_experts_per_tok")),
         vocab_size=int(require(config, "vocab_size")),
-        rope_theta=rope_theta(config, rope_default),
+        rope_theta=rope_theta(config, rope_default, rope_types),
         rms_norm_eps=float(config.get("rms_norm_eps", eps_default)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         dtype=checkpoint_dtype(config),

@@ -31,7 +31,11 @@ def resolve_dtype(requested: str, checkpoint_dtype: str, device: str) -> str:
 
 NORMS = ("rms", "layer")  # RMSNorm, or LayerNorm without bias (DBRX)
 ATTENTIONS = ("gqa", "mla")  # grouped-query attention; multi-head latent attention (DeepSeek-V3, docs/mla.md)
-ROUTER_SCORES = ("softmax", "sigmoid")  # softmax over the experts; sigmoid with a selection bias (DeepSeek-V3, GLM-4.5)
+# softmax over the experts; sigmoid with a selection bias (DeepSeek-V3, GLM-4.5); softmax over the top-k
+# logits only, of a router with a bias (GPT-OSS)
+ROUTER_SCORES = ("softmax", "sigmoid", "softmax_topk")
+# SwiGLU, silu(gate) * up; GPT-OSS's clamped one, (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 QK_NORMS = (None, "full", "head")  # RMSNorm of q and k: none, over the whole projection (OLMoE), per head (Qwen3)
 
 
@@ -91,6 +95,14 @@ class ModelSpec:
     qk_nope_head_dim: int = 0  # each head's query/key dims without RoPE
     qk_rope_head_dim: int = 0  # R
     v_head_dim: int = 0  # each head's value dims after the value up-projection
+    # GPT-OSS
+    sliding_layers: tuple[int, ...] | None = None  # the layers `sliding_window` applies to; None: every layer
+    attention_sinks: bool = False  # a learned logit per head takes part in each softmax, then is dropped
+    o_bias: bool = False  # a bias on o_proj
+    expert_bias: bool = False  # biases on the experts' gate/up (2I,) and down (D,) projections
+    activation: str = "swiglu"  # see ACTIVATIONS
+    swiglu_alpha: float = 1.702  # clamped_swiglu's sigmoid gain
+    swiglu_limit: float = 7.0  # clamped_swiglu's clamp
 
     def __post_init__(self) -> None:
         positive = (
@@ -177,6 +189,24 @@ class ModelSpec:
                 )
             if self.q_lora_rank is not None and self.q_lora_rank <= 0:
                 raise ModelSpecError(f"q_lora_rank must be positive or null, got {self.q_lora_rank!r}")
+        if self.sliding_layers is not None:
+            if self.sliding_window is None:
+                raise ModelSpecError("sliding_layers needs a sliding_window")
+            if tuple(sorted(set(self.sliding_layers))) != tuple(self.sliding_layers) or any(
+                not 0 <= i < self.num_layers for i in self.sliding_layers
+            ):
+                raise ModelSpecError(
+                    f"sliding_layers must be distinct, sorted layer indices in 0..{self.num_layers - 1}, "
+                    f"got {list(self.sliding_layers)}"
+                )
+        if self.activation not in ACTIVATIONS:
+            raise ModelSpecError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.activation == "clamped_swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            raise ModelSpecError(
+                f"swiglu_limit and swiglu_alpha must be positive, got {self.swiglu_limit}, {self.swiglu_alpha}"
+            )
+        if self.attention_sinks and self.attention == "mla":
+            raise ModelSpecError("attention sinks are supported with GQA attention only")
         if not self.topk_norm_p > 0:
             raise ModelSpecError(f"topk_norm_p must be positive, got {self.topk_norm_p!r}")
         if self.clip_qkv is not None and not self.clip_qkv > 0:
@@ -207,6 +237,12 @@ class ModelSpec:
         are also the values (1)."""
         return 1 if self.attention == "mla" else 2
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window `layer` attends within (None: its whole context)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
+
     @property
     def rope_dim(self) -> int:
         """The head dims RoPE rotates."""
@@ -233,15 +269,17 @@ class ModelSpec:
         return self.num_sparse_layers * self.num_experts
 
     def expert_params(self) -> int:
-        """Parameters of one expert (gate, up and down projections)."""
-        return 3 * self.hidden_size * self.intermediate_size
+        """Parameters of one expert (gate, up and down projections, and their biases)."""
+        d, i = self.hidden_size, self.intermediate_size
+        return 3 * d * i + ((2 * i + d) if self.expert_bias else 0)
 
     def num_parameters(self) -> int:
         d, v = self.hidden_size, self.vocab_size
         attn = self.attention_params()
         shared = 3 * d * self.shared_expert_size + (d if self.shared_expert_size and self.shared_expert_gate else 0)
         per_layer = attn + 2 * d
-        sparse = self.num_experts * d + self.num_experts * self.expert_params() + shared
+        router = self.num_experts * d + (self.num_experts if self.router_score != "softmax" else 0)
+        sparse = router + self.num_experts * self.expert_params() + shared
         dense = 3 * d * self.dense_intermediate_size
         head = 0 if self.tie_word_embeddings else v * d
         layers = self.num_layers * per_layer + self.num_sparse_layers * sparse + len(self.dense_layers) * dense
@@ -257,7 +295,8 @@ class ModelSpec:
             kv = d * (c + r) + c + h * (self.qk_nope_head_dim + self.v_head_dim) * c
             return q + kv + self.o_proj_in * d
         attn = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + sum(self.qk_norm_shapes())
-        return attn + ((self.q_size + 2 * self.kv_size) if self.qkv_bias else 0)
+        biases = ((self.q_size + 2 * self.kv_size) if self.qkv_bias else 0) + (d if self.o_bias else 0)
+        return attn + biases + (self.num_heads if self.attention_sinks else 0)
 
     def qk_norm_shapes(self) -> tuple[int, int]:
         """(q norm size, k norm size); (0, 0) without q/k norms."""
@@ -271,6 +310,8 @@ class ModelSpec:
         out = asdict(self)
         out["eos_token_ids"] = list(self.eos_token_ids)
         out["dense_layers"] = list(self.dense_layers)
+        if self.sliding_layers is not None:
+            out["sliding_layers"] = list(self.sliding_layers)
         return out
 
     # ---- parsing -------------------------------------------------------------------------------
@@ -280,6 +321,8 @@ class ModelSpec:
         fields = dict(fields)
         fields["eos_token_ids"] = tuple(fields.get("eos_token_ids", ()))
         fields["dense_layers"] = tuple(fields.get("dense_layers", ()))
+        if fields.get("sliding_layers") is not None:
+            fields["sliding_layers"] = tuple(fields["sliding_layers"])
         if isinstance(fields.get("yarn"), dict):
             fields["yarn"] = YarnScaling(**fields["yarn"])
         return cls(**fields)

@@ -21,12 +21,14 @@ Weight = torch.Tensor | QuantizedLinear  # an expert's weight: the model's dtype
 class ExpertWeights:
     w13: Weight  # (2I, D): gate rows [0, I), up rows [I, 2I)
     w2: Weight  # (D, I)
+    b13: torch.Tensor | None = None  # (2I,) gate/up bias, in w13's row order (GPT-OSS)
+    b2: torch.Tensor | None = None  # (D,) down bias
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        for w in (self.w13, self.w2):
+        for w in (self.w13, self.b13, self.w2, self.b2):
             if isinstance(w, torch.Tensor):
                 yield w
-            else:
+            elif w is not None:
                 yield from w.tensors()
 
     @property
@@ -62,14 +64,16 @@ class ExpertWeights:
                 return moved(w)
             return QuantizedLinear(w.format, **{name: moved(t) for name, t in w.components()})
 
-        return ExpertWeights(weight(self.w13), weight(self.w2))
+        b13, b2 = (None if b is None else moved(b) for b in (self.b13, self.b2))
+        return ExpertWeights(weight(self.w13), weight(self.w2), b13, b2)
 
     def to(self, device: torch.device | str) -> ExpertWeights:
         """A copy on `device`: one transfer of the page when there is one, else part by part."""
         try:
             page = self.page()
         except ValueError:
-            return ExpertWeights(self.w13.to(device), self.w2.to(device))
+            b13, b2 = (None if b is None else b.to(device) for b in (self.b13, self.b2))
+            return ExpertWeights(self.w13.to(device), self.w2.to(device), b13, b2)
         return self.in_buffer(page.to(device))
 
 
@@ -121,14 +125,26 @@ class LayerWeights:
     shared: ExpertWeights | None = None  # an always-on expert (2Is, D) / (D, Is) (Qwen2-MoE)
     shared_gate: torch.Tensor | None = None  # (1, D): sigmoid gate of the shared expert (Qwen2-MoE)
     mlp: ExpertWeights | None = None  # a dense layer's FFN (2Id, D) / (D, Id), in place of router + experts
-    router_bias: torch.Tensor | None = None  # (E,) fp32: the sigmoid router's selection bias (DeepSeek-V3, GLM-4.5)
+    # (E,): the sigmoid router's selection bias, fp32 (DeepSeek-V3, GLM-4.5); the router's bias (GPT-OSS)
+    router_bias: torch.Tensor | None = None
     mla: MlaWeights | None = None  # MLA's projections, in place of wqkv (DeepSeek-V3)
+    wo_bias: torch.Tensor | None = None  # (D,) (GPT-OSS)
+    sinks: torch.Tensor | None = None  # (H,) each head's sink logit (GPT-OSS)
 
     def dense_tensors(self) -> Iterator[torch.Tensor]:
         yield from (t for t in (self.attn_norm, self.wqkv, self.wo, self.ffn_norm) if t is not None)
         if self.mla is not None:
             yield from self.mla.tensors()
-        optional = (self.router, self.router_bias, self.q_norm, self.k_norm, self.wqkv_bias, self.shared_gate)
+        optional = (
+            self.router,
+            self.router_bias,
+            self.q_norm,
+            self.k_norm,
+            self.wqkv_bias,
+            self.shared_gate,
+            self.wo_bias,
+            self.sinks,
+        )
         yield from (t for t in optional if t is not None)
         for mlp in (self.shared, self.mlp):
             if mlp is not None:

@@ -37,6 +37,10 @@ def write_dequantized(src: Path, dst: Path, scheme: QuantScheme, experts_per_lay
                 assert experts_per_layer is not None
                 blocks = t.view(experts_per_layer, -1, t.shape[1])  # (E, I, D)
                 sd[name] = torch.stack([fake_quantize(b.T, scheme).T for b in blocks]).view_as(t).contiguous()
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")) and f"{name}_bias" in sd:
+                # GPT-OSS: (E, in, out), gate/up columns interleaved; our pages quantize per row of (out, in),
+                # which the interleaving only reorders
+                sd[name] = torch.stack([fake_quantize(w.T.contiguous(), scheme).T for w in t]).contiguous()
             elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # (E, out, in)
                 sd[name] = fake_quantize(t.reshape(-1, t.shape[-1]), scheme).view_as(t)
         save_file(sd, dst / f.name, metadata={"format": "pt"})

@@ -15,6 +15,7 @@ FAMILIES = {  # our name -> (transformers config class, model class)
     "dbrx": ("DbrxConfig", "DbrxForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 
@@ -32,6 +33,8 @@ def save_hf(family: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
                 p.add_(0.1 * torch.randn_like(p))
             if name.endswith("bias") and p.dim() == 1:  # HF initialises biases to zeros
                 p.add_(0.02 * torch.randn_like(p))
+            if family == "gpt_oss":
+                _perturb_gpt_oss(name, p)
         for name, b in model.named_buffers():  # a sigmoid router's selection bias (zeros): large enough to
             if name.endswith("e_score_correction_bias"):  # change which experts some tokens get
                 b.copy_(0.05 * torch.randn_like(b))
@@ -39,14 +42,29 @@ def save_hf(family: str, out: Path, seed: int = 0, **overrides: Any) -> Path:
     return out
 
 
+def _perturb_gpt_oss(name: str, p: torch.nn.Parameter) -> None:
+    """GPT-OSS's initialisation zeroes the expert biases and keeps gate/up far inside swiglu_limit: make
+    both matter, and the sinks take a real share of each softmax."""
+    if name.endswith("gate_up_proj"):
+        p.mul_(60)  # some gate/up values past the clamp
+    elif name.endswith(("gate_up_proj_bias", "down_proj_bias")):
+        p.copy_(0.5 * torch.randn_like(p))
+    elif name.endswith("sinks"):
+        p.copy_(torch.randn_like(p))
+
+
 def save_hf_mixtral(out: Path, seed: int = 0, **overrides: Any) -> Path:
     return save_hf("mixtral", out, seed, **overrides)
 
 
 def load_hf(model_dir: Path) -> Any:
+    import json
+
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    eager = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type") == "gpt_oss"  # no sdpa
+    attn = "eager" if eager else "sdpa"
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
 
 
 @torch.no_grad()

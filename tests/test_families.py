@@ -304,6 +304,36 @@ CONFIGS["deepseek_v3_no_q_lora"] = (  # DeepSeek-V2-Lite's kind of attention: on
         bos_token_id=1,
     ),
 )
+CONFIGS["gpt_oss_sinks_windows_yarn"] = (  # GPT-OSS: sinks, a window of 8 on layers 0 and 2 (prompts and
+    # generations run past it), q/k/v/o biases, YaRN, a biased router softmaxed over its top-2, clamped
+    # SwiGLU experts with biases, gate/up interleaved
+    "gpt_oss",
+    dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        max_position_embeddings=256,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 150000.0,
+            "factor": 4.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        },
+        eos_token_id=None,
+        pad_token_id=0,
+        bos_token_id=1,
+    ),
+)
 PROMPTS = [
     [1, 17, 42, 99, 7, 3, 150, 11, 5, 8, 13, 21, 34],
     [1, 190],
@@ -331,13 +361,14 @@ def test_spec_reads_the_family(family_model: Path) -> None:
     c = hf.config
     arch = spec.architecture
     qk_norm = {"OlmoeForCausalLM": "full", "Qwen3MoeForCausalLM": "head", "DbrxForCausalLM": None}
-    qk_norm |= {"Qwen2MoeForCausalLM": None, "DeepseekV3ForCausalLM": None}
+    qk_norm |= {"Qwen2MoeForCausalLM": None, "DeepseekV3ForCausalLM": None, "GptOssForCausalLM": None}
     qk_norm["Glm4MoeForCausalLM"] = "head" if getattr(c, "use_qk_norm", False) is True else None
     sigmoid = arch in ("Glm4MoeForCausalLM", "DeepseekV3ForCausalLM")  # DeepSeek-V3's router and shared experts
     glm_bias = arch == "Glm4MoeForCausalLM" and c.attention_bias
-    assert spec.qkv_bias == (arch == "Qwen2MoeForCausalLM" or glm_bias)
+    gpt_oss = arch == "GptOssForCausalLM"
+    assert spec.qkv_bias == (arch == "Qwen2MoeForCausalLM" or glm_bias or gpt_oss)
     assert (spec.shared_expert_size > 0) == (arch == "Qwen2MoeForCausalLM" or sigmoid)
-    assert spec.shared_expert_gate == (not sigmoid)
+    assert spec.shared_expert_gate == (not sigmoid) or not spec.shared_expert_size
     assert spec.qk_norm == qk_norm[arch]
     assert spec.norm == ("layer" if arch == "DbrxForCausalLM" else "rms")
     assert spec.attention == ("mla" if arch == "DeepseekV3ForCausalLM" else "gqa")
@@ -350,6 +381,18 @@ def test_spec_reads_the_family(family_model: Path) -> None:
         assert spec.routed_scaling_factor == c.routed_scaling_factor
     if arch == "Glm4MoeForCausalLM":
         assert spec.rope_dim == int(c.head_dim * c.rope_parameters["partial_rotary_factor"])
+    if gpt_oss:  # the layers transformers windows, and every other quirk as a spec field
+        assert [spec.window_of(i) for i in range(spec.num_layers)] == [
+            c.sliding_window if t == "sliding_attention" else None for t in c.layer_types
+        ]
+        assert (spec.attention_sinks, spec.o_bias, spec.expert_bias, spec.router_score) == (
+            True,
+            True,
+            True,
+            "softmax_topk",
+        )
+        assert (spec.activation, spec.swiglu_alpha, spec.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
+        assert spec.yarn is not None and spec.yarn.truncate is False
     if spec.attention == "mla":  # one latent row per token and layer, of kv_lora_rank + rope dims
         assert (spec.num_kv_heads, spec.head_dim) == (1, c.kv_lora_rank + c.qk_rope_head_dim)
         assert spec.kv_tensors == 1 and (spec.yarn is not None) == (c.rope_parameters["rope_type"] == "yarn")
@@ -384,7 +427,7 @@ def test_the_stack_with_streamed_experts_matches_transformers(
     assert s.leaked_segments() == []
 
 
-@pytest.mark.parametrize("arch", ["olmoe", "qwen2-moe", "qwen3-moe", "dbrx", "glm4-moe", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["olmoe", "qwen2-moe", "qwen3-moe", "dbrx", "glm4-moe", "deepseek-v3", "gpt-oss"])
 def test_make_demo_model_writes_each_family(arch: str, tmp_path: Path) -> None:
     """`make-demo-model --family` needs no transformers to write, and transformers loads what it wrote
     with the right class and computes the same logits we do."""
@@ -421,6 +464,8 @@ def test_plan_presets_have_the_real_sizes() -> None:
     assert round(ARCHS["qwen3-235b-a22b"].num_parameters() / 1e9, 1) == 235.1  # Qwen3-235B-A22B
     assert round(ARCHS["glm-4.5-air"].num_parameters() / 1e9, 1) == 106.9  # GLM-4.5-Air, without its MTP layer
     assert round(ARCHS["deepseek-v3"].num_parameters() / 1e9) == 671  # DeepSeek-V3, without its MTP layer
+    assert round(ARCHS["gpt-oss-120b"].num_parameters() / 1e9, 2) == 116.83  # gpt-oss-120b's model card
+    assert round(ARCHS["gpt-oss-20b"].num_parameters() / 1e9, 2) == 20.91  # gpt-oss-20b's
 
 
 def test_deepseek_v3_plans_by_its_latent_kv_bytes() -> None:

@@ -40,12 +40,15 @@ def host_bytes(spec: ModelSpec) -> float:
     return max(416e9, 3.0 * 2 * spec.num_parameters())
 
 
-# every family on the T4 (the memory-bound case; Qwen3-235B's 16 GB of dense weights on the 24 GB L4),
+# the smallest GPU whose memory holds a model's bf16 dense weights and a micro-batch's activations
+DENSE_FITS = {"qwen3-235b-a22b": "l4", "glm-4.5-air": "l4", "glm-4.5": "h100", "deepseek-v3": "h100"}
+
+
+# every family on the T4 (the memory-bound case) or the smallest GPU its dense weights fit (DENSE_FITS),
 # two on the H100 (each case runs three searches)
 @pytest.mark.parametrize(
     ("arch", "hw"),
-    [(a, "l4" if a == "qwen3-235b-a22b" else "t4") for a in ARCHS]
-    + [("mixtral-8x7b", "h100"), ("qwen3-30b-a3b", "h100")],
+    [(a, DENSE_FITS.get(a, "t4")) for a in ARCHS] + [("mixtral-8x7b", "h100"), ("qwen3-30b-a3b", "h100")],
 )
 def test_more_device_memory_or_link_bandwidth_never_lowers_throughput(arch: str, hw: str) -> None:
     spec, base = ARCHS[arch], PRESETS[hw].scaled(cpu_memory=host_bytes(ARCHS[arch]) / PRESETS[hw].cpu_memory)

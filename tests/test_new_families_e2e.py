@@ -26,6 +26,7 @@ STEPS = 10
 FAMILIES = [
     "glm4_moe_groups_qk_norm",
     "deepseek_v3_mla_yarn_groups",
+    "gpt_oss_sinks_windows_yarn",
 ]  # each new family's richest config (test_families)
 SCHEMES = {"int4": QuantScheme(QuantFormat.INT4, 32), "int8": QuantScheme(QuantFormat.INT8)}
 
@@ -135,6 +136,37 @@ def test_the_latent_cache_is_exact_under_preemption_and_long_prompts(
         kv_cache_memory=per_token * longest * 5 // 4,  # the longest and a bit: a third of the batch's
         max_batch_size=64,
         prefill_budget=128,
+        extra={"cpu_attention": ["--block-size", "4"]},
+    )
+    with GenerationClient(s.api_address, timeout=300) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=new, ignore_eos=True) for p in prompts])
+    s.stop()
+    assert sum(d.preemptions for d in done) > 0
+    assert [d.token_ids for d in done] == hf_generate(load_hf(model), prompts, new)
+
+
+def test_sliding_layers_stay_exact_past_the_window_in_chunked_prefills_and_preemption(
+    make_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """GPT-OSS with a window of 8 on every other layer: prompts of up to 200 tokens prefilled in chunks
+    of 64 (a chunk's queries see the window across the chunk boundary), a cache a third of what the
+    batch needs (sequences preempted and recomputed); the tokens stay transformers'."""
+    from moe_lightning.kv_format import bytes_per_token
+
+    family, overrides = CONFIGS["gpt_oss_sinks_windows_yarn"]
+    model = save_hf(family, tmp_path_factory.mktemp("gpt_oss_long"), seed=13, **overrides)
+    spec = ModelSpec.from_pretrained(model)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[1, *torch.randint(2, 256, (n,), generator=gen).tolist()] for n in (200, 40, 70, 90, 55, 80)]
+    per_token = bytes_per_token("float32", spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_tensors)
+    new = 30
+    longest = max(len(p) for p in prompts) + new
+    assert sum(len(p) + new for p in prompts) > 2.5 * longest
+    s = make_stack(
+        model=model,
+        kv_cache_memory=per_token * longest * 5 // 4,
+        max_batch_size=64,
+        prefill_budget=64,
         extra={"cpu_attention": ["--block-size", "4"]},
     )
     with GenerationClient(s.api_address, timeout=300) as c:

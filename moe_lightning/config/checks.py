@@ -100,6 +100,8 @@ def check_splittable(spec: ModelSpec, world: int, scheme: QuantScheme | None = N
         problems.append("its q/k norm spans all heads (OLMoE), which would need a collective per layer")
     if spec.attention == "mla":
         problems.append("its MLA attention is not split over ranks yet (one latent row is shared by every head)")
+    if spec.expert_bias or spec.attention_sinks:
+        problems.append("its expert biases and attention sinks (GPT-OSS) are not split over ranks yet")
     if scheme is not None and scheme.quantized and not problems:
         cols = spec.intermediate_size // world  # w2's input width on a rank
         if scheme.act_order:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moe_lightning.families import dbrx, deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
+from moe_lightning.families import dbrx, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 from moe_lightning.families.family import Family, Randoms, TopNames
 from moe_lightning.hf_configs import ModelSpecError
 from moe_lightning.spec import ModelSpec
@@ -18,6 +18,7 @@ FAMILIES: tuple[Family, ...] = (
     dbrx.FAMILY,
     glm4_moe.FAMILY,
     deepseek_v3.FAMILY,
+    gpt_oss.FAMILY,
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES)

@@ -144,8 +144,9 @@ def attention_bandwidth(
     """KV bytes per second that paged decode attention reads on the host from a cache of `dtype` (a float
     dtype or a kv_format name: "int8" reads int8 values and their scales, dequantizing as it goes), counted
     in that format's bytes per token, scales included: the cost model multiplies this rate by them."""
-    # one layer of attention is all this needs; the spec's dense layers would index past it
-    one_layer = replace(spec, num_layers=1, dense_layers=())
+    # one layer of attention over the whole context is all this needs; the spec's dense (and sliding)
+    # layers would index past it
+    one_layer = replace(spec, num_layers=1, dense_layers=(), sliding_layers=None, sliding_window=None)
     blocks = batch * -(-context // block_size)
     cache = PagedKVCache(one_layer, blocks, block_size, dtype=dtype)
     seqs = list(range(batch))
@@ -163,7 +164,10 @@ def attention_bandwidth(
         cache.v.normal_()
         q_dtype = cache.k.dtype
     q = torch.randn(batch, spec.num_heads, spec.head_dim).to(q_dtype)
-    seconds = _best_seconds(lambda: paged_attention(q, cache.k[0], cache.v[0], plan), torch.device("cpu"), repeats)
+    sinks = torch.zeros(spec.num_heads) if spec.attention_sinks else None  # the path a model with sinks takes
+    seconds = _best_seconds(
+        lambda: paged_attention(q, cache.k[0], cache.v[0], plan, sinks), torch.device("cpu"), repeats
+    )
     per_token = kv_format.bytes_per_token(cache.format, 1, spec.num_kv_heads, spec.head_dim, spec.kv_tensors)
     return batch * context * per_token / seconds
 

@@ -152,3 +152,21 @@ def http_ready(base_url: str, tls_ca: Path | None = None, timeout: float = 0.5) 
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def arena_page_copies(manifest: weight_store_pb2.GetManifestResponse, names: list[str]) -> list[Any]:
+    """Copies (torch tensors) of the named pages of the weight store's arena, read once at start: the few
+    small weights a service that computes no layer needs (cpu_attention's attention sinks)."""
+    from moe_lightning.arena import view
+    from moe_lightning.service.convert import layout_from_pb
+    from moe_lightning.shm.segment import Segment
+
+    layout = layout_from_pb(list(manifest.pages), manifest.region_bytes)
+    missing = [n for n in names if n not in layout.pages]
+    if missing:
+        raise ValueError(f"the weight store's arena has no page {missing[0]!r}")
+    arena = Segment.attach(manifest.region)
+    try:
+        return [view(arena.bytes(), layout.pages[n]).clone() for n in names]
+    finally:
+        arena.close()

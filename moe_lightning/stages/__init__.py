@@ -23,7 +23,7 @@ comment such as ``(T, H, Hd)`` means the same thing everywhere:
     BS   tokens per KV block (block size)
 """
 
-from moe_lightning.stages.attend import attend
+from moe_lightning.stages.attend import BatchPlans, attend, plan_batch
 from moe_lightning.stages.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention, write_kv
 from moe_lightning.stages.head import head_logits
 from moe_lightning.stages.moe import experts_forward, route
@@ -33,6 +33,7 @@ from moe_lightning.stages.pre_attention import embed_tokens, pre_attention
 __all__ = [
     "AttentionMetadata",
     "AttentionPlan",
+    "BatchPlans",
     "attend",
     "attention_output",
     "embed_tokens",
@@ -41,6 +42,7 @@ __all__ = [
     "head_logits",
     "paged_attention",
     "plan_attention",
+    "plan_batch",
     "post_attention",
     "pre_attention",
     "route",

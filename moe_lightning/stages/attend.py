@@ -4,11 +4,39 @@ attention, the in-process engine) call this, so a kind is added in one place."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attention import AttentionPlan, Int8KV, KVCache, paged_attention, write_kv
+from moe_lightning.stages.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    Int8KV,
+    KVCache,
+    paged_attention,
+    plan_attention,
+    write_kv,
+)
 from moe_lightning.stages.mla import mla_paged_attention, mla_shape, write_latent
+
+
+@dataclass(frozen=True, slots=True)
+class BatchPlans:
+    """A batch's attention plans, one per window its layers attend within (GPT-OSS alternates a
+    sliding window with the whole context), built once per batch and shared by the layers alike."""
+
+    meta: AttentionMetadata
+    by_window: dict[int | None, AttentionPlan]
+    windows: tuple[int | None, ...]  # (L,) each layer's window
+
+    def __getitem__(self, layer: int) -> AttentionPlan:
+        return self.by_window[self.windows[layer]]
+
+
+def plan_batch(spec: ModelSpec, meta: AttentionMetadata, device: torch.device | str = "cpu") -> BatchPlans:
+    windows = tuple(spec.window_of(i) for i in range(spec.num_layers))
+    return BatchPlans(meta, {w: plan_attention(meta, w, device) for w in dict.fromkeys(windows)}, windows)
 
 
 def attend(
@@ -19,8 +47,10 @@ def attend(
     k_cache: KVCache,
     v_cache: KVCache,
     plan: AttentionPlan,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: (T, H, Hd), k/v: (T, K, Hd) from pre_attention; k_cache/v_cache: one layer's (NB, BS, K, Hd)
+    """q: (T, H, Hd), k/v: (T, K, Hd) from pre_attention; k_cache/v_cache: one layer's (NB, BS, K, Hd);
+    `plan`: the layer's (BatchPlans[layer]); `sinks`: the layer's (H,) sink logits (GPT-OSS)
     -> (T, H * Hd) in q's dtype; with MLA (K = 1, Hd = C + R, k the latent row, V the cache's K)
     -> (T, H * C), the attended latents for attention_output."""
     if spec.attention == "mla":
@@ -32,4 +62,4 @@ def attend(
         out = mla_paged_attention(q, k_cache, plan, shape.softmax_scale, shape.kv_lora_rank)  # (T, H, C)
         return out.reshape(q.shape[0], -1)
     write_kv(k_cache, v_cache, k, v, plan.write_slots)
-    return paged_attention(q, k_cache, v_cache, plan)
+    return paged_attention(q, k_cache, v_cache, plan, sinks)

@@ -312,8 +312,13 @@ def _blocks_of(cache: KVCache, blocks: torch.Tensor, dtype: torch.dtype) -> torc
     return cache.index_select(0, blocks).to(dtype)
 
 
-def paged_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal GQA over cached context. q: (T, H, Hd) -> out (T, H * Hd) in q's dtype.
+
+    `sinks` (H,) (GPT-OSS): each head's learned logit joins its softmax and is dropped after it, so
+    its weights sum to less than 1; attended in fp32 by `_sink_attention` (sdpa has no sinks).
 
     The new tokens' K/V must already be in the cache (`write_kv` with `plan.write_slots`). Scores, softmax
     and sums are fp32 whatever the dtypes, and only what one chunk gathers is ever converted, never the
@@ -324,14 +329,35 @@ def paged_attention(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: A
     (dequantized) and attended in fp32.
     """
     t, h, hd = q.shape
-    fused = q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
+    fused = sinks is None and q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
     # contiguous: sdpa's fused kernel needs a unit-stride head dim (the weight-major QKV GEMM's output is not)
     work = (q if fused else q.float()).contiguous()
-    out = (_decode if plan.decode_groups else _prefill)(work, k_cache, v_cache, plan)
+    sink_logits = None if sinks is None else sinks.float()
+    out = (_decode if plan.decode_groups else _prefill)(work, k_cache, v_cache, plan, sink_logits)
     return out.to(q.dtype).reshape(t, h * hd)
 
 
-def _decode(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+SINK_SCORE_BYTES = 64 << 20  # fp32 scores one prefill chunk of `_sink_attention` holds
+
+
+def _sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax also spans one sink logit per query row, as transformers' GPT-OSS eager
+    attention computes it (scores, sinks appended, max subtracted, softmax, sinks dropped, P @ V), in fp32.
+    q: (..., M, Hd), k/v: (..., L, Hd), mask: bool broadcasting to (..., M, L), sinks: broadcasting to
+    (..., M, 1) -> (..., M, Hd)."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (..., M, L)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    combined = torch.cat([scores, sinks.expand(*scores.shape[:-1], 1)], dim=-1)  # (..., M, L + 1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # (..., M, L)
+    return probs @ v.float()
+
+
+def _decode(
+    q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """One query per sequence. The G query heads that share a KV head are attended as G queries of that
     head, so K/V are read once per KV head and never expanded to H heads."""
     t, h, hd = q.shape
@@ -352,11 +378,16 @@ def _decode(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: Attention
             k = gather_k(blocks, n, span).transpose(1, 2)  # (n, K, Lg, Hd), strided: sdpa reads it in place
             v = gather_v(blocks, n, span).transpose(1, 2)  # (n, K, Lg, Hd)
             mask = g.mask[s : s + chunk, ..., :span]  # (n, 1, 1, Lg)
-            out[rows] = F.scaled_dot_product_attention(qg[rows], k, v, attn_mask=mask)  # (n, K, G, Hd)
+            if sinks is None:
+                out[rows] = F.scaled_dot_product_attention(qg[rows], k, v, attn_mask=mask)  # (n, K, G, Hd)
+            else:  # G query rows per KV head, each with its head's sink
+                out[rows] = _sink_attention(qg[rows], k, v, mask, sinks.view(1, kv_heads, g_size, 1))
     return out
 
 
-def _prefill(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan) -> torch.Tensor:
+def _prefill(
+    q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan, sinks: torch.Tensor | None
+) -> torch.Tensor:
     """A sequence at a time: its context's blocks gathered (upcast) once, all its new tokens attend."""
     t, h, hd = q.shape
     kv_heads = k_cache.shape[2]
@@ -367,8 +398,31 @@ def _prefill(q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: Attentio
         k = _blocks_of(k_cache, seq.blocks, q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
         v = _blocks_of(v_cache, seq.blocks, q.dtype).view(-1, kv_heads, hd)[:span].transpose(0, 1)  # (K, L, Hd)
         qb = q[start : start + q_len].transpose(0, 1)  # (H, q_len, Hd)
+        if sinks is not None:
+            out[start : start + q_len] = _prefill_with_sinks(qb, k, v, seq.mask, sinks).transpose(0, 1)
+            start += q_len
+            continue
         # 4-d: sdpa runs its fused kernel on 4-d inputs only (3-d ones take the unfused math path)
         o = F.scaled_dot_product_attention(qb[None], k[None], v[None], attn_mask=seq.mask, enable_gqa=h != kv_heads)
         out[start : start + q_len] = o[0].transpose(0, 1)  # (q_len, H, Hd)
         start += q_len
     return out
+
+
+def _prefill_with_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """One sequence: q (H, M, Hd), k/v (K, L, Hd), mask (M, L), sinks (H,) -> (H, M, Hd), the G query
+    heads of a KV head attending it together (K/V never expanded), in query chunks whose scores fit
+    SINK_SCORE_BYTES."""
+    h, m, hd = q.shape
+    kv_heads, span = k.shape[0], k.shape[1]
+    g = h // kv_heads
+    qg = q.reshape(kv_heads, g, m, hd)  # (K, G, M, Hd)
+    sink = sinks.view(kv_heads, g, 1, 1)
+    rows = max(1, SINK_SCORE_BYTES // (4 * h * span))
+    out = torch.empty(kv_heads, g, m, hd, dtype=torch.float32, device=q.device)
+    for s in range(0, m, rows):
+        e = min(m, s + rows)
+        out[:, :, s:e] = _sink_attention(qg[:, :, s:e], k[:, None], v[:, None], mask[s:e], sink)
+    return out.view(h, m, hd)

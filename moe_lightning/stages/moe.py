@@ -3,12 +3,40 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.linear import linear
 from moe_lightning.weights import ExpertWeights
+
+
+@dataclass(frozen=True, slots=True)
+class Activation:
+    """The FFNs' gated activation (spec.ACTIVATIONS): SwiGLU, silu(gate) * up; or, with a `limit`,
+    GPT-OSS's clamped one, (up + 1) * gate * sigmoid(alpha * gate), the gate clamped above at `limit`
+    and up to [-limit, limit]."""
+
+    limit: float | None = None
+    alpha: float = 1.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is None:
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SWIGLU = Activation()
+
+
+def activation_of(spec: ModelSpec) -> Activation:
+    if spec.activation == "clamped_swiglu":
+        return Activation(spec.swiglu_limit, spec.swiglu_alpha)
+    return SWIGLU
 
 
 def route(
@@ -28,13 +56,26 @@ def route(
     return weights, ids
 
 
-def expert_ffn(expert: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    # x: (n, D) -> (n, D); SwiGLU with fused gate/up
+def route_topk_softmax(
+    x: torch.Tensor, router: torch.Tensor, bias: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's router: x: (T, D), router: (E, D), bias: (E,) -> weights (T, A) fp32 (a softmax over
+    the top-k logits only, which sum to 1), expert ids (T, A)."""
+    logits = linear(x, router) + bias  # (T, E)
+    top, ids = torch.topk(logits, top_k, dim=-1)  # (T, A)
+    return torch.softmax(top.float(), dim=-1), ids
+
+
+def expert_ffn(expert: ExpertWeights, x: torch.Tensor, act: Activation = SWIGLU) -> torch.Tensor:
+    # x: (n, D) -> (n, D); the gated activation over the fused gate/up, biases where the family has them
     if expert.w13.device != x.device:  # an expert placed on the host: compute where its weights live
-        return expert_ffn(expert, x.to(expert.w13.device)).to(x.device)
+        return expert_ffn(expert, x.to(expert.w13.device), act).to(x.device)
     gate_up = linear(x, expert.w13)  # (n, 2I)
+    if expert.b13 is not None:
+        gate_up = gate_up + expert.b13
     gate, up = gate_up.chunk(2, dim=-1)  # (n, I) each
-    return linear(F.silu(gate) * up, expert.w2)  # (n, D)
+    out = linear(act(gate, up), expert.w2)  # (n, D)
+    return out if expert.b2 is None else out + expert.b2
 
 
 def experts_forward(
@@ -42,6 +83,7 @@ def experts_forward(
     weights: torch.Tensor,
     ids: torch.Tensor,
     experts: Sequence[ExpertWeights],
+    act: Activation = SWIGLU,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted sum of each token's top-k experts. x: (T, D), weights/ids: (T, A) -> (T, D), and
     the tokens each expert got (E,) on x's device (for hot-expert residency).
@@ -65,7 +107,7 @@ def experts_forward(
         assignment = order[start : start + n]  # (n,)
         start += n
         token = assignment // top_k  # (n,)
-        y = expert_ffn(experts[e], x[token])  # (n, D)
+        y = expert_ffn(experts[e], x[token], act)  # (n, D)
         out.index_add_(0, token, y.float() * flat_weights[assignment, None].float())
     return out.to(x.dtype), counts
 

@@ -11,7 +11,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.grouped_routing import route_grouped
 from moe_lightning.stages.linear import linear
 from moe_lightning.stages.mla import mla_output, mla_shape
-from moe_lightning.stages.moe import expert_ffn, experts_forward, route
+from moe_lightning.stages.moe import activation_of, expert_ffn, experts_forward, route, route_topk_softmax
 from moe_lightning.stages.norm import norm
 from moe_lightning.weights import ExpertWeights, LayerWeights
 
@@ -31,7 +31,10 @@ def attention_output(
     if layer.mla is not None:  # MLA: the attended latents through each head's W_uv first
         shape = mla_shape(spec)
         attn_out = mla_output(shape, layer.mla, attn_out.view(-1, shape.heads, shape.kv_lora_rank))  # (T, H * Dv)
-    h = residual + reduce(linear(attn_out, layer.wo))  # (T, D)
+    out = reduce(linear(attn_out, layer.wo))  # (T, D)
+    if layer.wo_bias is not None:  # after the reduce: added once, not per tensor-parallel rank
+        out = out + layer.wo_bias
+    h = residual + out
     return h, norm(spec, h, layer.ffn_norm)
 
 
@@ -46,13 +49,15 @@ def ffn(
     """h, x: (T, D) from `attention_output` -> (new residual (T, D), tokens per expert (E,)): router,
     experts (or a dense layer's MLP), residual. Every row is computed on its own, so the rows of several
     micro-batches may come in one call (gpu_expert's grouped experts: each expert read once for all)."""
+    act = activation_of(spec)
     if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
         assert layer.mlp is not None
-        return h + reduce(expert_ffn(layer.mlp, x)), torch.empty(0, dtype=torch.long, device=x.device)
+        return h + reduce(expert_ffn(layer.mlp, x, act)), torch.empty(0, dtype=torch.long, device=x.device)
     weights, ids = route_layer(spec, layer, x)  # (T, A) each
-    moe, counts = experts_forward(x, weights, ids, layer.experts if experts is None else experts)  # (T, D), (E,)
+    routed = layer.experts if experts is None else experts
+    moe, counts = experts_forward(x, weights, ids, routed, act)  # (T, D), (E,)
     if layer.shared is not None:  # an always-on expert: scaled by a sigmoid gate (Qwen2-MoE), or as is
-        shared = expert_ffn(layer.shared, x)  # (T, D)
+        shared = expert_ffn(layer.shared, x, act)  # (T, D)
         moe = moe + (shared if layer.shared_gate is None else torch.sigmoid(linear(x, layer.shared_gate)) * shared)
     return h + reduce(moe), counts
 
@@ -72,6 +77,9 @@ def route_layer(spec: ModelSpec, layer: LayerWeights, x: torch.Tensor) -> tuple[
             spec.norm_topk_prob,
             spec.routed_scaling_factor,
         )
+    if spec.router_score == "softmax_topk":  # GPT-OSS
+        assert layer.router_bias is not None
+        return route_topk_softmax(x, layer.router, layer.router_bias, spec.top_k)
     return route(x, layer.router, spec.top_k, spec.norm_topk_prob, spec.topk_norm_p)
 
 

@@ -10,7 +10,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.linear import linear
 from moe_lightning.stages.mla import mla_pre_attention, mla_shape
 from moe_lightning.stages.norm import norm, rms_norm
-from moe_lightning.stages.rope import Rope, apply_rope, rope_cos_sin
+from moe_lightning.stages.rope import Rope
 from moe_lightning.weights import LayerWeights
 
 
@@ -52,14 +52,10 @@ def pre_attention(
     if spec.qk_norm == "head":  # Qwen3: per head, over Hd
         q = rms_norm(q, layer.q_norm, spec.rms_norm_eps)
         k = rms_norm(k, layer.k_norm, spec.rms_norm_eps)
-    r = spec.rope_dim
-    cos, sin = rope_cos_sin(positions, r, spec.rope_theta, hidden.dtype)  # (T, r)
-    if r == spec.head_dim:
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.contiguous()
-    # partial rotary (GLM-4.5): the leading r dims of each head rotate, the rest pass through
-    q = torch.cat([apply_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-    k = torch.cat([apply_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-    return q, k, v.contiguous()
+    # partial rotary (GLM-4.5) rotates the leading dims of each head; YaRN (GPT-OSS) scales the frequencies
+    rope = spec_rope(spec)
+    cos, sin = rope.cos_sin(positions, hidden.dtype)  # (T, r)
+    return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v.contiguous()
 
 
 @functools.cache

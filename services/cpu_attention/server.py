@@ -26,7 +26,7 @@ from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb, timel
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import CPU_ATTENTION
 from moe_lightning.service.runtime import ServiceRuntime, serve
-from moe_lightning.service.upstream import arena_dtype, fetch_manifest
+from moe_lightning.service.upstream import arena_dtype, arena_page_copies, fetch_manifest
 from moe_lightning.timeline import TimelineRecorder
 from services.cpu_attention.worker import AttentionWorker
 
@@ -114,6 +114,9 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
         slots=config.handoff_slots,
         timeline=TimelineRecorder(config.timeline, "cpu_attention", keep=config.timeline_keep),
         kv_dtype=kv_dtype,
+        sinks=arena_page_copies(manifest, [f"layers.{i}.sinks" for i in range(spec.num_layers)])
+        if spec.attention_sinks
+        else None,
     )
     key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}"
     measurements = cached_measurements(

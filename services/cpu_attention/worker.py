@@ -25,8 +25,7 @@ from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.shm.channel import ChannelClosedError, ChannelTimeoutError, PeerDiedError, TensorChannel
 from moe_lightning.shm.segment import Segment, segment_name
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attend import attend
-from moe_lightning.stages.attention import AttentionPlan, plan_attention
+from moe_lightning.stages.attend import BatchPlans, attend, plan_batch
 from moe_lightning.timeline import TimelineRecorder
 
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
@@ -53,10 +52,13 @@ class AttentionWorker:
         slots: int = 4,
         timeline: TimelineRecorder | None = None,
         kv_dtype: torch.dtype | str = torch.float32,
+        sinks: list[torch.Tensor | None] | None = None,
     ) -> None:
         """`kv_dtype`: the cache's kv_format (a float dtype or its name, or "int8": values and their scales
-        both in the shared-memory segment)."""
+        both in the shared-memory segment). `sinks`: each layer's sink logits (H,) (GPT-OSS's, read from
+        the weight store's arena)."""
         self.spec = spec
+        self.sinks = sinks or [None] * spec.num_layers
         self.timeline = timeline or TimelineRecorder(None, "cpu_attention")
         self.log = structlog.get_logger()
         nbytes = PagedKVCache.storage_bytes(spec, num_blocks, block_size, kv_dtype)
@@ -69,7 +71,7 @@ class AttentionWorker:
         self._lock = threading.Lock()  # guards the cache between the loop and connect()
         self._connected = threading.Condition()
         self._stop = threading.Event()
-        self._batches: dict[tuple[int, int], AttentionPlan] = {}
+        self._batches: dict[tuple[int, int], BatchPlans] = {}
         self.session = 0  # hand-offs of another session are stale (see connect)
         self._thread = threading.Thread(target=self._run, name="attention-loop", daemon=True)
         self._update_gauges()
@@ -217,7 +219,8 @@ class AttentionWorker:
                 raise LookupError(f"step {h.step} micro-batch {h.micro_batch} was never started at layer 0")
             q, k, v = msg.q, msg.k, msg.v
             with self._lock:  # K/V stored in the cache's format (--kv-dtype); attention computes in fp32
-                out = attend(self.spec, q, k, v, self.cache.k[layer], self.cache.v[layer], mb)  # in q's dtype
+                kc, vc = self.cache.k[layer], self.cache.v[layer]
+                out = attend(self.spec, q, k, v, kc, vc, mb[layer], self.sinks[layer])  # in q's dtype
             self.timeline.record("cpu", "attention", h.step, layer, h.micro_batch, t0)
             if layer == self.spec.num_layers - 1:
                 del self._batches[key]
@@ -241,11 +244,11 @@ class AttentionWorker:
         self.log.warning("attention_error", code=code.name, error=message)
         return AttentionHandoff.failed(header, code, message)
 
-    def _begin(self, batch: SequenceBatch) -> AttentionPlan:
+    def _begin(self, batch: SequenceBatch) -> BatchPlans:
         with self._lock:
             md = self.cache.begin(batch.seq_ids, batch.q_lens, batch.starts)
             self._update_gauges()
-        return plan_attention(md, self.spec.sliding_window)
+        return plan_batch(self.spec, md)
 
     def stop(self) -> None:
         self._stop.set()

@@ -15,16 +15,18 @@ import torch
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
-from moe_lightning.stages.attend import attend
-from moe_lightning.stages.attention import plan_attention
+from moe_lightning.stages.attend import attend, plan_batch
 from moe_lightning.step_protocol import SequenceWork
 from services.gpu_expert.micro_batch import MicroBatchState
 from services.gpu_expert.schedule import Groups, Op, local_grouped_steps, local_steps
 
 
 class DeviceAttention:
-    def __init__(self, kv: PagedKVCache, spec: ModelSpec, device: torch.device) -> None:
-        self.kv, self.spec, self.device = kv, spec, device
+    def __init__(
+        self, kv: PagedKVCache, spec: ModelSpec, device: torch.device, sinks: list[torch.Tensor | None]
+    ) -> None:
+        """`sinks`: each layer's sink logits on `device` (GPT-OSS), or None."""
+        self.kv, self.spec, self.device, self.sinks = kv, spec, device, sinks
 
     def check_ready(self) -> None:
         pass  # needs no attention service
@@ -38,7 +40,7 @@ class DeviceAttention:
             md = self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
         except ValueError as exc:
             raise ServiceError(str(exc), grpc.StatusCode.FAILED_PRECONDITION) from exc
-        st.attention = plan_attention(md, self.spec.sliding_window, device=self.device)
+        st.attention = plan_batch(self.spec, md, device=self.device)
 
     def send_release(self, step: int) -> None:
         pass  # finished sequences wait for the next step that hands off
@@ -52,7 +54,8 @@ class DeviceAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, st: MicroBatchState
     ) -> torch.Tensor:
         assert st.attention is not None  # planned by `begin`
-        return attend(self.spec, q, k, v, self.kv.k[layer], self.kv.v[layer], st.attention)
+        plan, sinks = st.attention[layer], self.sinks[layer]
+        return attend(self.spec, q, k, v, self.kv.k[layer], self.kv.v[layer], plan, sinks)
 
     def free(self, seq_ids: list[int]) -> None:
         for seq in seq_ids:
@@ -97,6 +100,6 @@ class NoDeviceAttention:
 
 
 def device_attention_part(
-    kv: PagedKVCache | None, spec: ModelSpec, device: torch.device
+    kv: PagedKVCache | None, spec: ModelSpec, device: torch.device, sinks: list[torch.Tensor | None]
 ) -> DeviceAttention | NoDeviceAttention:
-    return DeviceAttention(kv, spec, device) if kv is not None else NoDeviceAttention()
+    return DeviceAttention(kv, spec, device, sinks) if kv is not None else NoDeviceAttention()

@@ -9,7 +9,7 @@ import torch
 
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.stages import embed_tokens
-from moe_lightning.stages.attention import AttentionPlan
+from moe_lightning.stages.attend import BatchPlans
 from moe_lightning.step_protocol import SequenceWork
 
 
@@ -19,7 +19,7 @@ class MicroBatchState:
     positions: torch.Tensor  # (T,)
     hidden: torch.Tensor  # (T, D)
     last_rows: torch.Tensor  # (B,)
-    attention: AttentionPlan | None = None  # set when attention runs here, over the device KV cache
+    attention: BatchPlans | None = None  # set when attention runs here, over the device KV cache
     ffn_input: torch.Tensor | None = None  # (T, D) grouped experts: the FFN's input, waiting for the group
 
     @classmethod

@@ -122,7 +122,7 @@ class ExpertRunner:
         self.experts = expert_part(pager, weights)
         self.head = head_part(self.shard.leads, self.spec, weights, self.samplers, self.clock)
         self.counted: Callable[[StepKind, Callable[[], StepOutput]], StepOutput] = sync_count_part(count_syncs, device)
-        self.local = device_attention_part(kv, self.spec, device)
+        self.local = device_attention_part(kv, self.spec, device, [layer.sinks for layer in weights.layers])
         self.places: dict[Side, AttentionPlace] = {
             Side.HOST: ServiceAttention(self.handoff, overlap),
             Side.DEVICE: self.local,
