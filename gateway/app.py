@@ -121,7 +121,9 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        inputs = _inputs(body, settings, upstream.max_batch_prompts, upstream.tool_call_format)
+        inputs = _inputs(
+            body, settings, upstream.max_batch_prompts, upstream.tool_call_format, upstream.reasoning_format
+        )
         top = (body.top_logprobs or 0) if body.logprobs else None
         rid = responses.new_id("chatcmpl")
         if body.stream:
@@ -284,7 +286,11 @@ def _unknown_model(name: str, settings: Settings) -> ApiError:
 
 
 def _inputs(
-    body: CompletionRequest | ChatCompletionRequest, settings: Settings, max_inputs: int, tool_format: str = ""
+    body: CompletionRequest | ChatCompletionRequest,
+    settings: Settings,
+    max_inputs: int,
+    tool_format: str = "",
+    reasoning_format: str = "",
 ) -> list[generation_pb2.GenerationInput]:
     """The request's inputs, refused before they are built when no server could take them: prompts
     x n over `max_inputs` (the server's max_batch_prompts), a prompt longer than the model's context."""
@@ -292,7 +298,7 @@ def _inputs(
         raise _unknown_model(body.model, settings)
     try:
         if isinstance(body, ChatCompletionRequest):
-            return body.inputs(settings.max_model_len, max_inputs, tool_format)
+            return body.inputs(settings.max_model_len, max_inputs, tool_format, reasoning_format)
         return body.inputs(settings.max_model_len, max_inputs)
     except UnsupportedField as exc:
         raise bad_request(str(exc), exc.param) from None

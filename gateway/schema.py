@@ -23,6 +23,7 @@ from gateway.fields import NOTHING, Body, Fields, UnsupportedField, field_error
 from gateway.structured import GUIDED, request_grammar
 from gateway.tools import NO_FORMAT, check_tool_choice, forcing_grammar, tool_calls_pb, tool_spec_pb, tool_specs
 from moe_lightning.api.generation.v1 import generation_pb2
+from moe_lightning.reasoning import KEEPS_SPECIAL_TOKENS
 from moe_lightning.request import InvalidRequestError
 from moe_lightning.validation import (
     CONTEXT_BOUND,
@@ -61,13 +62,14 @@ _REFUSED_SAMPLING: dict[str, tuple[str, tuple[Any, ...]]] = {
     "modalities": ("only text output is implemented", (None, ["text"])),
     "prediction": ("predicted outputs are not implemented", NOTHING),
     "web_search_options": ("web search is not implemented", NOTHING),
-    "reasoning_effort": ("this server's models take no reasoning effort", NOTHING),
+    "reasoning_effort": ("reasoning_effort is read by a chat template: send it to /v1/chat/completions", NOTHING),
     "verbosity": ("this server's models take no verbosity", NOTHING),
     "moderation": ("moderation of the input and output is not implemented", NOTHING),
 }
 
-# the chat API takes tools (gateway/tools.py)
-_REFUSED_CHAT = {k: v for k, v in _REFUSED_SAMPLING.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
+# the chat API takes tools (gateway/tools.py) and a reasoning effort (for the chat template, as vLLM passes it)
+_CHAT_TAKES = ("tools", "tool_choice", "parallel_tool_calls", "reasoning_effort")
+_REFUSED_CHAT = {k: v for k, v in _REFUSED_SAMPLING.items() if k not in _CHAT_TAKES}
 
 
 class _Sampling(Body):
@@ -385,6 +387,15 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Any = None  # none, auto (the default with tools), required, or a named function
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more variables for the chat template
+    # OpenAI's, for reasoning models: the chat template's `reasoning_effort` (GPT-OSS's harmony template
+    # writes it into the system message; a template that does not read it ignores it, as in vLLM)
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort in it unless the kwargs name their own."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def shapes(self, tool_format: str, reasoning_format: str) -> list[ChatOutput] | None:
         """Per choice, how its answer is read into the message (None: as plain text). A grammar (a
@@ -396,7 +407,7 @@ class ChatCompletionRequest(_Sampling):
             reasoning_format = ""
         if not tools and not reasoning_format:
             return None
-        return [ChatOutput(tools, reasoning_format, self.chat_template_kwargs) for _ in range(self.n)]
+        return [ChatOutput(tools, reasoning_format, self.template_kwargs()) for _ in range(self.n)]
 
     def response(
         self,
@@ -414,11 +425,16 @@ class ChatCompletionRequest(_Sampling):
         return bool(self.tools) and self.tool_choice != "none" and bool(tool_format)
 
     def inputs(
-        self, max_prompt_tokens: int | None = None, max_inputs: int = MAX_BATCH_PROMPTS, tool_format: str = ""
+        self,
+        max_prompt_tokens: int | None = None,
+        max_inputs: int = MAX_BATCH_PROMPTS,
+        tool_format: str = "",
+        reasoning_format: str = "",
     ) -> list[generation_pb2.GenerationInput]:
         """One input per choice; `max_prompt_tokens` refuses a conversation no prompt of that many
         tokens could hold before n copies of it are built (as the orchestrator would refuse each).
-        `tool_format`: how the server's model writes tool calls ("": it has none, so tools are refused)."""
+        `tool_format`: how the server's model writes tool calls ("": it has none, so tools are refused);
+        `reasoning_format`: how it writes its reasoning (harmony's channels are special tokens, kept)."""
         self.refuse_unsupported()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
@@ -436,8 +452,8 @@ class ChatCompletionRequest(_Sampling):
                 m.to_pb(text, f"messages.{i}") for i, (m, text) in enumerate(zip(self.messages, texts, strict=True))
             ]
         )
-        if self.chat_template_kwargs:
-            messages.template_kwargs_json = json.dumps(self.chat_template_kwargs, ensure_ascii=False)
+        if kwargs := self.template_kwargs():
+            messages.template_kwargs_json = json.dumps(kwargs, ensure_ascii=False)
         tools = tool_specs(self.tools or [])
         check_tool_choice(self.tool_choice, tools)
         forcing = None
@@ -453,8 +469,8 @@ class ChatCompletionRequest(_Sampling):
         for j in range(self.n):
             m = self.base_input(max_tokens, k, j)
             m.messages.CopyFrom(messages)
-            if self.tools_active(tool_format):
-                m.skip_special_tokens = False  # a format's markers may be special tokens ([TOOL_CALLS])
+            if self.tools_active(tool_format) or reasoning_format in KEEPS_SPECIAL_TOKENS:
+                m.skip_special_tokens = False  # a format's markers may be special tokens ([TOOL_CALLS], <|channel|>)
             if forcing is not None:
                 m.grammar.CopyFrom(forcing)
             out.append(m)

@@ -15,7 +15,7 @@ from moe_lightning.chat_template import ChatTemplateError, ToolCall, ToolSpec
 
 NO_FORMAT = (
     "this server parses no tool calls for its model: its chat template shows no tool-call format "
-    "(start the server with --tool-call-parser hermes, mistral or llama3_json)"
+    "(start the server with --tool-call-parser hermes, mistral, llama3_json or harmony)"
 )
 
 

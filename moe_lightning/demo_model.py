@@ -125,14 +125,15 @@ def _corpus(seed: int, n_words: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE whose vocabulary is exactly `vocab_size` (padded with reserved tokens)."""
+def build_tokenizer(vocab_size: int, seed: int = 0, extra_special: tuple[str, ...] = ()) -> Tokenizer:
+    """A byte-level BPE whose vocabulary is exactly `vocab_size` (padded with reserved tokens);
+    `extra_special`: a family's chat markers, special tokens after SPECIAL_TOKENS' three."""
     tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=[*SPECIAL_TOKENS, *extra_special],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -173,11 +174,16 @@ def write_demo_model(
         sd = {name: t.cpu() for name, t in sd.items()}  # safetensors serializes host memory
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     del sd
+    family = by_name(arch)
+    tok = build_tokenizer(spec.vocab_size, seed, family.special_tokens) if with_tokenizer else None
+    eos: int | list[int] = 2
+    if tok is not None and family.stop_tokens:  # the family's own ends of a generation, beside </s>
+        eos = [2, *(tok.token_to_id(t) for t in family.stop_tokens)]
+        config["eos_token_id"] = eos
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": False}
+    generation = {"bos_token_id": 1, "eos_token_id": eos, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-    if with_tokenizer:
-        tok = build_tokenizer(spec.vocab_size, seed)
+    if tok is not None:
         tok.save(str(out / "tokenizer.json"))
         tok_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
@@ -185,7 +191,7 @@ def write_demo_model(
             "eos_token": "</s>",
             "unk_token": "<unk>",
             "model_max_length": spec.max_position_embeddings,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": family.chat_template or CHAT_TEMPLATE,
         }
         (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
     return out

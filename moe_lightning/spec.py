@@ -7,7 +7,7 @@ between model families live in one place.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -278,7 +278,8 @@ class ModelSpec:
         attn = self.attention_params()
         shared = 3 * d * self.shared_expert_size + (d if self.shared_expert_size and self.shared_expert_gate else 0)
         per_layer = attn + 2 * d
-        router = self.num_experts * d + (self.num_experts if self.router_score != "softmax" else 0)
+        # GPT-OSS's router bias is a parameter; the sigmoid routers' selection bias a buffer (not counted)
+        router = self.num_experts * d + (self.num_experts if self.router_score == "softmax_topk" else 0)
         sparse = router + self.num_experts * self.expert_params() + shared
         dense = 3 * d * self.dense_intermediate_size
         head = 0 if self.tie_word_embeddings else v * d
@@ -337,4 +338,26 @@ class ModelSpec:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ModelSpec:
-        return cls.from_hf_config(read_hf_config(model_dir))
+        """The spec of a checkpoint directory. Its EOS ids are config.json's and generation_config.json's
+        together, as transformers' generate and vLLM stop on both (GPT-OSS's config names <|return|> only,
+        its generation config <|call|> and <|endoftext|> too)."""
+        spec = cls.from_hf_config(read_hf_config(model_dir))
+        extra = tuple(i for i in generation_eos_ids(model_dir) if i not in spec.eos_token_ids)
+        return replace(spec, eos_token_ids=spec.eos_token_ids + extra) if extra else spec
+
+
+def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id, () without one (or with one that is not valid JSON: the
+    file is optional, and config.json's ids still apply)."""
+    import json
+
+    path = Path(model_dir) / "generation_config.json"
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (json.JSONDecodeError, AttributeError):
+        return ()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+    return ()

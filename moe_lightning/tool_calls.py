@@ -11,6 +11,14 @@ the format it was fine-tuned on, which its chat template shows it. One parser pe
   mistral parser reads both.
 - `llama3_json` (Llama 3.1+): the answer itself, optionally after `<|python_tag|>`, is
   `{"name": ..., "parameters": {...}}` (or `"arguments"`), calls separated by `;`.
+- `harmony` (GPT-OSS; vLLM's `openai`): a call is a message of its own to the function,
+  `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
+  (the recipient may be in the role's part instead: `<|start|>assistant to=functions.NAME<|channel|>
+  commentary json<|message|>`; the first message of an answer has no `<|start|>assistant`, which the
+  prompt wrote). It reads the content the `gpt_oss` reasoning parser leaves, in which such messages
+  stay as written, or a whole answer; any other message, and any text between them, is content word
+  for word. The arguments are the message's body, which must be a JSON object; its `<|call|>` (or
+  `<|end|>`, `<|return|>`, or the text's end, where the stop token was left out of the text) ends it.
 
 What is a call, and what stays content, is decided by one state machine for both the whole text
 (parse) and the streamed one (StreamingToolParser), so a stream's deltas add up to the parsed answer
@@ -41,8 +49,19 @@ from typing import Any, NamedTuple
 
 from moe_lightning.chat_template import ToolCall, ToolSpec
 from moe_lightning.config.choices import TOOL_CALL_FORMATS
+from moe_lightning.reasoning import (
+    FUNCTIONS,
+    HARMONY_CALL,
+    HARMONY_CHANNEL,
+    HARMONY_CONSTRAIN,
+    HARMONY_MESSAGE,
+    HARMONY_START,
+    HarmonyEvent,
+    HarmonyReader,
+    opens_header,
+)
 
-FORMATS = TOOL_CALL_FORMATS
+HARMONY = "harmony"
 _ALNUM = string.ascii_letters + string.digits
 
 
@@ -121,6 +140,10 @@ _FORMATS = {
     # Llama's templates ask for "parameters"; vLLM's parser takes "arguments" as well
     "llama3_json": _Format("llama3_json", "", frozenset({"parameters", "arguments"}), openai_call_id, False),
 }
+# the formats whose calls are JSON objects in the text, read by StreamingToolParser's state machine and
+# forced by call_grammar as begin + call (+ separator + call)* + end; harmony's calls are messages of
+# their own, each naming its function in its header (HarmonyStreamingParser)
+FORMATS = tuple(_FORMATS)
 _HERMES_END = "</tool_call>"
 _MISTRAL_ARGS = "[ARGS]"
 _PYTHON_TAG = "<|python_tag|>"
@@ -130,6 +153,8 @@ _JSON_WS = re.compile(r"[ \t\n\r]*")
 
 def detect_format(template_source: str) -> str | None:
     """The call format a chat template teaches, from the markers it writes (None: none known)."""
+    if HARMONY_CHANNEL in template_source and HARMONY_CALL in template_source:
+        return HARMONY
     if "<tool_call>" in template_source:
         return "hermes"
     if "[TOOL_CALLS]" in template_source:
@@ -339,11 +364,17 @@ class _Call:
 class StreamingToolParser:
     """Reads a model's answer as it streams: feed() each piece of text, finish() at its end; each
     returns the deltas that piece decided (ContentDelta, ToolCallDelta), in order. Text that may be
-    the start of a call is held back until it is known to be one or not."""
+    the start of a call is held back until it is known to be one or not. `StreamingToolParser("harmony")`
+    is a HarmonyStreamingParser, so that one type streams every format."""
+
+    def __new__(cls, format: str, *, new_id: Callable[[], str] | None = None) -> StreamingToolParser:
+        if cls is StreamingToolParser and format == HARMONY:
+            return super().__new__(HarmonyStreamingParser)
+        return super().__new__(cls)
 
     def __init__(self, format: str, *, new_id: Callable[[], str] | None = None) -> None:
         if format not in _FORMATS:
-            raise ValueError(f"unknown tool call format {format!r}; known: {', '.join(FORMATS)}")
+            raise ValueError(f"unknown tool call format {format!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
         self._fmt = _FORMATS[format]
         self._new_id = new_id or self._fmt.new_id
         self._buf = ""  # the answer from absolute offset _base on
@@ -796,6 +827,127 @@ class StreamingToolParser:
         return True
 
 
+# ---- harmony -----------------------------------------------------------------------------------------
+
+
+class _HarmonyCall:
+    """The call message being read: its index, and where its arguments' JSON is."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.phase = "before"  # before (whitespace, then "{") | json | after (whitespace only)
+        self.scanner = _JsonScanner()
+
+
+class HarmonyStreamingParser(StreamingToolParser):
+    """GPT-OSS's calls (the module's docstring), as the answer streams: a call is announced once its
+    header is read (its name is in it), and its arguments stream as its body comes. A message to a
+    function whose body is no JSON object, or that the text's end cuts short, breaks the stream
+    (`malformed`), as a broken call of the other formats does. It shares only the output's gathering
+    with the other formats' machine."""
+
+    def __init__(self, format: str = HARMONY, *, new_id: Callable[[], str] | None = None) -> None:
+        if format != HARMONY:
+            raise ValueError(f"HarmonyStreamingParser reads the {HARMONY} format, not {format!r}")
+        self._new_id = new_id or openai_call_id
+        self._out: list[Delta] = []
+        self._text_parts: list[str] = []
+        self._args_parts: list[str] = []
+        self._args_index = -1
+        self._start = ""  # the answer's start, held while it may open a header (no <|start|> before it)
+        self._reader: HarmonyReader | None = None
+        self._call: _HarmonyCall | None = None
+        self._calls = 0
+        self._finished = False
+        self._dead = False
+        self.malformed = False
+
+    def feed(self, text: str) -> list[Delta]:
+        if self._finished:
+            raise RuntimeError("feed() after finish()")
+        if text and not self._dead:
+            self._read(text, final=False)
+        return self._take()
+
+    def finish(self) -> list[Delta]:
+        if not self._finished:
+            self._finished = True
+            if not self._dead:
+                self._read("", final=True)
+        return self._take()
+
+    def _read(self, text: str, final: bool) -> None:
+        if self._reader is None:
+            text, self._start = self._start + text, ""
+            opens = opens_header(text, final)
+            if opens is None:
+                self._start = text
+                return
+            self._reader = HarmonyReader("header" if opens else "text")
+        for event in self._reader.feed(text, final):
+            self._event(event)
+            if self._dead:
+                self._reader = None
+                return
+
+    def _event(self, e: HarmonyEvent) -> None:
+        call = self._call
+        if e.kind == "header":
+            assert e.header is not None
+            name = e.header.function
+            if name is None:
+                self._emit_text(e.header.raw)  # no call: the message is content, as written
+                return
+            self._call = _HarmonyCall(self._calls)
+            self._calls += 1
+            self._emit_call(self._call.index, self._new_id(), name)
+        elif e.kind == "body" and call is not None:
+            self._arguments(call, e.text)
+        elif e.kind == "end" and call is not None:
+            if call.phase != "after":  # its JSON is not complete: cut short, or no JSON at all
+                self._break()
+                return
+            self._call = None  # its terminator is no content
+        else:  # text between messages, a message that is no call, its end
+            self._emit_text(e.text)
+
+    def _arguments(self, call: _HarmonyCall, text: str) -> None:
+        i = 0
+        while i < len(text) and not self._dead:
+            if call.phase == "before":
+                i = _JSON_WS.match(text, i).end()  # type: ignore[union-attr]
+                if i == len(text):
+                    return
+                if text[i] != "{":  # OpenAI's arguments are an object
+                    self._break()
+                    return
+                call.phase = "json"
+            elif call.phase == "json":
+                status, j = call.scanner.scan(text, i)
+                self._emit_args(call.index, text[i:j])  # up to where it broke, however the text was cut
+                if status == _ERROR:
+                    self._break()
+                    return
+                i = j
+                if status == _DONE:
+                    call.phase = "after"
+            else:  # only whitespace may follow the object in its message
+                if _JSON_WS.match(text, i).end() != len(text):  # type: ignore[union-attr]
+                    self._break()
+                return
+
+    def _break(self) -> None:
+        self.malformed = self._dead = True
+        self._call = None
+
+
+def _harmony_header(name: str, first: bool) -> str:
+    """The header of a call of `name`, as GPT-OSS writes it; the answer's first message has no
+    `<|start|>assistant` (the prompt ends with it)."""
+    start = "" if first else HARMONY_START + "assistant"
+    return f"{start}{HARMONY_CHANNEL}commentary to={FUNCTIONS}{name} {HARMONY_CONSTRAIN}json{HARMONY_MESSAGE}"
+
+
 # ---- whole answers -----------------------------------------------------------------------------------
 
 
@@ -803,8 +955,8 @@ class ToolParser:
     """A format's parser: parse() for an answer read whole, stream() for one read as it comes."""
 
     def __init__(self, format: str, *, new_id: Callable[[], str] | None = None) -> None:
-        if format not in _FORMATS:
-            raise ValueError(f"unknown tool call format {format!r}; known: {', '.join(FORMATS)}")
+        if format not in TOOL_CALL_FORMATS:
+            raise ValueError(f"unknown tool call format {format!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
         self.format = format
         self._new_id = new_id
 
@@ -822,7 +974,7 @@ class ToolParser:
 
 
 def parser_for(format: str, *, new_id: Callable[[], str] | None = None) -> ToolParser:
-    """The parser of `format` (FORMATS; detect_format reads it from a template). `new_id` makes the
+    """The parser of `format` (TOOL_CALL_FORMATS; detect_format reads it from a template). `new_id` makes the
     calls' ids (default: the format's, openai_call_id or mistral_call_id)."""
     return ToolParser(format, new_id=new_id)
 
@@ -844,7 +996,9 @@ def assemble(deltas: Sequence[Delta]) -> ParsedOutput:
 
 def render_calls(format: str, calls: Sequence[ToolCall]) -> str:
     """`calls` written as the format writes them (what call_grammar forces), e.g. to test a parser,
-    or to show a model its earlier calls where no template does."""
+    or to show a model its earlier calls where no template does. harmony's: one message per call."""
+    if format == HARMONY:
+        return "".join(_harmony_header(c.name, i == 0) + c.arguments + HARMONY_CALL for i, c in enumerate(calls))
     begin, separator, end = _PIECES[format]
     objects = [_call_object(format, c) for c in calls]
     return begin + separator.join(objects) + end
@@ -895,12 +1049,17 @@ class CallGrammar(NamedTuple):
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def _call_schema(format: str, tool: ToolSpec) -> dict[str, Any]:
+def _parameters(tool: ToolSpec) -> dict[str, Any]:
     parameters = tool.parameters_schema()
     if parameters is None:
-        parameters = _NO_PARAMETERS
-    elif not parameters:
-        parameters = {"type": "object"}  # `{}` constrains nothing, but arguments are an object still
+        return _NO_PARAMETERS
+    if not parameters:
+        return {"type": "object"}  # `{}` constrains nothing, but arguments are an object still
+    return parameters
+
+
+def _call_schema(format: str, tool: ToolSpec) -> dict[str, Any]:
+    parameters = _parameters(tool)
     key = _arguments_key(format)
     return {
         "type": "object",
@@ -916,23 +1075,52 @@ def call_grammar(
     """For tool_choice "required": one or more calls of any of `tools` (one only unless `parallel`,
     the request's parallel_tool_calls); for a named function (OpenAI's `{"type": "function",
     "function": {"name": ...}}`): exactly one call of it. ValueError for a choice that forces nothing
-    ("auto", "none"), a name not among `tools`, or no tools."""
-    if format not in _PIECES:
-        raise ValueError(f"unknown tool call format {format!r}; known: {', '.join(FORMATS)}")
+    ("auto", "none"), a name not among `tools`, or no tools.
+
+    harmony names the function in the call's header, outside the JSON a grammar forces: the header of
+    the one function is `begin` and its arguments are the call, so only a named function, or
+    "required" with one tool, can be forced (ValueError for several). One call either way: GPT-OSS
+    stops at each call's <|call|>."""
+    if format not in TOOL_CALL_FORMATS:
+        raise ValueError(f"unknown tool call format {format!r}; known: {', '.join(TOOL_CALL_FORMATS)}")
     if not tools:
         raise ValueError("tool_choice needs tools to choose from")
+    if format == HARMONY:
+        return _harmony_grammar(tools, tool_choice)
     begin, separator, end = _PIECES[format]
     if tool_choice == "required":
         schemas = [_call_schema(format, t) for t in tools]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         return CallGrammar(begin, separator if parallel else None, end, schema)
     if isinstance(tool_choice, Mapping):
-        function = tool_choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if tool_choice.get("type") != "function" or not isinstance(name, str):
-            raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
-        for t in tools:
-            if t.name == name:
-                return CallGrammar(begin, None, end, _call_schema(format, t))
-        raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+        return CallGrammar(begin, None, end, _call_schema(format, _named(tool_choice, tools)))
     raise ValueError(f"tool_choice {tool_choice!r} forces no call: only 'required' or a named function does")
+
+
+def _named(tool_choice: Mapping[str, Any], tools: Sequence[ToolSpec]) -> ToolSpec:
+    """The tool a named tool_choice names."""
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError('a named tool_choice is {"type": "function", "function": {"name": ...}}')
+    for t in tools:
+        if t.name == name:
+            return t
+    raise ValueError(f"tool_choice names the function {name!r}, which is not among the tools")
+
+
+def _harmony_grammar(tools: Sequence[ToolSpec], tool_choice: str | Mapping[str, Any]) -> CallGrammar:
+    if tool_choice == "required":
+        if len(tools) > 1:
+            raise ValueError(
+                "tool_choice required cannot be forced with several tools for this model: its calls (harmony) "
+                "name the function outside the arguments a grammar constrains; name one function instead"
+            )
+        tool = tools[0]
+    elif isinstance(tool_choice, Mapping):
+        tool = _named(tool_choice, tools)
+    else:
+        raise ValueError(f"tool_choice {tool_choice!r} forces no call: only 'required' or a named function does")
+    # the answer starts right after the prompt's <|start|>assistant; the generation ends at the
+    # object, with the model's stop token (<|call|>, left out of the text as a stop token is)
+    return CallGrammar(_harmony_header(tool.name, True), None, "", _parameters(tool))

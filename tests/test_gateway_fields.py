@@ -94,7 +94,8 @@ UNIMPLEMENTED = {
 }
 
 
-CHAT_TAKES = ("tools", "tool_choice")  # the chat API's own (tests/test_tool_calls_e2e.py)
+# the chat API's own (tests/test_tool_calls_e2e.py; reasoning_effort: tests/test_harmony.py)
+CHAT_TAKES = ("tools", "tool_choice", "reasoning_effort")
 REFUSED_BY_ROUTE = [("/v1/completions", name, value) for name, value in UNIMPLEMENTED.items()] + [
     ("/v1/chat/completions", name, value) for name, value in UNIMPLEMENTED.items() if name not in CHAT_TAKES
 ]

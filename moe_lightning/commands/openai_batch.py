@@ -22,6 +22,7 @@ from gateway.errors import ApiError, bad_request, from_grpc
 from gateway.schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
 from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.output_files import output_file
+from moe_lightning.reasoning import KEEPS_SPECIAL_TOKENS
 from moe_lightning.validation import MAX_BATCH_PROMPTS
 
 Input = generation_pb2.GenerationInput
@@ -100,22 +101,24 @@ def _parse(raw: str, n: int, tool_format: str = "") -> BatchLine:
 
 def with_formats(lines: list[BatchLine], formats: OutputFormats) -> None:
     """Reads the chat lines with tools again by the server's formats, known once it is reached (read_batch
-    read them without: their error says the server parses no tool calls)."""
+    read them without: their error says the server parses no tool calls), and every chat line when the
+    model's reasoning is written in special tokens (harmony's), which the output must keep."""
+    keeps_special = formats.reasoning_format in KEEPS_SPECIAL_TOKENS  # harmony's channels are special tokens
     for line in lines:
         request = line.request
-        if isinstance(request, ChatCompletionRequest) and request.tools:
+        if isinstance(request, ChatCompletionRequest) and (request.tools or (keeps_special and line.error is None)):
             line.error = None
             try:
-                line.inputs = _inputs(request, formats.tool_call_format)
+                line.inputs = _inputs(request, formats.tool_call_format, formats.reasoning_format)
             except UnsupportedField as exc:
                 line.error = bad_request(str(exc), exc.param)
 
 
 def _inputs(
-    request: CompletionRequest | ChatCompletionRequest, tool_format: str
+    request: CompletionRequest | ChatCompletionRequest, tool_format: str, reasoning_format: str = ""
 ) -> list[generation_pb2.GenerationInput]:
     if isinstance(request, ChatCompletionRequest):
-        return request.inputs(tool_format=tool_format)
+        return request.inputs(tool_format=tool_format, reasoning_format=reasoning_format)
     return request.inputs()
 
 

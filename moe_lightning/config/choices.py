@@ -40,8 +40,9 @@ DEVICE_TYPES = ("cpu", "cuda")  # a device is one of these, cuda with an optiona
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # any case on the command line
 
 # how a model writes tool calls and its reasoning (moe_lightning/tool_calls.py, reasoning.py); the
-# parsers' auto reads it from the chat template, none parses nothing
-TOOL_CALL_FORMATS = ("hermes", "mistral", "llama3_json")
+# parsers' auto reads it from the chat template, none parses nothing. GPT-OSS's harmony messages are
+# `harmony` (vLLM's tool parser `openai`) and `gpt_oss` (vLLM's reasoning parser `openai_gptoss`)
+TOOL_CALL_FORMATS = ("hermes", "mistral", "llama3_json", "harmony")
 TOOL_CALL_PARSERS = (AUTO, "none", *TOOL_CALL_FORMATS)
-REASONING_FORMATS = ("qwen3", "deepseek_r1")
+REASONING_FORMATS = ("qwen3", "deepseek_r1", "gpt_oss")
 REASONING_PARSERS = (AUTO, "none", *REASONING_FORMATS)

@@ -78,6 +78,11 @@ class Family:
     random_weights: RandomWeights  # a checkpoint's state dict under the family's own names
     plan_presets: Mapping[str, ModelSpec]  # published shapes, for planning without a checkpoint
     gptq_unsupported: str | None = None  # why a GPTQ checkpoint of this family cannot load; None: it can
+    # its demo checkpoint's chat format: the template (None: the generic ChatML-like one), the special
+    # tokens it writes (added to the demo tokenizer) and those that end a generation (its EOS ids)
+    chat_template: str | None = None
+    special_tokens: tuple[str, ...] = ()
+    stop_tokens: tuple[str, ...] = ()
 
 
 def hf_layout_family(moe_names: tuple[MoeNames, ...] = (MLP_NAMES,)) -> tuple[LoadLayer, RandomWeights]:

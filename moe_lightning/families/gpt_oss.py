@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from moe_lightning.families import mixtral
 from moe_lightning.families.family import HF_TOP_NAMES, Family, Randoms
+from moe_lightning.families.gpt_oss_template import CHAT_TEMPLATE, HARMONY_TOKENS, STOP_TOKENS
 from moe_lightning.hf_configs import ModelSpecError, common_fields, eos_ids, require, yarn_scaling
 from moe_lightning.spec import ModelSpec
 
@@ -218,4 +219,7 @@ FAMILY = Family(
     random_weights=random_weights,
     plan_presets=PLAN_PRESETS,
     gptq_unsupported="GPT-OSS's experts are fused with biases; its published checkpoints are MXFP4, not GPTQ",
+    chat_template=CHAT_TEMPLATE,
+    special_tokens=HARMONY_TOKENS,
+    stop_tokens=STOP_TOKENS,
 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -28,8 +29,9 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE, "lenient"
 MAX_ERROR_CHARS = 1000  # an HTTP 400's message, not a dump of the parser
 
 
-def grammar_text(spec: GrammarSpec) -> str:
-    """The llguidance grammar (its JSON form, or Lark) for a spec; checks nothing."""
+def grammar_text(spec: GrammarSpec, special_tokens: dict[str, int] | None = None) -> str:
+    """The llguidance grammar (its JSON form, or Lark) for a spec; checks nothing. `special_tokens`:
+    the vocabulary's, by text; a tool-call format's markers that are one of them are that token."""
     import llguidance
 
     match spec.kind:
@@ -43,7 +45,7 @@ def grammar_text(spec: GrammarSpec) -> str:
             # literals, not a regex of escaped alternatives: nothing in a choice is syntax
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_literal, spec.parsed())))
         case GrammarKind.TOOL_CALLS:
-            return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec.parsed()))
+            return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec.parsed(), special_tokens or {}))
     raise AssertionError(spec.kind)
 
 
@@ -52,17 +54,33 @@ def _lark_literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=True)
 
 
-def _tool_calls_lark(spec: dict[str, Any]) -> str:
+def _lark_text(text: str, special_tokens: dict[str, int]) -> str:
+    """`text` as a Lark sequence: literals, and each special token in it as the token itself (`<[id]>`).
+    llguidance's mask allows a special token where quoted text spells it, then refuses that token when
+    it is consumed (it matches no text): a forced harmony header failed on its first token."""
+    if not special_tokens:
+        return _lark_literal(text)
+    pattern = "|".join(re.escape(t) for t in sorted(special_tokens, key=len, reverse=True))
+    parts = []
+    for piece in re.split(f"({pattern})", text):
+        if piece in special_tokens:
+            parts.append(f"<[{special_tokens[piece]}]>")
+        elif piece:
+            parts.append(_lark_literal(piece))
+    return " ".join(parts)
+
+
+def _tool_calls_lark(spec: dict[str, Any], special_tokens: dict[str, int]) -> str:
     """begin call (separator call)* end, each call a JSON value of the schema (Lark's %json); a null
     separator: begin call end."""
     schema = {**spec["schema"], "x-guidance": JSON_OPTIONS}
-    parts = [_lark_literal(spec["begin"])] if spec["begin"] else []
+    parts = [_lark_text(spec["begin"], special_tokens)] if spec["begin"] else []
     parts.append("call")
     separator = spec["separator"]
     if separator is not None:  # None: exactly one call
-        parts.append(f"({_lark_literal(separator)} call)*" if separator else "call*")
+        parts.append(f"({_lark_text(separator, special_tokens)} call)*" if separator else "call*")
     if spec["end"]:
-        parts.append(_lark_literal(spec["end"]))
+        parts.append(_lark_text(spec["end"], special_tokens))
     return f"start: {' '.join(parts)}\ncall: %json {json.dumps(schema)}\n"
 
 
@@ -105,7 +123,7 @@ class CompiledGrammar:
         import llguidance
 
         try:
-            text = grammar_text(spec)
+            text = grammar_text(spec, vocabulary.special_tokens)
         except ValueError as exc:  # a schema the library's JSON reader refuses
             raise _error(spec, str(exc)) from None
         matcher = llguidance.LLMatcher(vocabulary._ll, text, log_level=0, limits=_limits())

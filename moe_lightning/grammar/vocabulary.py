@@ -50,6 +50,11 @@ class GrammarVocabulary:
         plain = Tokenizer.from_str(tok.to_str())
         plain.no_padding()
         plain.no_truncation()
+        # special tokens by their text (harmony's <|channel|>, Mistral's [TOOL_CALLS]): a grammar that
+        # writes one refers to the token itself, which quoted grammar text never matches
+        self.special_tokens: dict[str, int] = {
+            t.content: i for i, t in plain.get_added_tokens_decoder().items() if t.special and i < vocab_size
+        }
         try:
             self._ll: llguidance.LLTokenizer = llguidance.LLTokenizer(
                 plain.to_str(), n_vocab=vocab_size, eos_token=list(stops)
