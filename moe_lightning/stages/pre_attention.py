@@ -11,6 +11,7 @@ from moe_lightning.stages.linear import linear
 from moe_lightning.stages.mla import mla_pre_attention, mla_shape
 from moe_lightning.stages.norm import norm, rms_norm
 from moe_lightning.stages.rope import Rope
+from moe_lightning.yarn import YarnScaling
 from moe_lightning.weights import LayerWeights
 
 
@@ -58,8 +59,13 @@ def pre_attention(
     return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v.contiguous()
 
 
-@functools.cache
 def spec_rope(spec: ModelSpec) -> Rope:
     """The spec's RoPE (its rotated dims: R with MLA), with its layout and YaRN scaling."""
     dims = spec.qk_rope_head_dim if spec.attention == "mla" else spec.rope_dim
-    return Rope(spec.rope_theta, dims, spec.rope_interleave, spec.yarn)
+    return _rope(spec.rope_theta, dims, spec.rope_interleave, spec.yarn)
+
+
+@functools.cache
+def _rope(theta: float, dims: int, interleave: bool, yarn: YarnScaling | None) -> Rope:
+    # by its fields, not the spec: a spec built with a list in it (eos_token_ids) is unhashable
+    return Rope(theta, dims, interleave, yarn)
