@@ -96,6 +96,8 @@ def fill_arena(
 
     def put_expert(name: str, w: Weight) -> None:
         if not scheme.quantized:
+            if isinstance(w, QuantizedLinear) and w.format is QuantFormat.MXFP4:  # widened exactly
+                w = w.dequantize(dtype)
             if not isinstance(w, torch.Tensor):
                 raise ValueError(f"the checkpoint's experts are quantized ({w.format}); run with --quantize auto")
             put(name, w)
@@ -132,7 +134,7 @@ def fill_arena(
         for e, expert in enumerate(layer.experts):
             full = expert
             if scheme.quantized:  # the whole weight, then sliced: int8's per-row scales span every rank
-                w13, w2 = (quantize(w, scheme) if isinstance(w, torch.Tensor) else w for w in (expert.w13, expert.w2))
+                w13, w2 = (_to_scheme(w, scheme) for w in (expert.w13, expert.w2))
                 full = ExpertWeights(w13, w2, expert.b13, expert.b2)
             for r in range(ranks) if ranks > 1 else (None,):
                 part = full if r is None else ffn_slice(full.w13, full.w2, spec.intermediate_size, Shard(r, ranks))
@@ -142,6 +144,15 @@ def fill_arena(
                 for name, bias in ((n13, part.b13), (n2, part.b2)):
                     if bias is not None:
                         put(f"{name}_bias", bias)
+
+
+def _to_scheme(w: Weight, scheme: QuantScheme) -> Weight:
+    """A checkpoint's expert weight in the arena's format: quantized (round to nearest) when dense; an
+    MXFP4 one (GPT-OSS as published) dequantized first when the arena asks for another format; any
+    other quantized one as it is (fill_arena's put_expert refuses a mismatch)."""
+    if isinstance(w, QuantizedLinear) and w.format is QuantFormat.MXFP4 and scheme.format is not QuantFormat.MXFP4:
+        w = w.dequantize(torch.float32)
+    return quantize(w, scheme) if isinstance(w, torch.Tensor) else w
 
 
 def view_group(layout: ArenaLayout, name: str, w: QuantizedLinear) -> int:

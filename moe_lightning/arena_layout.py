@@ -60,6 +60,8 @@ class ArenaLayout:
         base = name.rsplit(".", 1)[0]
         w2 = base.removesuffix(".w13") + ".w2"
         q = self.pages[f"{base}.qweight"]
+        if self.pages[f"{base}.scales"].dtype == "uint8":  # e8m0 scales: MXFP4 (its block fixed at 32)
+            return QuantScheme(QuantFormat.MXFP4)
         fmt = QuantFormat.INT8 if q.dtype == "int8" else QuantFormat.INT4
         widths = tuple(self.pages[f"{b}.qweight"].shape[1] * (2 if fmt is QuantFormat.INT4 else 1) for b in (base, w2))
         groups = tuple(self.pages[f"{b}.scales"].shape[-1] if fmt is QuantFormat.INT4 else 1 for b in (base, w2))

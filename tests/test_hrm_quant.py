@@ -145,10 +145,11 @@ def test_plan_cli_quantize() -> None:
     compare = _plan("--hardware", "l4", "--compare-quantize", "--json")
     assert compare.returncode == 0, compare.stderr
     plans = json.loads(compare.stdout)["plans"]
-    assert [p["expert_pages"]["format"] for p in plans] == ["none", "int8", "int4"]
+    assert [p["expert_pages"]["format"] for p in plans] == ["none", "int8", "int4", "mxfp4"]
     pages = [p["expert_pages"]["bytes_per_page"] for p in plans]
     steps = [p["link_bytes_per_step"]["total"] for p in plans]
-    assert pages[0] > pages[1] > pages[2] and steps[0] > steps[2]
+    # mxfp4's 4.25 bits a weight under int4's 4.5 (its scale and zero per 128 in fp32)
+    assert pages[0] > pages[1] > pages[2] > pages[3] and steps[0] > steps[2]
     bad = _plan("--hardware", "t4", "--quantize", "int4", "--quantize-group-size", "100")
     assert bad.returncode == 2 and "--quantize-group-size" in bad.stderr
 

@@ -203,7 +203,7 @@ def test_a_single_kernel_can_be_forced() -> None:
 
 def test_command_line_formats_are_checked() -> None:
     assert parse_quantize("int4", 64) == QuantScheme(QuantFormat.INT4, 64)
-    with pytest.raises(ValueError, match="--quantize must be one of none, int8, int4, got 'fp8'"):
+    with pytest.raises(ValueError, match="--quantize must be one of none, int8, int4, mxfp4, got 'fp8'"):
         parse_quantize("fp8")
     with pytest.raises(ValueError, match="--quantize-group-size must be one of 32, 64, 128, -1, got 100"):
         parse_quantize("int4", 100)

@@ -61,16 +61,19 @@ def resolve_expert_scheme(
     spec: ModelSpec, model_dir: Path | None, quantize: str, group_size: int | None, world: int = 1
 ) -> QuantScheme:
     """The expert pages' format every command and service runs for --quantize: auto is the
-    checkpoint's own (a GPTQ checkpoint's int4, else none; a model known only by name: none), a GPTQ
+    checkpoint's own (a GPTQ checkpoint's int4, an MXFP4 one's mxfp4, else none; a model known only by
+    name: its family's published format, none but for GPT-OSS's mxfp4), a GPTQ
     checkpoint keeps its own groups, and an int4 group size left out is int4_group_size's."""
     from moe_lightning.quant.gptq_config import read_gptq_config
     from moe_lightning.quant.resolve import resolve_scheme
     from moe_lightning.quant.scheme import parse_quantize
 
-    if model_dir is None:
-        return parse_quantize(
-            "none" if quantize == "auto" else quantize, resolve_group_size(spec, quantize, group_size, world)
-        )
+    if model_dir is None:  # a model known by name: auto is its family's published format
+        from moe_lightning.families import by_architecture
+
+        if quantize == "auto":
+            quantize = by_architecture(spec.architecture).published_experts
+        return parse_quantize(quantize, resolve_group_size(spec, quantize, group_size, world))
     if read_gptq_config(model_dir) is not None:  # its own format and groups (or a refusal of another)
         return resolve_scheme(model_dir, quantize, group_size or INT4_GROUP_SIZES[0])
     return resolve_scheme(model_dir, quantize, resolve_group_size(spec, quantize, group_size, world))

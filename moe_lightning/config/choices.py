@@ -25,8 +25,8 @@ STEP_SCHEDULES = ("mixed", "alternating")
 EXPERT_GROUP_CHOICES = (0, 2)
 
 # the expert pages' format (docs/quantization.md)
-QUANTIZE_FORMATS = ("none", "int8", "int4")
-QUANTIZE_CHOICES = (AUTO, *QUANTIZE_FORMATS)  # auto: the checkpoint's own (int4 for GPTQ, else none)
+QUANTIZE_FORMATS = ("none", "int8", "int4", "mxfp4")
+QUANTIZE_CHOICES = (AUTO, *QUANTIZE_FORMATS)  # auto: the checkpoint's own (int4 for GPTQ, mxfp4 for MXFP4, else none)
 INT4_GROUP_SIZES = (128, 64, 32)  # tried in this order when no group size is given
 PER_ROW_GROUP = -1  # one int4 group per row
 

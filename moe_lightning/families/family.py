@@ -78,6 +78,8 @@ class Family:
     random_weights: RandomWeights  # a checkpoint's state dict under the family's own names
     plan_presets: Mapping[str, ModelSpec]  # published shapes, for planning without a checkpoint
     gptq_unsupported: str | None = None  # why a GPTQ checkpoint of this family cannot load; None: it can
+    # the experts' format as the family publishes them ("mxfp4": GPT-OSS): `plan --arch` plans it by default
+    published_experts: str = "none"
     # its demo checkpoint's chat format: the template (None: the generic ChatML-like one), the special
     # tokens it writes (added to the demo tokenizer) and those that end a generation (its EOS ids)
     chat_template: str | None = None

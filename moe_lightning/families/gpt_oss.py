@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from moe_lightning.checkpoint import CheckpointReader
+    from moe_lightning.quant.kernels import QuantizedLinear
     from moe_lightning.weights import LayerWeights
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -76,14 +77,19 @@ def load_layer(
     sizes = (("q_proj", spec.q_size), ("k_proj", spec.kv_size), ("v_proj", spec.kv_size))
     wqkv = torch.cat([reader.get(f"{a}.{proj}.weight", (rows, d)) for proj, rows in sizes])
     bias = torch.cat([reader.get(f"{a}.{proj}.bias", (rows,)) for proj, rows in sizes])
-    gate_up = reader.get(f"{x}.gate_up_proj", (e, d, 2 * inter))  # (E, D, 2I): gate, up, gate, up, ... columns
     gate_up_bias = reader.get(f"{x}.gate_up_proj_bias", (e, 2 * inter))
-    down = reader.get(f"{x}.down_proj", (e, inter, d))  # (E, I, D)
     down_bias = reader.get(f"{x}.down_proj_bias", (e, d))
+    if f"{x}.gate_up_proj_blocks" in reader:  # published: MXFP4, kept as it is (rows de-interleaved)
+        w13s, w2s = _mxfp4_experts(reader, x, e, d, inter, device)
+    else:  # transformers' save_pretrained: dequantized, (E, D, 2I) / (E, I, D), inputs first
+        gate_up = reader.get(f"{x}.gate_up_proj", (e, d, 2 * inter))  # gate, up, gate, up, ... columns
+        down = reader.get(f"{x}.down_proj", (e, inter, d))
+        w13s = [to_layout(deinterleave(gate_up[j].T), dtype, device) for j in range(e)]  # (2I, D)
+        w2s = [to_layout(down[j].T, dtype, device) for j in range(e)]  # (D, I)
     experts = [
         ExpertWeights(
-            to_layout(deinterleave(gate_up[j].T), dtype, device),  # (2I, D)
-            to_layout(down[j].T, dtype, device),  # (D, I)
+            w13s[j],
+            w2s[j],
             to_layout(deinterleave(gate_up_bias[j]), dtype, device),
             to_layout(down_bias[j], dtype, device),
         )
@@ -103,11 +109,37 @@ def load_layer(
     )
 
 
-def deinterleave(t: torch.Tensor) -> torch.Tensor:
-    """(2I, ...) rows gate 0, up 0, gate 1, up 1, ... -> gate rows then up rows (our w13's order)."""
+def _mxfp4_experts(
+    reader: CheckpointReader, prefix: str, e: int, d: int, inter: int, device: torch.device | str
+) -> tuple[list[QuantizedLinear], list[QuantizedLinear]]:
+    """The experts' `*_blocks` (E, N, K/32, 16) and `*_scales` (E, N, K/32) as MXFP4 linears (N, K) per
+    expert: the bytes as published, the gate/up rows de-interleaved (a row permutation: exact), computed
+    by the MXFP4 kernel of the side that holds them (quant/kernels.py)."""
+    from moe_lightning.quant.kernels import QuantizedLinear
+    from moe_lightning.quant.scheme import MXFP4_BLOCK, QuantFormat
+
+    out = []
+    for name, n, k in (("gate_up_proj", 2 * inter, d), ("down_proj", d, inter)):
+        if k % MXFP4_BLOCK:
+            raise ModelSpecError(f"{name}: MXFP4 needs input widths that are multiples of {MXFP4_BLOCK}, got {k}")
+        g = k // MXFP4_BLOCK
+        blocks = reader.get(f"{prefix}.{name}_blocks", (e, n, g, MXFP4_BLOCK // 2))
+        scales = reader.get(f"{prefix}.{name}_scales", (e, n, g))
+        if name == "gate_up_proj":  # rows gate 0, up 0, gate 1, ... -> gate rows, then up rows
+            blocks, scales = deinterleave(blocks, dim=1), deinterleave(scales, dim=1)
+        out.append(
+            [QuantizedLinear(QuantFormat.MXFP4, blocks[j].reshape(n, k // 2), scales[j]).to(device) for j in range(e)]
+        )
+    return out[0], out[1]
+
+
+def deinterleave(t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Along `dim` (2I long): gate 0, up 0, gate 1, up 1, ... -> gate rows then up rows (our w13's order)."""
     import torch
 
-    return torch.cat([t[0::2], t[1::2]], dim=0)
+    n = t.shape[dim]
+    order = torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)]).to(t.device)
+    return t.index_select(dim, order)
 
 
 def random_weights(spec: ModelSpec, rand: Randoms, progress: bool) -> dict[str, torch.Tensor]:
@@ -219,6 +251,7 @@ FAMILY = Family(
     random_weights=random_weights,
     plan_presets=PLAN_PRESETS,
     gptq_unsupported="GPT-OSS's experts are fused with biases; its published checkpoints are MXFP4, not GPTQ",
+    published_experts="mxfp4",
     chat_template=CHAT_TEMPLATE,
     special_tokens=HARMONY_TOKENS,
     stop_tokens=STOP_TOKENS,

@@ -28,6 +28,11 @@ Sources of the numbers (W weights, b bytes of the model dtype, p page bytes per 
   weight at the dense bandwidth, the full peak. int4 (the best of its kernels) took 3.2 ms at 1-8 rows
   and 10 ms at 64: 8 bytes per weight (unpacking bound), 0.6 of the peak. Other CPUs differ (AMX,
   AVX-512): a calibrated profile measures its own.
+  mxfp4 (dequantize-then-GEMM by a table gather) took 5.8 ms at 1 row and 11.4 ms at 64 on a
+  (7168, 1024) weight against fp32 dense's 1.3 and 6.6 on the same machine: ~18 bytes per weight at
+  the dense bandwidth, 0.6 of the peak. On CUDA its traffic is the page (0.53), the int32 indices written,
+  or-ed and read (2 + 4 + 2), the result written and read by the GEMM (b + b); its scratch the
+  indices and the result (2 + b).
 
 A calibrated profile that measured the expert GEMM on pages of the planned format (hardware.py
 `expert_format`, `expert_flops`, `expert_bandwidth`) replaces all of this by the one kernel it measured.
@@ -41,6 +46,7 @@ from dataclasses import dataclass
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme, dequant_chunk
 
+MXFP4_PAGE = 0.5 + 1 / 32  # page bytes per weight: two e2m1 values a byte, an e8m0 scale per 32
 TINYGEMM_FLOPS = 0.25  # assumed share of the tensor-core peak for int4 tinygemm at large row counts
 TINYGEMM_MIN_CAPABILITY = 8.0
 
@@ -66,6 +72,8 @@ def _dequant(fmt: QuantFormat, b: int) -> KernelRoof:
     chunk = dequant_chunk("cuda")
     if fmt is QuantFormat.INT8:
         return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0, chunk)
+    if fmt is QuantFormat.MXFP4:  # a table gather straight into the dtype: no float32 copy to round
+        return KernelRoof("dequant_mm", 1.0, MXFP4_PAGE + 2 + 4 + 2 + b + b, 2.0 + b, chunk)
     return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b), chunk)
 
 
@@ -77,6 +85,8 @@ def _tinygemm(page_bpw: float) -> KernelRoof:
 HOST_KERNELS = {
     QuantFormat.INT8: KernelRoof("int8mm_bf16", 1.0, 0.625, 0.0),
     QuantFormat.INT4: KernelRoof("int4_host", 0.6, 8.0, 4.0),  # the int4-pack kernel unpacks to int32
+    # dequantize-then-GEMM by the table gather (quant/mxfp4.py), in blocks of DEQUANT_CHUNK weights
+    QuantFormat.MXFP4: KernelRoof("dequant_mm", 0.6, 18.0, 6.0, dequant_chunk("cpu")),
 }
 
 

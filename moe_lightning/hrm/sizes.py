@@ -40,9 +40,11 @@ def sparse_share(spec: ModelSpec) -> float:
 
 
 def page_bytes_per_weight(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> float:
-    """Average bytes per weight of an expert page: w13 (2I, D) has D inputs per row, w2 (D, I) has I."""
+    """Average bytes per weight of an expert page: w13 (2I, D) has D inputs per row, w2 (D, I) has I;
+    an expert's biases (GPT-OSS: 2I + D in the model dtype) spread over its 3DI weights."""
     h1, h2 = spec.hidden_size, spec.intermediate_size
-    return (2 * quant.bytes_per_weight(h1, b) + quant.bytes_per_weight(h2, b)) / 3
+    biases = (2 * h2 + h1) * b / (3 * h1 * h2) if spec.expert_bias else 0.0
+    return (2 * quant.bytes_per_weight(h1, b) + quant.bytes_per_weight(h2, b)) / 3 + biases
 
 
 def weight_bytes(spec: ModelSpec, b: int, quant: QuantScheme = NO_QUANT) -> dict[str, float]:

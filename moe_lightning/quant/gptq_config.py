@@ -15,7 +15,7 @@ from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 QUANTIZE_CONFIG = "quantize_config.json"
 # what is added to a stored zero point to get the one the weights were quantized with
 ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
-SUPPORTED = "4-bit GPTQ (quant_method gptq, checkpoint_format gptq or gptq_v2)"
+SUPPORTED = "4-bit GPTQ (quant_method gptq, checkpoint_format gptq or gptq_v2) or MXFP4 (quant_method mxfp4)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,9 +59,21 @@ def _field(raw: dict[str, Any], name: str, kind: type, default: Any, source: str
     return value
 
 
+MXFP4_METHOD = "mxfp4"  # GPT-OSS's published experts (quant/mxfp4.py): their pages load as they are
+
+
+def is_mxfp4_checkpoint(model_dir: str | Path) -> bool:
+    """Whether config.json's quantization_config says MXFP4 (quant_method "mxfp4", as GPT-OSS ships)."""
+    path = Path(model_dir) / "config.json"
+    config = _read_json(path) if path.is_file() else {}
+    raw = config.get("quantization_config") if isinstance(config, dict) else None
+    return isinstance(raw, dict) and str(raw.get("quant_method", "")).lower() == MXFP4_METHOD
+
+
 def read_gptq_config(model_dir: str | Path) -> GPTQConfig | None:
-    """The checkpoint's GPTQ settings; None when it is not quantized. Anything quantized that we cannot
-    run (another method, other bits, another packing, DBRX) is a CheckpointError saying which."""
+    """The checkpoint's GPTQ settings; None when it is not quantized, or quantized as MXFP4 (read by the
+    family's loader). Anything else quantized that we cannot run (another method, other bits, another
+    packing, DBRX) is a CheckpointError saying which."""
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     config = _read_json(config_path) if config_path.is_file() else {}
@@ -79,6 +91,8 @@ def read_gptq_config(model_dir: str | Path) -> GPTQConfig | None:
     else:
         return None
     method = raw["quant_method"]
+    if isinstance(method, str) and method.lower() == MXFP4_METHOD:
+        return None
     if not isinstance(method, str) or method.lower() != "gptq":
         raise CheckpointError(
             f"{source}: quant_method {method!r} is not supported; moe-lightning loads {SUPPORTED} "

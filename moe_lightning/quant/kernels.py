@@ -7,12 +7,13 @@ as the weight-major product W @ x^T (same FLOPs, the weight streamed once in its
 order). From ~128 rows on both orders are alike, and GPUs do not need the trick. The result is a
 transposed view; callers treat it as any (n, out) tensor.
 
-For quantized W the kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the
-int4 "tinygemm" kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+),
-and dequantize-then-GEMM everywhere. None is fastest everywhere (on the 2-core AVX2 dev VM the int8
-kernel is ~4x faster than fp32 GEMM at 8 rows with bf16 activations and 8x slower with fp32 ones;
-docs/quantization.md has the table), so the first call of each (shape, rows bucket, dtype) races
-every candidate on the real operands and keeps the winner: warm-up is when that happens.
+For quantized W the kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the int4
+"tinygemm" kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+), and
+dequantize-then-GEMM everywhere (for mxfp4 by one table lookup per byte, quant/mxfp4.py). None is
+fastest everywhere (on the 2-core AVX2 dev VM the int8 kernel is ~4x faster than fp32 GEMM at 8 rows
+with bf16 activations and 8x slower with fp32 ones; docs/quantization.md has the table), so the first
+call of each (shape, rows bucket, dtype) races every candidate on the real operands and keeps the
+winner: warm-up is when that happens.
 
 `exact` kernels give the GEMM on the dequantized weights (see KERNELS); the others round
 activations, scales or partial sums to bfloat16. `--expert-kernels exact` keeps only the former; the
@@ -31,6 +32,7 @@ import torch
 from prometheus_client import Gauge
 
 from moe_lightning.quant import scheme
+from moe_lightning.quant.mxfp4 import dequantize_mxfp4
 from moe_lightning.quant.scheme import QuantFormat
 
 WEIGHT_MAJOR_BELOW = 128  # rows of x under which the weight-major order wins on CPU (dense_linear)
@@ -52,8 +54,8 @@ class QuantizedLinear:
     """A quantized linear layer's tensors (an expert page; the format is in scheme.py)."""
 
     format: QuantFormat
-    qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K/2)
-    scales: torch.Tensor  # float32 (N,) | (N, K/G)
+    qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K/2) (int4, mxfp4)
+    scales: torch.Tensor  # float32 (N,) | (N, K/G) | uint8 (N, K/32) e8m0 (mxfp4)
     zeros: torch.Tensor | None = None  # float32 (N, K/G) (int4)
     perm: torch.Tensor | None = None  # int32 (P, K): input order of each of P row blocks (act order)
 
@@ -63,7 +65,7 @@ class QuantizedLinear:
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[1] * (2 if self.format is QuantFormat.INT4 else 1)
+        return self.qweight.shape[1] * (1 if self.format is QuantFormat.INT8 else 2)  # int4, mxfp4: 2 a byte
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -128,6 +130,8 @@ def _dequantize_rows(ql: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
     """(N, K) in the permuted column order when ql has a perm (the kernels' order)."""
     if ql.format is QuantFormat.INT8:
         return (ql.qweight.to(torch.float32) * ql.scales[:, None]).to(dtype)
+    if ql.format is QuantFormat.MXFP4:  # straight into dtype: the table holds the float32 products rounded once
+        return dequantize_mxfp4(ql.qweight, ql.scales, dtype)
     assert ql.zeros is not None
     n, groups = ql.scales.shape
     q = unpack_int4(ql.qweight).view(n, groups, -1).to(torch.float32)  # (N, K/G, G)
@@ -169,6 +173,13 @@ def _dequant_mm_blocks(x: torch.Tensor, ql: QuantizedLinear, rows: int) -> torch
         stop = min(start + rows, ql.out_features)
         out[:, start:stop] = dense_linear(x, _dequantize_rows(ql.rows(start, stop), x.dtype))
     return out
+
+
+def _mxfp4_dequant_mm_bf16(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    """mxfp4 dequantized to bfloat16, which holds every e2m1 value times every e8m0 scale exactly
+    (so only the activations are rounded, not the weight), then a bf16 GEMM: half the scratch bytes
+    of the fp32 copy, and tensor cores on a GPU. For bf16 activations it is dequant_mm."""
+    return _dequant_mm(x.to(torch.bfloat16), ql).to(x.dtype)
 
 
 def _int8mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
@@ -269,6 +280,8 @@ KERNELS = (
     Kernel("int4_grouped_int8mm_bf16", QuantFormat.INT4, _int4_grouped_int8mm_bf16, ("cpu",), exact_for=()),
     Kernel("int4_int8act_intmm", QuantFormat.INT4, _int4_int8act_intmm, ("cpu",), exact_for=()),
     Kernel("int4mm_cuda", QuantFormat.INT4, _int4mm_cuda, devices=("cuda",), exact_for=()),
+    Kernel("dequant_mm", QuantFormat.MXFP4, _dequant_mm),
+    Kernel("mxfp4_dequant_mm_bf16", QuantFormat.MXFP4, _mxfp4_dequant_mm_bf16, exact_for=(torch.bfloat16,)),
 )
 
 

@@ -1,10 +1,12 @@
-"""Round-to-nearest quantization of a weight matrix into our formats (what `--quantize` does at load)."""
+"""Round-to-nearest quantization of a weight matrix into our formats (what `--quantize` does at load;
+mxfp4 the OCP MX way, quant/mxfp4.py)."""
 
 from __future__ import annotations
 
 import torch
 
 from moe_lightning.quant.kernels import QuantizedLinear
+from moe_lightning.quant.mxfp4 import quantize_mxfp4
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 
 
@@ -32,4 +34,6 @@ def quantize(w: torch.Tensor, scheme: QuantScheme) -> QuantizedLinear:
         q = (torch.round(wg / scales[..., None]) + zero_int[..., None]).clamp(0, 15).view(n, k)
         zeros = scales * (8 - zero_int)  # w = (q - zero_int) * s = (q - 8) * s + zeros
         return QuantizedLinear(QuantFormat.INT4, pack_int4(q).contiguous(), scales.contiguous(), zeros.contiguous())
+    if scheme.format is QuantFormat.MXFP4:  # OCP MX round to nearest, power-of-two scale per 32
+        return QuantizedLinear(QuantFormat.MXFP4, *quantize_mxfp4(w))
     raise ValueError("nothing to quantize for format none")

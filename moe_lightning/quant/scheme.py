@@ -1,4 +1,4 @@
-"""How expert weights are stored: the model's own dtype, int8 or int4 (docs/quantization.md).
+"""How expert weights are stored: the model's own dtype, int8, int4 or mxfp4 (docs/quantization.md).
 
 Formats, with N output features, K input features and G the int4 group size:
 
@@ -8,6 +8,9 @@ Formats, with N output features, K input features and G the int4 group size:
           (the zero in the weights' domain, as those kernels want it); perm int32 (P, K) when the
           checkpoint was quantized in activation order (GPTQ desc_act): part p of the rows (gate,
           up) reads its input columns in the order perm[p], so its groups are contiguous again
+    mxfp4 qweight uint8 (N, K/2), e2m1 values two per byte, column 2j in the LOW nibble (GPT-OSS's
+          `*_blocks` (N, K/32, 16) flattened, no repacking); scales uint8 (N, K/32), e8m0:
+          w = e2m1(q) * 2^(scale - 127), one scale per 32 input columns (quant/mxfp4.py)
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ class QuantFormat(StrEnum):
     NONE = "none"
     INT8 = "int8"
     INT4 = "int4"
+    MXFP4 = "mxfp4"
 
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 128
+MXFP4_BLOCK = 32  # input values per e8m0 scale: fixed by the format (OCP MX)
 COMPONENT_ALIGN = 64  # between the parts of one expert's page: a page stays one contiguous transfer
 DEQUANT_CHUNK = 1 << 22  # weights dequantize-then-GEMM expands at a time on a CPU: bounds its scratch (~40 MB)
 
@@ -40,13 +45,16 @@ def dequant_chunk(device_type: str) -> float:
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
     """The format of the expert pages. `group_size` is int4's (-1: one group per row, as GPTQ's
-    group_size -1); `act_order` adds the input permutation of GPTQ's desc_act checkpoints."""
+    group_size -1), and mxfp4's fixed 32 whatever is given (so that every mxfp4 scheme is equal);
+    `act_order` adds the input permutation of GPTQ's desc_act checkpoints."""
 
     format: QuantFormat = QuantFormat.NONE
     group_size: int = DEFAULT_GROUP_SIZE
     act_order: bool = False
 
     def __post_init__(self) -> None:
+        if self.format is QuantFormat.MXFP4 and self.group_size != MXFP4_BLOCK:
+            object.__setattr__(self, "group_size", MXFP4_BLOCK)  # frozen: normalized once, here
         if self.format is QuantFormat.INT4 and self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"int4 group size must be positive or -1, got {self.group_size}")
         if self.act_order and self.format is not QuantFormat.INT4:
@@ -57,6 +65,8 @@ class QuantScheme:
         return self.format is not QuantFormat.NONE
 
     def groups(self, in_features: int) -> int:
+        if self.format is QuantFormat.MXFP4 and in_features % MXFP4_BLOCK:
+            raise ValueError(f"mxfp4 needs an input width that is a multiple of {MXFP4_BLOCK}, got {in_features}")
         g = in_features if self.group_size == -1 else self.group_size
         if in_features % g:
             raise ValueError(f"int4 group size {g} does not divide the input width {in_features}")
@@ -76,6 +86,9 @@ class QuantScheme:
             if self.act_order:
                 out.append(("perm", "int32", (parts, k)))
             return out
+        if self.format is QuantFormat.MXFP4:
+            g = self.groups(k)  # checks k
+            return [("qweight", "uint8", (n, k // 2)), ("scales", "uint8", (n, g))]
         raise ValueError("an unquantized linear is one page in the model's dtype")
 
     def bytes_per_weight(self, in_features: int, dtype_bytes: int) -> float:
@@ -84,6 +97,8 @@ class QuantScheme:
             return 1 + 4 / in_features
         if self.format is QuantFormat.INT4:
             return 0.5 + 8 * self.groups(in_features) / in_features
+        if self.format is QuantFormat.MXFP4:
+            return 0.5 + 1 / MXFP4_BLOCK  # 4.25 bits
         return float(dtype_bytes)
 
     def key(self) -> str:
@@ -101,13 +116,16 @@ def scheme_of(fmt: QuantFormat, widths: tuple[int, int], groups: tuple[int, int]
         return QuantScheme()
     if fmt is QuantFormat.INT8:
         return QuantScheme(QuantFormat.INT8)
+    if fmt is QuantFormat.MXFP4:
+        return QuantScheme(QuantFormat.MXFP4)
     if groups == (1, 1) and widths[0] != widths[1]:
         return QuantScheme(QuantFormat.INT4, -1, act_order)
     return QuantScheme(QuantFormat.INT4, widths[0] // groups[0], act_order)
 
 
 def parse_quantize(value: str, group_size: int = DEFAULT_GROUP_SIZE) -> QuantScheme:
-    """`--quantize` and `--quantize-group-size` as given on a command line."""
+    """`--quantize` and `--quantize-group-size` as given on a command line (mxfp4's group is 32
+    whatever the size given, as int8 has none)."""
     try:
         fmt = QuantFormat(value)
     except ValueError:

@@ -11,8 +11,8 @@ from moe_lightning.stages.linear import linear
 from moe_lightning.stages.mla import mla_pre_attention, mla_shape
 from moe_lightning.stages.norm import norm, rms_norm
 from moe_lightning.stages.rope import Rope
-from moe_lightning.yarn import YarnScaling
 from moe_lightning.weights import LayerWeights
+from moe_lightning.yarn import YarnScaling
 
 
 def embed_tokens(embed: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
