@@ -130,7 +130,7 @@ def _dequantize_rows(ql: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
     """(N, K) in the permuted column order when ql has a perm (the kernels' order)."""
     if ql.format is QuantFormat.INT8:
         return (ql.qweight.to(torch.float32) * ql.scales[:, None]).to(dtype)
-    if ql.format is QuantFormat.MXFP4:  # straight into dtype: the table holds the float32 products rounded once
+    if ql.format is QuantFormat.MXFP4:  # straight into dtype: the table holds the exact products rounded once
         return dequantize_mxfp4(ql.qweight, ql.scales, dtype)
     assert ql.zeros is not None
     n, groups = ql.scales.shape
@@ -178,8 +178,16 @@ def _dequant_mm_blocks(x: torch.Tensor, ql: QuantizedLinear, rows: int) -> torch
 def _mxfp4_dequant_mm_bf16(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
     """mxfp4 dequantized to bfloat16, which holds every e2m1 value times every e8m0 scale exactly
     (so only the activations are rounded, not the weight), then a bf16 GEMM: half the scratch bytes
-    of the fp32 copy, and tensor cores on a GPU. For bf16 activations it is dequant_mm."""
+    of the fp32 copy, and tensor cores on a GPU; on a CPU with native bf16 the faster GEMM at few
+    rows. For bf16 activations it is dequant_mm, so it races for the others only."""
     return _dequant_mm(x.to(torch.bfloat16), ql).to(x.dtype)
+
+
+def _mxfp4_dequant_mm_fp32(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+    """16-bit activations widened (exactly) and the GEMM in fp32 on the fp32 dequantization, rounded
+    once to x's dtype: a CPU without native bf16 (AVX2) runs a bf16 GEMM ~6x slower than fp32's from
+    64 rows on (docs/quantization.md). For fp32 activations it is dequant_mm."""
+    return _dequant_mm(x.float(), ql).to(x.dtype)
 
 
 def _int8mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
@@ -255,6 +263,10 @@ class Kernel:
     fn: Fn
     devices: tuple[str, ...] = ("cpu", "cuda")
     exact_for: tuple[torch.dtype, ...] | None = None  # x's dtypes it is exact for; None: all
+    raced_for: tuple[torch.dtype, ...] | None = None  # x's dtypes it is a candidate for; None: all
+
+    def races(self, dtype: torch.dtype) -> bool:
+        return self.raced_for is None or dtype in self.raced_for
 
     def exact(self, dtype: torch.dtype) -> bool:
         return self.exact_for is None or dtype in self.exact_for
@@ -281,7 +293,21 @@ KERNELS = (
     Kernel("int4_int8act_intmm", QuantFormat.INT4, _int4_int8act_intmm, ("cpu",), exact_for=()),
     Kernel("int4mm_cuda", QuantFormat.INT4, _int4mm_cuda, devices=("cuda",), exact_for=()),
     Kernel("dequant_mm", QuantFormat.MXFP4, _dequant_mm),
-    Kernel("mxfp4_dequant_mm_bf16", QuantFormat.MXFP4, _mxfp4_dequant_mm_bf16, exact_for=(torch.bfloat16,)),
+    # where x's dtype makes one of these dequant_mm itself, it is not raced against itself
+    Kernel(
+        "mxfp4_dequant_mm_bf16",
+        QuantFormat.MXFP4,
+        _mxfp4_dequant_mm_bf16,
+        exact_for=(torch.bfloat16,),
+        raced_for=(torch.float32, torch.float16),
+    ),
+    Kernel(
+        "mxfp4_dequant_mm_fp32",
+        QuantFormat.MXFP4,
+        _mxfp4_dequant_mm_fp32,
+        exact_for=(torch.float32, torch.bfloat16),  # fp16 would round the extreme scales' weights
+        raced_for=(torch.bfloat16, torch.float16),
+    ),
 )
 
 
@@ -303,7 +329,7 @@ class KernelChooser:
     table: dict[tuple, Choice] = field(default_factory=dict)
 
     def candidates(self, fmt: QuantFormat, device: torch.device, dtype: torch.dtype) -> list[Kernel]:
-        found = [k for k in KERNELS if k.format is fmt and k.usable(device)]
+        found = [k for k in KERNELS if k.format is fmt and k.usable(device) and k.races(dtype)]
         if self.only is not None:
             found = [k for k in found if k.name == self.only]
         elif self.policy == "exact":

@@ -8,9 +8,10 @@ A weight (N, K) is two pages (scheme.py):
              convert_moe_packed_tensors); a checkpoint's blocks (N, K/32, 16) are this with a reshape
     scales   uint8 (N, K/32): e8m0, w = e2m1(nibble) * 2^(scale - 127)
 
-Dequantization is defined to equal transformers' (`FP4_VALUES` and `torch.ldexp`) bit for bit, in
-any dtype, including what its arithmetic makes of the extreme scales: 253-255 overflow the largest
-values to inf, and 255 (2^128, NaN in the OCP spec) turns a zero into NaN (0 * inf), as there.
+Dequantization equals transformers' (`FP4_VALUES` and `torch.ldexp`) bit for bit, in any dtype:
+each weight is the exact value e2m1 * 2^(scale - 127) rounded once to the dtype, so the extreme
+scales do what ldexp does with them: 0 (2^-127) gives float32 subnormals, 253-255 overflow the
+largest values to inf, and 255 (NaN in the OCP spec) is read as 2^128 like any other, with no NaN.
 """
 
 from __future__ import annotations
@@ -37,23 +38,24 @@ def e2m1_table(dtype: torch.dtype = torch.float32, device: torch.device | str = 
     return torch.tensor(E2M1_VALUES, dtype=dtype, device=device)
 
 
-def scale_table(device: torch.device | str = "cpu") -> torch.Tensor:
-    """(256,) float32 2^(s - 127) for every e8m0 byte s: built in float64, where each is exact, then
-    rounded once to float32 (2^-127 a subnormal, 2^128 inf), so that it does not depend on how a
-    device's pow rounds."""
+def scale_table(dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(256,) 2^(s - 127) for every e8m0 byte s, exact in float64 (in float32 2^-127 is a subnormal
+    and 2^128 is inf)."""
     exact = torch.tensor([2.0 ** (s - SCALE_BIAS) for s in range(256)], dtype=torch.float64)
-    return exact.to(torch.float32).to(device)
+    return exact.to(dtype).to(device)
 
 
 def value_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """(65536, 2) in `dtype`: row (s << 8) | b holds the two weights byte b stands for under scale s
-    (low nibble first). Products are formed in float32, as torch.ldexp forms them (exact wherever
-    finite: one or two significant bits times a power of two), then rounded once to `dtype`.
-    Cached per dtype and device (512 KiB in float32)."""
+    (low nibble first). The products are formed in float64, where all are exact (two significant
+    bits times 2^-127 .. 2^128), then rounded once to `dtype`, as ldexp rounds: 0.5 * 2^128 is a
+    finite float32 (2^127), not 0.5 * inf; a float32 scale table would not give that. Built on the
+    CPU whatever the device, so every device holds the same bits; cached per dtype and device
+    (512 KiB in float32)."""
     key = (dtype, torch.device(device))
     table = _TABLES.get(key)
     if table is None:
-        e2m1 = e2m1_table()
+        e2m1 = e2m1_table(torch.float64)
         byte = torch.arange(256)
         pairs = torch.stack([e2m1[byte & 15], e2m1[byte >> 4]], dim=-1)  # (256, 2)
         table = (scale_table()[:, None, None] * pairs).reshape(65536, 2).to(dtype).to(device).contiguous()
@@ -100,8 +102,10 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     saturate at 6. An all-zero block takes the smallest scale (e = -127, byte 0); e is clamped to
     [-127, 127] (byte 255 is NaN in the spec). The sign is kept, so -0.0 stays -0.0. Computed in
     float32 on w's device; a weight that is already a dequantized MXFP4 weight comes back exactly."""
-    if w.dim() != 2 or w.shape[1] % BLOCK:
-        raise ValueError(f"mxfp4 needs an (N, K) weight with K a multiple of {BLOCK}, got {tuple(w.shape)}")
+    if w.dim() != 2:
+        raise ValueError(f"mxfp4 quantizes an (N, K) weight, got shape {tuple(w.shape)}")
+    if w.shape[1] % BLOCK:
+        raise ValueError(f"mxfp4 needs an input width that is a multiple of {BLOCK}, got {w.shape[1]}")
     n, k = w.shape
     wb = w.float().reshape(n, k // BLOCK, BLOCK)
     amax = wb.abs().amax(dim=-1)  # (N, K/32)
