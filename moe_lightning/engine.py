@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.logits_processors import process_logits
 from moe_lightning.output_text import OutputText
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
@@ -84,7 +85,7 @@ def forward_step(
     hidden = embed_tokens(weights.embed, tokens)  # (T, D)
     for i, layer in enumerate(weights.layers):
         q, k, v = pre_attention(spec, layer, hidden, positions)
-        attn = attend(spec, q, k, v, cache.k[i], cache.v[i], plans[i], layer.sinks)  # (T, H * Hd)
+        attn = attend(spec, q, k, v, *cache.layer(i), plans[i], layer.sinks)  # (T, H * Hd)
         hidden, _ = post_attention(spec, layer, hidden, attn)
     if every_position:
         return head_logits(spec, weights.final_norm, weights.lm_head, hidden)
@@ -137,7 +138,8 @@ class InProcessEngine:
         ]
         for s in seqs:
             s.sampler.feed(0, s.request.prompt_ids)
-        blocks = sum(blocks_needed(r, self.block_size) for r in requests)
+        layout = KVLayout.of(self.spec, self.block_size)
+        blocks = sum(blocks_needed(r, layout) for r in requests)
         cache = PagedKVCache(
             self.spec, max(blocks, 1), self.block_size, self.kv_dtype, self.device, self.kv_shuffle_seed
         )

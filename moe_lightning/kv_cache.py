@@ -13,10 +13,11 @@ from collections.abc import Callable
 import torch
 
 from moe_lightning import kv_format
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import AttentionMetadata, Int8KV, KVCache
 
-KVStorage = tuple[KVCache, KVCache]  # (k, v) of all layers: (L, NB, BS, K, Hd) tensors, or Int8KV
+KVStorage = tuple[KVCache, KVCache]  # (k, v) of a block's layers: (Lg, NB, BS, K, Hd) tensors, or Int8KV
 # a view of `shape` elements of `dtype` at a byte offset into some memory, as Segment.tensor makes
 ViewFn = Callable[[int, torch.dtype, tuple[int, ...]], torch.Tensor]
 SCALE_ALIGN = 64  # an int8 cache's scales start on a cache line after the values
@@ -57,8 +58,10 @@ class BlockAllocator:
 
 
 class PagedKVCache:
-    """K and V storage for all layers: (L, NB, BS, K, Hd) each (for int8, an Int8KV: those values and
-    (L, NB, BS, K) scales), plus per-sequence bookkeeping."""
+    """K and V storage: (Lg, NB, BS, K, Hd) each (for int8, an Int8KV: those values and (Lg, NB, BS, K)
+    scales), plus per-sequence bookkeeping. Lg is the layers a block holds: all of them, unless some
+    attend within a sliding window, whose layers then take blocks of their own that go back to the pool
+    behind the window (kv_layout.py). `layer(i)` is layer i's K and V."""
 
     def __init__(
         self,
@@ -75,6 +78,7 @@ class PagedKVCache:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.format = format_name(dtype)
+        self.layout = KVLayout.of(spec, block_size)
         shape = self.storage_shape(spec, num_blocks, block_size)
         if storage is None and kv_format.is_quantized(self.format):
             storage = self.storage_in(_zeros(device), spec, num_blocks, block_size, self.format)
@@ -88,19 +92,25 @@ class PagedKVCache:
         self.k, self.v = storage
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, shuffle_seed)
+        # group 0's block table of each sequence, then the other groups' (-1: freed behind the window)
         self.tables: dict[int, list[int]] = {}
+        self.group_tables: list[dict[int, list[int]]] = [{} for _ in range(self.layout.num_groups - 1)]
         self.lengths: dict[int, int] = {}
+        self._live_from: dict[tuple[int, int], int] = {}  # (group, seq) -> its first block not yet freed
+        self.freed_behind_windows = 0  # blocks given back behind sliding windows, since start
 
     @staticmethod
     def storage_shape(spec: ModelSpec, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+        layers = KVLayout.of(spec, block_size).group_layers
+        return (layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
 
     @staticmethod
     def bytes_per_block(spec: ModelSpec, block_size: int, dtype: torch.dtype | str) -> int:
-        """K and V of one block across all layers, scales included: the unit a KV memory budget is divided
-        into. `dtype`: a kv_format name, or a float torch dtype."""
+        """K and V of one block across the layers it holds, scales included: the unit a KV memory budget
+        is divided into. `dtype`: a kv_format name, or a float torch dtype."""
+        layers = KVLayout.of(spec, block_size).group_layers
         per_token = kv_format.bytes_per_token(
-            format_name(dtype), spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.kv_tensors
+            format_name(dtype), layers, spec.num_kv_heads, spec.head_dim, spec.kv_tensors
         )
         return block_size * per_token
 
@@ -145,31 +155,64 @@ class PagedKVCache:
     def num_free_blocks(self) -> int:
         return self.allocator.num_free
 
+    def layer(self, i: int) -> tuple[KVCache, KVCache]:
+        """Layer i's K and V caches, (NB, BS, K, Hd) each: its slot in the storage of its group's blocks."""
+        slot = self.layout.layer_slot[i]
+        return self.k[slot], self.v[slot]
+
     def length(self, seq_id: int) -> int:
         return self.lengths.get(seq_id, 0)
 
+    def _tables(self) -> list[dict[int, list[int]]]:
+        return [self.tables, *self.group_tables]
+
+    def blocks_of(self, seq_id: int) -> int:
+        """The blocks `seq_id` holds, in all groups."""
+        return sum(sum(1 for b in t.get(seq_id, ()) if b >= 0) for t in self._tables())
+
     def blocks_needed(self, seq_id: int, new_tokens: int) -> int:
-        length = self.lengths.get(seq_id, 0) + new_tokens
-        have = len(self.tables.get(seq_id, ()))
-        return max(0, -(-length // self.block_size) - have)
+        """Blocks to take for `new_tokens` more, in all groups (after those behind a window are freed)."""
+        n = -(-(self.lengths.get(seq_id, 0) + new_tokens) // self.block_size)
+        return sum(max(0, n - len(t.get(seq_id, ()))) for t in self._tables())
+
+    def _free_behind_windows(self, seq_id: int) -> None:
+        """Gives back each sliding group's blocks that no query from the sequence's next token on reads."""
+        start = self.lengths.get(seq_id, 0)
+        for g, tables in enumerate(self._tables()):
+            table = tables.get(seq_id)
+            first = min(self.layout.first_live_block(g, start), len(table or ()))
+            done = self._live_from.get((g, seq_id), 0)
+            if table is None or first <= done:
+                continue
+            dead = [b for b in table[done:first] if b >= 0]
+            self.allocator.free(dead)
+            self.freed_behind_windows += len(dead)
+            table[done:first] = [-1] * (first - done)
+            self._live_from[(g, seq_id)] = first
 
     def append(self, seq_ids: list[int], q_lens: list[int]) -> AttentionMetadata:
         """Reserves room for each sequence's new tokens and returns the batch's metadata.
 
-        All-or-nothing: when the blocks do not suffice nothing is allocated.
+        All-or-nothing: when the blocks do not suffice nothing is allocated (blocks behind a sliding
+        window are freed first either way: nothing reads them again).
         """
+        for s in seq_ids:
+            self._free_behind_windows(s)
         need = sum(self.blocks_needed(s, q) for s, q in zip(seq_ids, q_lens, strict=True))
         if need > self.allocator.num_free:
             raise KVCacheFullError(f"KV cache full: the batch needs {need} more blocks, {self.allocator.num_free} free")
         for s, q in zip(seq_ids, q_lens, strict=True):
-            table = self.tables.setdefault(s, [])
-            table.extend(self.allocator.allocate(self.blocks_needed(s, q)))
+            n = -(-(self.lengths.get(s, 0) + q) // self.block_size)
+            for tables in self._tables():
+                table = tables.setdefault(s, [])
+                table.extend(self.allocator.allocate(max(0, n - len(table))))
             self.lengths[s] = self.lengths.get(s, 0) + q
         return AttentionMetadata(
             q_lens=tuple(q_lens),
             ctx_lens=tuple(self.lengths[s] for s in seq_ids),
             block_tables=tuple(tuple(self.tables[s]) for s in seq_ids),
             block_size=self.block_size,
+            group_tables=tuple(tuple(tuple(t[s]) for s in seq_ids) for t in self.group_tables),
         )
 
     def begin(self, seq_ids: list[int], q_lens: list[int], starts: list[int]) -> AttentionMetadata:
@@ -181,12 +224,14 @@ class PagedKVCache:
         return self.append(seq_ids, q_lens)
 
     def free(self, seq_id: int) -> None:
-        self.allocator.free(self.tables.pop(seq_id, []))
+        for g, tables in enumerate(self._tables()):
+            self.allocator.free([b for b in tables.pop(seq_id, []) if b >= 0])
+            self._live_from.pop((g, seq_id), None)
         self.lengths.pop(seq_id, None)
 
     def reset(self) -> None:
         """Frees every sequence (a new orchestrator session: nothing cached belongs to anyone)."""
-        for seq in list(self.tables):
+        for seq in list(self.lengths):
             self.free(seq)
 
     def usage(self) -> float:

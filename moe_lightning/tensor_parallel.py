@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_lightning.quant.kernels import QuantizedLinear
-from moe_lightning.quant.scheme import QuantFormat
+from moe_lightning.quant.scheme import MXFP4_BLOCK, QuantFormat
 from moe_lightning.spec import ModelSpec
 from moe_lightning.weights import ExpertWeights, LayerWeights, Weight
 
@@ -119,10 +119,13 @@ def _columns(w: Weight, cols: slice) -> Weight:
     assert w.perm is None, "act order is refused by check_splittable"
     if w.format is QuantFormat.INT8:
         return QuantizedLinear(w.format, w.qweight[:, cols].contiguous(), w.scales.contiguous())
+    packed = slice(cols.start // 2, cols.stop // 2)  # two 4-bit values a byte
+    if w.format is QuantFormat.MXFP4:  # one e8m0 scale per MXFP4_BLOCK columns
+        blocks = slice(cols.start // MXFP4_BLOCK, cols.stop // MXFP4_BLOCK)
+        return QuantizedLinear(w.format, w.qweight[:, packed].contiguous(), w.scales[:, blocks].contiguous())
     assert w.zeros is not None
     groups = w.scales.shape[1]
     g = w.in_features // groups
-    packed = slice(cols.start // 2, cols.stop // 2)
     grp = slice(0, 1) if groups == 1 else slice(cols.start // g, cols.stop // g)
     return QuantizedLinear(
         w.format, w.qweight[:, packed].contiguous(), w.scales[:, grp].contiguous(), w.zeros[:, grp].contiguous()

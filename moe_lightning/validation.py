@@ -15,9 +15,10 @@ size limit, which such a request used to end with, after all its work was done).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.request import GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ResourceExhaustedError
@@ -62,8 +63,8 @@ class RequestLimits:
     max_context: int  # prompt + max_new_tokens, the model's max_position_embeddings
     has_tokenizer: bool = True  # False refuses stop strings: nothing could decode the output to match them
     max_prompt_tokens: int | None = None  # the server's --max-prefill-tokens
-    kv_tokens: int | None = None  # the server's whole KV cache, in tokens
-    block_size: int = 1  # KV is reserved in blocks of this many tokens
+    kv_blocks: int | None = None  # the server's whole KV cache, in blocks
+    kv_layout: KVLayout = field(default_factory=KVLayout)  # how a sequence's tokens take those blocks (kv_layout.py)
     max_response_bytes: int | None = None  # the API's max send message size (one response, one batch)
 
     @classmethod
@@ -73,8 +74,8 @@ class RequestLimits:
         *,
         has_tokenizer: bool = True,
         max_prompt_tokens: int | None = None,
-        kv_tokens: int | None = None,
-        block_size: int = 1,
+        kv_blocks: int | None = None,
+        kv_layout: KVLayout | None = None,
         max_response_bytes: int | None = None,
     ) -> RequestLimits:
         return cls(
@@ -82,8 +83,8 @@ class RequestLimits:
             spec.max_position_embeddings,
             has_tokenizer,
             max_prompt_tokens,
-            kv_tokens,
-            block_size,
+            kv_blocks,
+            kv_layout or KVLayout(),
             max_response_bytes,
         )
 
@@ -191,17 +192,18 @@ def _check_sampling_tokens(request: GenerationRequest, limits: RequestLimits) ->
         raise InvalidRequestError("echo needs the model's tokenizer.json to decode the prompt, and this model has none")
 
 
-def blocks_needed(request: GenerationRequest, block_size: int) -> int:
+def blocks_needed(request: GenerationRequest, layout: KVLayout) -> int:
     """KV blocks reserved at admission: the whole budget, so a running request never finds the cache full."""
-    return -(-(len(request.prompt_ids) + request.max_new_tokens) // block_size)
+    return layout.blocks_for(len(request.prompt_ids) + request.max_new_tokens)
 
 
-def check_kv(request: GenerationRequest, kv_tokens: int, block_size: int) -> int:
+def check_kv(request: GenerationRequest, kv_blocks: int, layout: KVLayout) -> int:
     """Returns the request's KV blocks; refuses one that could never be admitted (it would wait forever)."""
-    blocks = blocks_needed(request, block_size)
-    if blocks * block_size > kv_tokens:
+    blocks = blocks_needed(request, layout)
+    if blocks > kv_blocks:
         raise ResourceExhaustedError(
-            f"prompt + max_new_tokens needs {blocks * block_size} KV tokens; the cache holds {kv_tokens} in all"
+            f"prompt + max_new_tokens needs {blocks} KV blocks of {layout.block_size} tokens; "
+            f"the cache holds {kv_blocks} in all"
         )
     return blocks
 
@@ -292,7 +294,7 @@ def validate(request: GenerationRequest, limits: RequestLimits) -> None:
         raise InvalidRequestError(
             f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS} are allowed"
         )
-    if limits.kv_tokens is not None:
-        check_kv(request, limits.kv_tokens, limits.block_size)
+    if limits.kv_blocks is not None:
+        check_kv(request, limits.kv_blocks, limits.kv_layout)
     if limits.max_response_bytes is not None:
         _check_response(response_bytes(request, limits.vocab_size), limits.max_response_bytes, "the response")

@@ -467,7 +467,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             version=__version__,
             device=self.device,
             max_batch_size=s.config.max_batch_size,
-            kv_cache_tokens=s.kv_blocks * s.block_size,
+            kv_cache_tokens=s.batcher.kv.tokens,
             max_queue_size=s.config.max_queue,
             max_batch_prompts=MAX_BATCH_PROMPTS,
             micro_batch_size=s.config.micro_batch_size,

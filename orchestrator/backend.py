@@ -13,6 +13,7 @@ from moe_lightning.api.common.v1 import common_pb2
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.api.gpu_expert.v1 import gpu_expert_pb2, gpu_expert_pb2_grpc
 from moe_lightning.hrm.roofs import Measurements
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.placement import Side
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.service.convert import (
@@ -39,10 +40,16 @@ class KVCapacity:
     blocks: int
     block_size: int
     dtype: str
+    layout: KVLayout = None  # type: ignore[assignment]  # how sequences take its blocks; None: one layer group
+
+    def __post_init__(self) -> None:
+        if self.layout is None:  # (a block size of 0: no such cache, as the device's when it has none)
+            object.__setattr__(self, "layout", KVLayout(max(1, self.block_size)))
 
     @property
     def tokens(self) -> int:
-        return self.blocks * self.block_size
+        """Tokens it holds for certain: sliding-window layers freeing blocks may let it hold more."""
+        return self.layout.tokens_in(self.blocks)
 
 
 @dataclass(slots=True)
@@ -61,6 +68,7 @@ class Capacity:
     kv_dtype: str = "float32"  # what cpu_attention's KV cache stores (its --kv-dtype)
     expert_scheme: QuantScheme = field(default_factory=QuantScheme)  # the arena's expert pages
     ranks: int = 1  # gpu_expert's tensor-parallel ranks: the HRM plans for that many devices
+    spec: ModelSpec | None = None  # the model: its layers' windows lay out both KV caches (kv_layout.py)
 
     def placements(self, spec: ModelSpec) -> tuple[tuple[Side, ...], tuple[Side, ...]]:
         """(attention, experts) sides the running services support."""
@@ -73,8 +81,11 @@ class Capacity:
         """The KV cache attention reads where it is placed: gpu_expert's own (it stores the weights'
         dtype) or cpu_attention's (its --kv-dtype)."""
         if attention is Side.DEVICE:
-            return KVCapacity(self.device_kv_blocks, self.device_kv_block_size, self.weight_dtype)
-        return KVCapacity(self.kv_blocks, self.block_size, self.kv_dtype)
+            blocks, block_size, dtype = self.device_kv_blocks, self.device_kv_block_size, self.weight_dtype
+        else:
+            blocks, block_size, dtype = self.kv_blocks, self.block_size, self.kv_dtype
+        layout = KVLayout.of(self.spec, block_size) if self.spec is not None and block_size else None
+        return KVCapacity(blocks, block_size, dtype, layout)
 
 
 class Backend:
@@ -126,6 +137,7 @@ class Backend:
             kv_dtype=DTYPE_FROM_PB.get(cpu.kv_dtype, "float32"),  # unset: a cpu_attention that only kept fp32
             expert_scheme=layout_from_pb(list(manifest.pages), manifest.region_bytes).expert_scheme(),
             ranks=max(1, gpu.tensor_parallel_ranks),  # unset: a gpu_expert of one device
+            spec=self.spec,
         )
 
     def step(self, plan: StepPlan) -> StepOutput:

@@ -143,6 +143,7 @@ class Batcher:
         self.preempted: deque[Sequence] = deque()  # admitted before waiting ones, oldest first
         self.running: dict[int, Sequence] = {}  # by seq id, in admission order
         self.free_blocks = kv.blocks
+        self._credit_next = 0  # blocks freed behind sliding windows by the step planned last (_feed)
         self.counters = BatcherCounters()
         self._release_next: list[int] = []
         self._seq_ids = itertools.count(1)
@@ -181,6 +182,7 @@ class Batcher:
         self.waiting.clear()
         self.kv = kv
         self.free_blocks = kv.blocks
+        self._credit_next = 0
         self._release_next = []
         return dropped
 
@@ -203,6 +205,8 @@ class Batcher:
         """The next step, or None when nothing runs. `on_admit` sees each sequence at its first
         admission, before the next is considered (the planner's workload feedback may change the
         batch size)."""
+        self.free_blocks += self._credit_next  # the step planned last has run: the workers freed them
+        self._credit_next = 0
         if self.config.step_schedule == "alternating":
             return self._alternating(on_admit)
         return self._mixed(on_admit)
@@ -286,12 +290,10 @@ class Batcher:
             seq.blocks, seq.admitted = 0, False
             self._release_next.append(seq.seq_id)
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.kv.block_size)
-
     def _growth(self, seq: Sequence, feed: int) -> int:
         """Blocks `seq` takes for its next `feed` tokens (at most): none while its reservation lasts."""
-        return max(0, self._blocks_for(seq.cached + min(feed, seq.length - seq.cached)) - seq.blocks)
+        end = seq.cached + min(feed, seq.length - seq.cached)
+        return max(0, self.kv.layout.blocks_held(seq.cached, end) - seq.blocks)
 
     def _make_room(self, seqs: list[Sequence], feed: int) -> None:
         """Preempts the most recently arrived running sequences until the next `feed` tokens of each
@@ -314,10 +316,10 @@ class Batcher:
 
     def _admission_blocks(self, seq: Sequence) -> int:
         if self.config.kv_admission == "reserve":
-            return blocks_needed(seq.request, self.kv.block_size)
+            return blocks_needed(seq.request, self.kv.layout)
         # all its tokens, even when its re-prefill spans steps: a chunk that had to preempt for the next
         # would preempt itself, and the older sequences would wait on it for good
-        return self._blocks_for(seq.length)
+        return self.kv.layout.blocks_for(seq.length)
 
     def _admit(self, on_admit: Callable[[Sequence], None] | None, budget: int) -> list[Sequence]:
         """First come, first served, while the batch has room, the KV cache the blocks and the step
@@ -357,10 +359,17 @@ class Batcher:
         its cache grows by them (the step that computes them was just planned)."""
         start = seq.cached
         end = min(seq.length, start + tokens)
-        grow = self._blocks_for(end) - seq.blocks
+        held = self.kv.layout.blocks_held(start, end)
+        grow = held - seq.blocks
         if grow > 0:
             self.free_blocks -= grow
             seq.blocks += grow
+        elif grow < 0 and end == seq.length and self.config.kv_admission != "reserve":
+            # its blocks behind a sliding window (kv_layout.py), freed as the workers begin this step:
+            # others may take them from the next step on (a micro-batch of this one may run before
+            # the one that frees them). Not before its prefill is done: its admission took them all.
+            seq.blocks = held
+            self._credit_next -= grow
         seq.cached = end
         seq.stream_ahead = end < seq.length
         if seq.output and start == seq.length - 1:  # a decode: the last sampled token

@@ -27,10 +27,11 @@ from prometheus_client import Counter, Gauge, Info
 from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.layercost import EXPECTED_USE, NO_QUANT, Workload, check_kv_rule, kv_sequences
+from moe_lightning.hrm.layercost import EXPECTED_USE, MAX_CONTEXT, NO_QUANT, Workload, check_kv_rule, kv_sequences
 from moe_lightning.hrm.optimizer import optimize
 from moe_lightning.hrm.schedule_cost import schedule_throughput
 from moe_lightning.hrm.stage_accuracy import measured_per_layer, predicted_per_layer
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import StepKind, StepTimings
@@ -100,6 +101,7 @@ class Planner:
         self.quant = quant
         self.kv_rule = check_kv_rule(kv_rule)
         self.kv_block_size = max(1, kv_block_size)
+        self.kv_layout = KVLayout.of(spec, self.kv_block_size)  # `kv_tokens`: tokens in every layer (KVCapacity)
         self._prompt_var = workload.prompt_std**2  # of the prompt lengths, learned as their mean is
         self.kv_tokens = {"cpu": kv_tokens, "gpu": device_kv_tokens}
         self.attention = attention
@@ -127,6 +129,8 @@ class Planner:
         w = self.workload
         # blocks round each sequence up: (B - 1) / 2 tokens on average, as if every prompt were longer
         blocked = replace(w, prompt_len=w.prompt_len + (self.kv_block_size - 1) / 2)
+        if self.kv_rule != MAX_CONTEXT:  # taken by need: sliding layers hold only their window's blocks
+            tokens = int(tokens / self.kv_layout.held_share(blocked.avg_context))
         return max(1, kv_sequences(tokens, blocked, self.kv_rule))
 
     @property

@@ -79,8 +79,8 @@ class Scheduler:
             self.spec,
             has_tokenizer=self.tokenizer is not None,
             max_prompt_tokens=self.config.max_prefill_tokens,
-            kv_tokens=self.kv_blocks * self.block_size,
-            block_size=self.block_size,
+            kv_blocks=self.kv_blocks,
+            kv_layout=self.batcher.kv.layout,
             max_response_bytes=MAX_MESSAGE_BYTES,  # the API's send limit: refuse what could not be returned
         )
 
@@ -95,7 +95,7 @@ class Scheduler:
         with self._cv:
             # again under the lock: the cache may have shrunk since the API looked (a resume), and a
             # request that can never fit would block the head of the queue for good
-            check_kv(request, self.kv_blocks * self.block_size, self.block_size)
+            check_kv(request, self.kv_blocks, self.batcher.kv.layout)
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
             if self._dead is not None:

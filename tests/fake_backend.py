@@ -10,6 +10,8 @@ from moe_lightning.step_protocol import StepOutput, StepPlan, StepTimings
 
 # the smallest K/V a PagedKVCache can hold: the mirror below keeps its block tables, not its values
 _MIRROR_SPEC = ModelSpec("MixtralForCausalLM", 8, 16, 1, 2, 1, 2, 2, 1, 400)
+# GPT-OSS's pattern: every other layer within a window (of 6 here), so the mirror frees blocks behind it
+WINDOWED_SPEC = ModelSpec("MixtralForCausalLM", 8, 16, 2, 2, 1, 2, 2, 1, 400, sliding_window=6, sliding_layers=(0,))
 
 
 class FakeBackend:
@@ -21,9 +23,16 @@ class FakeBackend:
     workers' caches do with each plan (release, then each sequence's new tokens at its start): a
     batcher that over-commits the cache or disagrees on a length fails the step, as the workers would."""
 
-    def __init__(self, script: dict[int, list[int]] | None = None, kv_blocks: int = 0, block_size: int = 16) -> None:
+    def __init__(
+        self,
+        script: dict[int, list[int]] | None = None,
+        kv_blocks: int = 0,
+        block_size: int = 16,
+        spec: ModelSpec = _MIRROR_SPEC,
+    ) -> None:
+        """`spec`: the model the mirrored cache lays its blocks out for (its sliding windows)."""
         self.script = script or {}
-        self.kv = PagedKVCache(_MIRROR_SPEC, kv_blocks, block_size) if kv_blocks else None
+        self.kv = PagedKVCache(spec, kv_blocks, block_size) if kv_blocks else None
         self.plans: list[StepPlan] = []
         self.generated: dict[int, int] = {}
         self.fail: BaseException | None = None

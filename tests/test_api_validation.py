@@ -84,7 +84,7 @@ def test_a_single_request_is_refused_before_the_scheduler_sees_it(started: list[
     servicer, backend = _servicer(started)
     with pytest.raises(ResourceExhaustedError) as info:
         asyncio.run(servicer.Generate(_one(Prompt(token_ids=[1], max_new_tokens=200)), CONTEXT))
-    assert str(info.value) == "prompt + max_new_tokens needs 208 KV tokens; the cache holds 128 in all"
+    assert str(info.value) == "prompt + max_new_tokens needs 13 KV blocks of 16 tokens; the cache holds 8 in all"
     with pytest.raises(InvalidRequestError, match="^this model has no tokenizer"):
         asyncio.run(servicer.Generate(_one(Prompt(text="hello")), CONTEXT))
     assert backend.plans == []

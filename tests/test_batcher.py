@@ -4,9 +4,10 @@ and length finishes, prefill/decode alternation, and what each plan carries (no 
 from __future__ import annotations
 
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import WINDOWED_SPEC, FakeBackend
 
 from moe_lightning.demo_model import build_tokenizer
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement, Side
 from moe_lightning.request import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, GenerationRequest
@@ -178,28 +179,33 @@ def test_queue_limit_and_reset() -> None:
     assert plan is None  # and nothing is released into the new session
 
 
+@pytest.mark.parametrize("windowed", [False, True])
 @pytest.mark.parametrize("schedule", ["alternating", "mixed"])
-def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str) -> None:
+def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str, windowed: bool) -> None:
     """At the operating point's size: 3,000 requests through a cache that holds a third of them, the
-    workers' caches mirrored by a real PagedKVCache (an over-committed block fails the step)."""
-    b = _batcher(
-        blocks=3000, block_size=4, max_batch_size=4096, micro_batch_size=128, max_queue=4096, step_schedule=schedule
-    )
-    backend = FakeBackend(kv_blocks=3000, block_size=4)
-    seqs = [_add(b, 1 + i % 7, 1 + i % 11) for i in range(3000)]
+    workers' caches mirrored by a real PagedKVCache (an over-committed block fails the step). Windowed:
+    a model whose sliding layers free their blocks behind the window (kv_layout.py), the batcher
+    counting them back as the mirror frees them."""
+    layout = KVLayout.of(WINDOWED_SPEC, 4) if windowed else None
+    cfg = SchedulerConfig(max_batch_size=4096, micro_batch_size=128, max_queue=4096, step_schedule=schedule)
+    b = Batcher(KVCapacity(3000, 4, "float32", layout), cfg, Placement(Side.HOST, Side.DEVICE))
+    backend = FakeBackend(kv_blocks=3000, block_size=4, **({"spec": WINDOWED_SPEC} if windowed else {}))
+    seqs = [_add(b, 1 + i % 7, 1 + i % (31 if windowed else 11)) for i in range(3000)]
     released: list[int] = []
     steps = 0
     while b.running or b.queued:
         plan, _ = _step(b, backend)
         released += plan.release
         steps += 1
-        # the same blocks free as in the workers, once they drop what the next plan releases
+        # the same blocks free as in the workers, once they drop what the next plan releases and the
+        # batcher counts back what the last step freed behind windows
         kv = backend.kv
         assert kv is not None
-        releasing = sum(len(kv.tables.get(s, ())) for s in b._release_next)
+        releasing = sum(kv.blocks_of(s) for s in b._release_next)
         # a prompt fed in chunks holds its blocks from admission; the workers take them chunk by chunk
-        ahead = [s.blocks - len(kv.tables.get(s.seq_id, ())) for s in b.running.values()]
-        assert min(ahead, default=0) >= 0 and b.free_blocks == kv.num_free_blocks + releasing - sum(ahead)
+        ahead = [s.blocks - kv.blocks_of(s.seq_id) for s in b.running.values()]
+        free = b.free_blocks + b._credit_next
+        assert min(ahead, default=0) >= 0 and free == kv.num_free_blocks + releasing - sum(ahead)
     step = b.schedule()  # the last finishes are released by a step of their own
     assert step is not None and step.plan.num_sequences == 0
     released += step.plan.release
@@ -210,6 +216,8 @@ def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str) 
     assert len(released) == 3000 + b.counters.preemptions  # each preemption released the workers' state once
     assert backend.kv.num_free_blocks == 3000 and not backend.kv.tables  # type: ignore[union-attr]
     assert steps < 3000  # batched, not one at a time
+    if windowed:  # the sliding group's blocks behind the window were freed while sequences ran
+        assert backend.kv.freed_behind_windows > 0  # type: ignore[union-attr]
 
 
 def _run_all(b: Batcher, backend: FakeBackend) -> list[StepPlan]:

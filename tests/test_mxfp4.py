@@ -259,3 +259,18 @@ def test_the_scheme_of_mxfp4_pages() -> None:
     ql = QuantizedLinear(QuantFormat.MXFP4, *random_page(8, 64, 16))
     assert ql.shape == (8, 64) and ql.group_size == 32
     assert [name for name, _ in ql.components()] == ["qweight", "scales"]
+
+
+def test_a_group_size_other_than_the_block_is_refused_for_mxfp4() -> None:
+    """mxfp4's scales are one per 32 by its format: a --quantize-group-size that says otherwise is an
+    error, not silently ignored; 32 or none is accepted, for a format asked for or resolved from auto."""
+    from moe_lightning.config.checks import resolve_expert_scheme
+    from moe_lightning.families.gpt_oss import PLAN_PRESETS
+
+    spec = PLAN_PRESETS["gpt-oss-20b"]
+    for size in (None, 32):
+        assert resolve_expert_scheme(spec, None, "mxfp4", size) == QuantScheme(QuantFormat.MXFP4, 32)
+        assert resolve_expert_scheme(spec, None, "auto", size).format is QuantFormat.MXFP4
+    for asked in ("mxfp4", "auto"):
+        with pytest.raises(ValueError, match="must be 32 or left out, got 64"):
+            resolve_expert_scheme(spec, None, asked, 64)

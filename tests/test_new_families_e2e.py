@@ -133,7 +133,9 @@ def test_the_latent_cache_is_exact_under_preemption_and_long_prompts(
     assert sum(len(p) + new for p in prompts) > 2.5 * longest
     s = make_stack(
         model=model,
-        kv_cache_memory=per_token * longest * 5 // 4,  # the longest and a bit: a third of the batch's
+        # the sliding layers free their blocks behind the window, so the cache holds more than its
+        # tokens in every layer: just over the longest request's, to keep preempting
+        kv_cache_memory=per_token * (longest + 8),  # the longest and a bit: a third of the batch's
         max_batch_size=64,
         prefill_budget=128,
         extra={"cpu_attention": ["--block-size", "4"]},
@@ -149,7 +151,7 @@ def test_sliding_layers_stay_exact_past_the_window_in_chunked_prefills_and_preem
     make_stack: Callable[..., Stack], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """GPT-OSS with a window of 8 on every other layer: prompts of up to 200 tokens prefilled in chunks
-    of 64 (a chunk's queries see the window across the chunk boundary), a cache a third of what the
+    of 64 (a chunk's queries see the window across the chunk boundary), a cache well short of what the
     batch needs (sequences preempted and recomputed); the tokens stay transformers'."""
     from moe_lightning.kv_format import bytes_per_token
 
@@ -164,7 +166,9 @@ def test_sliding_layers_stay_exact_past_the_window_in_chunked_prefills_and_preem
     assert sum(len(p) + new for p in prompts) > 2.5 * longest
     s = make_stack(
         model=model,
-        kv_cache_memory=per_token * longest * 5 // 4,
+        # the sliding layers free their blocks behind the window, so the cache holds more than its
+        # tokens in every layer: just over the longest request's, to keep preempting
+        kv_cache_memory=per_token * (longest + 8),
         max_batch_size=64,
         prefill_budget=64,
         extra={"cpu_attention": ["--block-size", "4"]},

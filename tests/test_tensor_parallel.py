@@ -99,9 +99,15 @@ def test_the_ranks_slices_add_up_to_the_whole_model(family: str, world: int, tmp
     assert ranks[1].lm_head.numel() == 0 and ranks[0].lm_head.numel() > 0  # only rank 0 samples
 
 
-@pytest.mark.parametrize("scheme", [QuantScheme(QuantFormat.INT8), QuantScheme(QuantFormat.INT4, 8)], ids=str)
+@pytest.mark.parametrize(
+    "scheme",
+    [QuantScheme(QuantFormat.INT8), QuantScheme(QuantFormat.INT4, 8), QuantScheme(QuantFormat.MXFP4, 32)],
+    ids=str,
+)
 def test_each_rank_holds_its_slice_of_a_quantized_expert_in_one_range(scheme: QuantScheme, tmp_path: Path) -> None:
     arch, config = TP_FAMILIES["mixtral"]
+    if scheme.format is QuantFormat.MXFP4:  # whole blocks of 32 per rank: 64 of w2's columns each
+        config = {**config, "intermediate_size": 128}
     model = save_hf(arch, tmp_path / "m", seed=5, **config)
     spec = ModelSpec.from_pretrained(model)
     (whole,) = arena_weights(model, 1, scheme)
@@ -131,6 +137,8 @@ def test_models_that_cannot_be_split_are_refused_with_the_numbers(tmp_path: Path
         check_splittable(spec, 2, QuantScheme(QuantFormat.INT4, 16, act_order=True))
     with pytest.raises(TensorParallelError, match="not whole int4 groups of 32"):
         check_splittable(spec, 2, QuantScheme(QuantFormat.INT4, 32))  # 48 columns per rank
+    with pytest.raises(TensorParallelError, match="not whole mxfp4 blocks of 32"):
+        check_splittable(spec, 2, QuantScheme(QuantFormat.MXFP4, 32))  # 48 columns per rank
     with pytest.raises(ValueError, match="start the weight store with --tensor-parallel 2"):
         layout = ArenaLayout.for_spec(spec, "float32")
         weights_from_arena(torch.zeros(layout.total_bytes, dtype=torch.uint8), layout, spec, shard=Shard(0, 2))

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from moe_lightning.demo_model import build_tokenizer
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.request import GenerationRequest, InvalidRequestError
 from moe_lightning.service.errors import ResourceExhaustedError, status_for
 from moe_lightning.spec import ModelSpec
@@ -13,7 +14,7 @@ from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.validation import RequestLimits, blocks_needed, prompt_ids, sampling_params, validate
 
 SERVER = RequestLimits(
-    vocab_size=320, max_context=1024, has_tokenizer=False, max_prompt_tokens=40, kv_tokens=128, block_size=16
+    vocab_size=320, max_context=1024, has_tokenizer=False, max_prompt_tokens=40, kv_blocks=8, kv_layout=KVLayout(16)
 )
 
 
@@ -46,10 +47,10 @@ def test_invalid_requests_say_what_is_allowed(kwargs: dict, message: str) -> Non
 def test_more_than_the_whole_kv_cache_is_resource_exhausted() -> None:
     fits = GenerationRequest([1] * 8, max_new_tokens=120)  # 128 tokens: 8 blocks of 16
     validate(fits, SERVER)
-    assert blocks_needed(fits, 16) == 8
+    assert blocks_needed(fits, KVLayout(16)) == 8
     with pytest.raises(ResourceExhaustedError) as info:
         validate(GenerationRequest([1] * 8, max_new_tokens=121), SERVER)
-    assert str(info.value) == "prompt + max_new_tokens needs 144 KV tokens; the cache holds 128 in all"
+    assert str(info.value) == "prompt + max_new_tokens needs 9 KV blocks of 16 tokens; the cache holds 8 in all"
     assert status_for(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 

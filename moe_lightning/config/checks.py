@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 
 from moe_lightning.config.choices import INT4_GROUP_SIZES, PER_ROW_GROUP
 from moe_lightning.config.units import DeviceShare, format_size
+from moe_lightning.quant.scheme import MXFP4_BLOCK, QuantFormat, QuantScheme
 
 if TYPE_CHECKING:
     from moe_lightning.arena_layout import ArenaLayout
     from moe_lightning.config.stack import StackConfig
-    from moe_lightning.quant.scheme import QuantScheme
     from moe_lightning.spec import ModelSpec
 
 
@@ -50,8 +50,17 @@ def int4_group_size(spec: ModelSpec, world: int = 1) -> int:
     )
 
 
+# a group size given for pages whose format fixes it (silently ignoring it would mislead)
+_MXFP4_GROUPS = (
+    f"mxfp4 has one scale per {MXFP4_BLOCK} weights (its format's block): --quantize-group-size must be "
+    f"{MXFP4_BLOCK} or left out, got {{}}"
+)
+
+
 def resolve_group_size(spec: ModelSpec, quantize: str, group_size: int | None, world: int = 1) -> int:
     """--quantize-group-size as the weight store uses it: given, or int4's default for these widths."""
+    if quantize == "mxfp4" and group_size not in (None, MXFP4_BLOCK):
+        raise ValueError(_MXFP4_GROUPS.format(group_size))
     if group_size is not None:
         return group_size
     return int4_group_size(spec, world) if quantize == "int4" else INT4_GROUP_SIZES[0]
@@ -75,14 +84,16 @@ def resolve_expert_scheme(
             quantize = by_architecture(spec.architecture).published_experts
         return parse_quantize(quantize, resolve_group_size(spec, quantize, group_size, world))
     if read_gptq_config(model_dir) is not None:  # its own format and groups (or a refusal of another)
-        return resolve_scheme(model_dir, quantize, group_size or INT4_GROUP_SIZES[0])
-    return resolve_scheme(model_dir, quantize, resolve_group_size(spec, quantize, group_size, world))
+        scheme = resolve_scheme(model_dir, quantize, group_size or INT4_GROUP_SIZES[0])
+    else:
+        scheme = resolve_scheme(model_dir, quantize, resolve_group_size(spec, quantize, group_size, world))
+    if scheme.format is QuantFormat.MXFP4 and group_size not in (None, MXFP4_BLOCK):  # (auto: the checkpoint's)
+        raise ValueError(_MXFP4_GROUPS.format(group_size))
+    return scheme
 
 
 def check_splittable(spec: ModelSpec, world: int, scheme: QuantScheme | None = None) -> None:
     """Raises TensorParallelError, naming the numbers, if the model cannot be split over `world` ranks."""
-    from moe_lightning.quant.scheme import QuantFormat
-
     if world == 1:
         return
     problems = []
@@ -113,6 +124,8 @@ def check_splittable(spec: ModelSpec, world: int, scheme: QuantScheme | None = N
             problems.append(f"w2's {cols} input columns per rank are not whole int4 groups of {scheme.group_size}")
         elif scheme.format is QuantFormat.INT4 and cols % 2:
             problems.append(f"w2's {cols} input columns per rank do not pack into whole int4 bytes")
+        elif scheme.format is QuantFormat.MXFP4 and cols % MXFP4_BLOCK:
+            problems.append(f"w2's {cols} input columns per rank are not whole mxfp4 blocks of {MXFP4_BLOCK}")
     if problems:
         raise TensorParallelError(f"the model cannot be split over {world} ranks: " + "; ".join(problems))
 

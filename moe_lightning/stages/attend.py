@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_lightning.kv_layout import KVLayout
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import (
     AttentionMetadata,
@@ -23,20 +24,26 @@ from moe_lightning.stages.mla import mla_paged_attention, mla_shape, write_laten
 
 @dataclass(frozen=True, slots=True)
 class BatchPlans:
-    """A batch's attention plans, one per window its layers attend within (GPT-OSS alternates a
-    sliding window with the whole context), built once per batch and shared by the layers alike."""
+    """A batch's attention plans, one per layer group of the cache (kv_layout.py: GPT-OSS alternates a
+    sliding window, whose layers keep blocks of their own, with the whole context), built once per
+    batch and shared by the group's layers."""
 
     meta: AttentionMetadata
-    by_window: dict[int | None, AttentionPlan]
-    windows: tuple[int | None, ...]  # (L,) each layer's window
+    by_group: tuple[AttentionPlan, ...]  # (G,) each group's, over its block tables and within its window
+    layer_group: tuple[int, ...]  # (L,) each layer's group
 
     def __getitem__(self, layer: int) -> AttentionPlan:
-        return self.by_window[self.windows[layer]]
+        return self.by_group[self.layer_group[layer]]
 
 
 def plan_batch(spec: ModelSpec, meta: AttentionMetadata, device: torch.device | str = "cpu") -> BatchPlans:
-    windows = tuple(spec.window_of(i) for i in range(spec.num_layers))
-    return BatchPlans(meta, {w: plan_attention(meta, w, device) for w in dict.fromkeys(windows)}, windows)
+    layout = KVLayout.of(spec, meta.block_size)
+    if meta.num_groups != layout.num_groups:
+        raise ValueError(
+            f"the batch has {meta.num_groups} layer groups' block tables; the model's layers need {layout.num_groups}"
+        )
+    plans = tuple(plan_attention(meta.group(g), w, device) for g, w in enumerate(layout.windows))
+    return BatchPlans(meta, plans, layout.layer_group)
 
 
 def attend(
@@ -49,8 +56,8 @@ def attend(
     plan: AttentionPlan,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """q: (T, H, Hd), k/v: (T, K, Hd) from pre_attention; k_cache/v_cache: one layer's (NB, BS, K, Hd);
-    `plan`: the layer's (BatchPlans[layer]); `sinks`: the layer's (H,) sink logits (GPT-OSS)
+    """q: (T, H, Hd), k/v: (T, K, Hd) from pre_attention; k_cache/v_cache: one layer's (NB, BS, K, Hd)
+    (PagedKVCache.layer); `plan`: the layer's (BatchPlans[layer]); `sinks`: the layer's (H,) sink logits (GPT-OSS)
     -> (T, H * Hd) in q's dtype; with MLA (K = 1, Hd = C + R, k the latent row, V the cache's K)
     -> (T, H * C), the attended latents for attention_output."""
     if spec.attention == "mla":

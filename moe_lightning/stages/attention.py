@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,9 @@ class AttentionMetadata:
     ctx_lens: tuple[int, ...]  # (B,) tokens in the cache once the new ones are appended
     block_tables: tuple[tuple[int, ...], ...]  # (B, blocks of that sequence)
     block_size: int
+    # the tables of a cache's other layer groups (kv_layout.py), each (B, blocks): sliding-window layers
+    # keep blocks of their own, -1 where a block behind the window went back to the pool
+    group_tables: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not len(self.q_lens) == len(self.ctx_lens) == len(self.block_tables):
@@ -41,6 +44,16 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return sum(self.q_lens)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.group_tables)
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The batch as layer group `g`'s layers see it: its block tables."""
+        if g == 0:
+            return self if not self.group_tables else replace(self, group_tables=())
+        return AttentionMetadata(self.q_lens, self.ctx_lens, self.group_tables[g - 1], self.block_size)
 
     @property
     def is_decode(self) -> bool:

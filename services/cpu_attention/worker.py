@@ -219,7 +219,7 @@ class AttentionWorker:
                 raise LookupError(f"step {h.step} micro-batch {h.micro_batch} was never started at layer 0")
             q, k, v = msg.q, msg.k, msg.v
             with self._lock:  # K/V stored in the cache's format (--kv-dtype); attention computes in fp32
-                kc, vc = self.cache.k[layer], self.cache.v[layer]
+                kc, vc = self.cache.layer(layer)
                 out = attend(self.spec, q, k, v, kc, vc, mb[layer], self.sinks[layer])  # in q's dtype
             self.timeline.record("cpu", "attention", h.step, layer, h.micro_batch, t0)
             if layer == self.spec.num_layers - 1:

@@ -55,7 +55,7 @@ class DeviceAttention:
     ) -> torch.Tensor:
         assert st.attention is not None  # planned by `begin`
         plan, sinks = st.attention[layer], self.sinks[layer]
-        return attend(self.spec, q, k, v, self.kv.k[layer], self.kv.v[layer], plan, sinks)
+        return attend(self.spec, q, k, v, *self.kv.layer(layer), plan, sinks)
 
     def free(self, seq_ids: list[int]) -> None:
         for seq in seq_ids:
