@@ -25,12 +25,14 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e .
+	$(BIN)/python -m moe_lightning.native  # the host kernels, built for this CPU (docs/kv-cache.md)
 	touch $@
 
 $(VENV)/.installed-dev: $(BIN)/python pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q -e '.[eval]' || echo "lm-eval / litellm did not install: their tests skip"
+	$(BIN)/python -m moe_lightning.native
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

@@ -7,7 +7,11 @@ best and the median round):
   (b) the current kernel, fp32 cache and fp32 q;
   (c) bf16 cache, bf16 q (a bf16 model, `--kv-dtype auto`: the softmax weights rounded to bf16 for P @ V);
   (d) fp16 cache, fp16 q (likewise);
-  (e) bf16 cache, fp32 q (`--kv-dtype bfloat16` under an fp32 arena: sdpa in fp32 over the upcast chunk).
+  (e) bf16 cache, fp32 q (`--kv-dtype bfloat16` under an fp32 arena: sdpa in fp32 over the upcast chunk);
+  (f) and (g): the native decode kernel (moe_lightning/native, docs/kv-cache.md) over the fp32 and the bf16
+      cache, fp32 q: what (b) and (e) run where it built (they are timed here with it turned off).
+Beside them, this machine's read bandwidth in the same run (a sum over 1 GiB, all threads), and each native
+row's share of it (the goal: >= 0.7 at B >= 16 and contexts >= 512).
 GB/s counts the K and V bytes of every sequence's real context in the cache's own dtype, so a bf16
 cache reads half the bytes of fp32 for the same work: (c) matching (a) in GB/s means attending twice
 the tokens per second.
@@ -22,12 +26,14 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.native import cpu_isa, decode_kernel
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import AttentionMetadata, paged_attention, plan_attention
 
@@ -117,17 +123,21 @@ def run_shape(spec: ModelSpec, batch: int, context: int, repeats: int) -> dict[s
     plan = plan_attention(meta)
     k16, v16 = {n: k32.to(dt) for n, dt in DTYPES.items()}, {n: v32.to(dt) for n, dt in DTYPES.items()}
     q16 = {n: q.to(dt) for n, dt in DTYPES.items()}
+    torch_plan = replace(plan, native=None)
     variants = {
         "(a) baseline fp32": (lambda: baseline_decode(q, k32, v32, old_groups), 4),
-        "(b) new fp32": (lambda: paged_attention(q, k32, v32, plan), 4),
-        "(c) new bf16": (lambda: paged_attention(q16["bf16"], k16["bf16"], v16["bf16"], plan), 2),
-        "(d) new fp16": (lambda: paged_attention(q16["fp16"], k16["fp16"], v16["fp16"], plan), 2),
-        "(e) bf16, fp32 q": (lambda: paged_attention(q, k16["bf16"], v16["bf16"], plan), 2),
+        "(b) new fp32": (lambda: paged_attention(q, k32, v32, torch_plan), 4),
+        "(c) new bf16": (lambda: paged_attention(q16["bf16"], k16["bf16"], v16["bf16"], torch_plan), 2),
+        "(d) new fp16": (lambda: paged_attention(q16["fp16"], k16["fp16"], v16["fp16"], torch_plan), 2),
+        "(e) bf16, fp32 q": (lambda: paged_attention(q, k16["bf16"], v16["bf16"], torch_plan), 2),
     }
+    if plan.native is not None:
+        variants["(f) native fp32"] = (lambda: paged_attention(q, k32, v32, plan), 4)
+        variants["(g) native bf16"] = (lambda: paged_attention(q, k16["bf16"], v16["bf16"], plan), 2)
     ref = baseline_decode(q, k32, v32, old_groups)
     for name, (fn, _) in variants.items():  # warm-up, and the kernels agree
         err = (fn().float() - ref).abs().max().item()
-        assert err < (1e-5 if name[:3] in ("(a)", "(b)") else 5e-2), f"{name}: max error {err}"
+        assert err < (1e-5 if name[:3] in ("(a)", "(b)", "(f)") else 5e-2), f"{name}: max error {err}"
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, (fn, _) in variants.items():
@@ -149,6 +159,18 @@ def run_shape(spec: ModelSpec, batch: int, context: int, repeats: int) -> dict[s
     return out
 
 
+def read_roof(repeats: int) -> float:
+    """GB/s of a plain read (a sum over 1 GiB of fp32, all threads): the roof decode attention works under."""
+    data = torch.ones(1 << 28)
+    data.sum()  # pages faulted in
+    best = float("inf")
+    for _ in range(max(3, repeats)):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * 4 / best / 1e9
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per point")
@@ -162,6 +184,11 @@ def main() -> int:
         f"{args.repeats} interleaved rounds, and the median's ratio to (a)"
     )
     names = ["(a) baseline fp32", "(b) new fp32", "(c) new bf16", "(d) new fp16", "(e) bf16, fp32 q"]
+    kernel = decode_kernel()
+    names += ["(f) native fp32", "(g) native bf16"] if kernel is not None else []
+    roof = read_roof(args.repeats)
+    built = f"built, {cpu_isa()}" if kernel is not None else "not built"
+    print(f"native decode kernel: {built}; read roof {roof:.1f} GB/s")
     print(f"{'shape':22s} {'B':>3s} {'ctx<=':>5s}  " + "  ".join(f"{n:>21s}" for n in names))
     results = []
     for shape in args.shapes:
@@ -177,8 +204,14 @@ def main() -> int:
     for n in names[2:]:
         worst = min(r["variants"][n]["ratio_median"] for r in results)
         print(f"{n}: worst median ratio to (a) in KV bytes per second {worst:.2f} (goal >= 1)")
+    for n in names[5:]:
+        goal = [r for r in results if r["batch"] >= 16 and r["context"] >= 512]
+        if goal:
+            worst = min(r["variants"][n]["best_gbps"] / roof for r in goal)
+            print(f"{n}: worst share of the read roof at B >= 16, contexts >= 512: {worst:.2f} (goal >= 0.7)")
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1))
+        report = {"read_roof_gbps": roof, "isa": cpu_isa(), "native": kernel is not None, "cases": results}
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -29,6 +29,15 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ
 _CACHE_ROOT = Path(tempfile.mkdtemp(prefix="moe-lightning-test-cache-"))
 os.environ["MOE_LIGHTNING_PROFILE_CACHE"] = str(_CACHE_ROOT / "profiles")
 os.environ["MOE_LIGHTNING_CACHE_DIR"] = str(_CACHE_ROOT / "arena")
+os.environ["MOE_LIGHTNING_NATIVE_DIR"] = str(_CACHE_ROOT / "native")  # the native kernels' build
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The native kernels built once, before any service starts (each would otherwise wait on the
+    first one's build); a machine that cannot build them runs the PyTorch path, as users' do."""
+    from moe_lightning.native import decode_kernel
+
+    decode_kernel()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from moe_lightning import native
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -164,6 +166,15 @@ class SequenceContext:
 
 
 @dataclass(frozen=True, slots=True)
+class DecodeIndex:
+    """A decode batch as the native kernel reads it (moe_lightning/native/decode_attention.cpp): int32."""
+
+    tables: torch.Tensor  # (B, W) each sequence's blocks in position order, -1 past its end (never read)
+    ctx: torch.Tensor  # (B,) its tokens
+    first: torch.Tensor  # (B,) the first position it attends (its window's start, else 0)
+
+
+@dataclass(frozen=True, slots=True)
 class AttentionPlan:
     """Index tensors for one batch, built once and reused by every layer (they do not change)."""
 
@@ -171,6 +182,7 @@ class AttentionPlan:
     write_slots: torch.Tensor  # (T,) where each new token's K/V goes
     decode_groups: tuple[DecodeGroup, ...] = ()  # decode: sequences grouped by context length
     sequences: tuple[SequenceContext, ...] = ()  # prefill: one per sequence
+    native: DecodeIndex | None = None  # decode on a CPU where the native kernel built: what it reads
 
 
 PADDING_SLACK = 1.25  # a decode group's padded grid may hold at most this many times its real context
@@ -243,13 +255,26 @@ def _sequence_context(
     return SequenceContext(torch.tensor(blocks, dtype=torch.long, device=device), mask.to(device))
 
 
+def _decode_index(meta: AttentionMetadata, sliding_window: int | None) -> DecodeIndex | None:
+    if native.decode_kernel() is None:
+        return None
+    width = max(len(t) for t in meta.block_tables)
+    tables = torch.full((len(meta.block_tables), width), -1, dtype=torch.int32)
+    for b, table in enumerate(meta.block_tables):
+        tables[b, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    ctx = torch.tensor(meta.ctx_lens, dtype=torch.int32)
+    first = (ctx - sliding_window).clamp_min(0) if sliding_window is not None else torch.zeros_like(ctx)
+    return DecodeIndex(tables, ctx, first.to(torch.int32))
+
+
 def plan_attention(
     meta: AttentionMetadata, sliding_window: int | None = None, device: torch.device | str = "cpu"
 ) -> AttentionPlan:
     write_slots = meta.slot_mapping().to(device)
     if meta.is_decode:
         groups = tuple(_decode_group(meta, g, sliding_window, device) for g in _decode_groups(meta.ctx_lens))
-        return AttentionPlan(meta, write_slots, groups)
+        native = _decode_index(meta, sliding_window) if torch.device(device).type == "cpu" else None
+        return AttentionPlan(meta, write_slots, groups, native=native)
     seqs = tuple(_sequence_context(meta, b, sliding_window, device) for b in range(len(meta.q_lens)))
     return AttentionPlan(meta, write_slots, (), seqs)
 
@@ -343,10 +368,41 @@ def paged_attention(
     """
     t, h, hd = q.shape
     fused = sinks is None and q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
+    # the native kernel where this path would attend in fp32 (it is that, to fp32 rounding); a 16-bit q over
+    # its own cache format stays in sdpa's 16-bit kernel, whose rounding is transformers' at that dtype
+    in_fp32 = not fused or q.dtype == torch.float32
+    if (
+        in_fp32
+        and plan.native is not None
+        and q.device.type == "cpu"
+        and native.fits_decode_kernel(h, k_cache.shape[-2], hd)
+    ):
+        return _native_decode(q, k_cache, v_cache, plan.native, sinks)
     # contiguous: sdpa's fused kernel needs a unit-stride head dim (the weight-major QKV GEMM's output is not)
     work = (q if fused else q.float()).contiguous()
     sink_logits = None if sinks is None else sinks.float()
     out = (_decode if plan.decode_groups else _prefill)(work, k_cache, v_cache, plan, sink_logits)
+    return out.to(q.dtype).reshape(t, h * hd)
+
+
+_NONE = torch.empty(0)
+
+
+def _native_decode(
+    q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, index: DecodeIndex, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """The native decode kernel: each KV head's rows read once, where their blocks are, for its G query
+    heads; fp32 throughout, whatever the cache's format."""
+    t, h, hd = q.shape
+    scaled = (q.float() * hd**-0.5).contiguous()
+    if isinstance(k_cache, Int8KV) and isinstance(v_cache, Int8KV):
+        k, v, k_scales, v_scales = k_cache.values, v_cache.values, k_cache.scales, v_cache.scales
+    else:
+        k, v, k_scales, v_scales = k_cache, v_cache, _NONE, _NONE
+    sink_logits = _NONE if sinks is None else sinks.float().contiguous()
+    kernel = native.decode_kernel()
+    assert kernel is not None  # (the plan has an index only when it built)
+    out = kernel.decode_attention(scaled, k, v, k_scales, v_scales, index.tables, index.ctx, index.first, sink_logits)
     return out.to(q.dtype).reshape(t, h * hd)
 
 

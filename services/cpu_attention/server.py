@@ -22,6 +22,8 @@ from moe_lightning.handoff import handoff_slot_bytes
 from moe_lightning.hrm.calibrate import cached_measurements, measure_attention_side
 from moe_lightning.hrm.roofs import Measurements
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.kv_layout import KVLayout
+from moe_lightning.native import decode_kernel
 from moe_lightning.service.convert import DTYPE_TO_PB, measurements_to_pb, timeline_to_pb
 from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import CPU_ATTENTION
@@ -118,7 +120,10 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
         if spec.attention_sinks
         else None,
     )
-    key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}"
+    native = decode_kernel()  # built now if it is not yet, and logged: which decode attention runs
+    attention_kernel = f"native-{native.isa}" if native is not None else "pytorch"
+    # the roofs are the kernel's that runs: a calibration of the other is not reused
+    key = f"cpu_attention-{spec.num_heads}x{spec.num_kv_heads}x{spec.head_dim}-{kv_name}-{attention_kernel}"
     measurements = cached_measurements(
         key,
         lambda: measure_attention_side(spec, kv_dtype=kv_dtype),
@@ -132,8 +137,9 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
         "kv_cache_memory": budget.nbytes,
         "kv_blocks": num_blocks,
         "block_size": config.block_size,
-        "kv_tokens": num_blocks * config.block_size,
+        "kv_tokens": KVLayout.of(spec, config.block_size).tokens_in(num_blocks),
         "kv_dtype": kv_name,
+        "decode_attention": attention_kernel,
         "output_channel": worker.output.name,
     }
 

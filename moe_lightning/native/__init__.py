@@ -1,0 +1,100 @@
+"""The project's native host kernels, built on the machine that runs them (docs/kv-cache.md, "The
+decode kernel").
+
+C++ through PyTorch's extension build (ninja and the system's C++ compiler), compiled for this CPU's
+instruction set (`-march=native`: AVX2 on one of our machines, AVX-512 with bf16 and VNNI on another),
+into a private directory keyed by the source, torch's version and the CPU's flags, so a machine that
+changes CPU (a VM moved to another host) builds anew. The build runs once, on first use or by
+`python -m moe_lightning.native` (which `make install` and `make dev` run); a machine where it cannot
+build (no compiler) runs the PyTorch path instead, and says so once. MOE_LIGHTNING_NATIVE=0 turns the kernels off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+from moe_lightning.private_paths import private_dir
+
+DIR_ENV = "MOE_LIGHTNING_NATIVE_DIR"  # where builds go (default ~/.cache/moe-lightning/native)
+OFF_ENV = "MOE_LIGHTNING_NATIVE"  # "0": never build or use them
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+# -fopenmp: at::parallel_for is inlined from ATen's headers, and runs on one thread without it (the
+# library it links is the libgomp torch has loaded already: one OpenMP runtime in the process)
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+
+MAX_QUERY_HEADS_PER_KV = 16  # the kernel's register tile (decode_attention.cpp's MAX_G)
+HEAD_DIM_MULTIPLE = 16  # its vectors: 8 or 16 lanes
+
+
+def fits_decode_kernel(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these heads (its TORCH_CHECKs); the PyTorch path runs the rest."""
+    group = num_heads // num_kv_heads
+    return head_dim % HEAD_DIM_MULTIPLE == 0 and group * num_kv_heads == num_heads and group <= MAX_QUERY_HEADS_PER_KV
+
+
+def cpu_isa() -> str:
+    """The widest vector instruction set this CPU has that the compiler targets with -march=native."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        return "unknown"
+    if {"avx512f", "avx512bw"} <= flags:
+        extras = [name for name, flag in (("bf16", "avx512_bf16"), ("vnni", "avx512_vnni")) if flag in flags]
+        return "+".join(["avx512", *extras])
+    return "avx2" if "avx2" in flags else "sse"
+
+
+def _cpu_flags_key() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    import torch
+
+    root = Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "moe-lightning" / "native")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    private_dir(root)  # ours alone: a planted .so there would run in every process that loads it
+    return private_dir(root / f"{key}-{_cpu_flags_key()}")
+
+
+@functools.cache
+def decode_kernel() -> ModuleType | None:
+    """The decode attention extension, built if it is not yet; None where it cannot be (logged once)."""
+    log = structlog.get_logger()
+    if os.environ.get(OFF_ENV, "1") == "0":
+        log.info("native_kernels", decode_attention="pytorch", reason=f"{OFF_ENV}=0")
+        return None
+    t0 = time.perf_counter()
+    try:
+        from torch.utils import cpp_extension
+
+        module = cpp_extension.load(
+            name="moe_lightning_decode_attention",
+            sources=[str(SOURCE)],
+            extra_cflags=FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir()),
+            verbose=False,
+        )
+    except Exception as exc:  # no compiler, no ninja, a failed build: today's path still runs
+        log.warning("native_kernels", decode_attention="pytorch", reason=f"{type(exc).__name__}: {exc}"[:500])
+        return None
+    log.info("native_kernels", decode_attention="native", isa=cpu_isa(), seconds=round(time.perf_counter() - t0, 1))
+    return module
