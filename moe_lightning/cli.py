@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -10,7 +11,8 @@ import grpc
 
 from moe_lightning.commands import bench, demo_model, generate, plan, profile, run_job, timeline, up
 from moe_lightning.config.flag import CommandParser, EnvDefaultsParser
-from moe_lightning.service.logs import guard_standard_streams
+from moe_lightning.config.choices import LOG_LEVELS
+from moe_lightning.service.logs import configure_logging
 
 COMMANDS = {
     "make-demo-model": demo_model,
@@ -50,8 +52,11 @@ def _is_user_error(exc: BaseException) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # a reader that left (`up | head -1`) costs the output, not the stack or the job
-    guard_standard_streams()
+    # the log on stderr (a reader that left, `up | head -1`, costs the output, not the stack or the job):
+    # stdout is the command's result (`generate --json`), unconfigured structlog would print there
+    # (a bad MOE_LIGHTNING_LOG_LEVEL is refused by the commands that take --log-level, not by every one)
+    level = os.environ.get("MOE_LIGHTNING_LOG_LEVEL", "info").lower()
+    configure_logging("cli", level if level in LOG_LEVELS else "info")
     try:
         return COMMANDS[args.command].run(args)
     except grpc.RpcError as exc:

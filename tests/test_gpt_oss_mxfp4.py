@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,7 @@ from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.engine import InProcessEngine
 from moe_lightning.launcher import Stack
+from moe_lightning.quant import kernels
 from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.mxfp4 import quantize_mxfp4, to_blocks
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
@@ -81,7 +82,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return published, transformers_dequantized(published, root / "reference")
 
 
-def test_the_published_experts_load_as_mxfp4_pages_and_match_transformers(models: tuple[Path, Path]) -> None:
+@pytest.fixture
+def exact_kernels() -> Iterator[None]:
+    kernels.configure("exact")  # the default may race a bf16 GEMM for fp32 activations; the reference is fp32
+    yield
+    kernels.configure()
+
+
+def test_the_published_experts_load_as_mxfp4_pages_and_match_transformers(
+    models: tuple[Path, Path], exact_kernels: None
+) -> None:
     published, reference = models
     spec = ModelSpec.from_pretrained(published)
     weights = load_model_weights(published, spec, progress=False)
