@@ -77,9 +77,24 @@ inline vf load_row(const int8_t* p, float scale) {
   return __builtin_convertvector(b, vf) * scale;
 }
 
+// a tree of halvings: log2(VW) shuffles and adds, where a left-to-right sum is VW - 1 dependent adds
 inline float hsum(vf x) {
-  float s = 0.0f;
-  for (int i = 0; i < VW; ++i) s += x[i];
+#if defined(__AVX512F__)
+  x += __builtin_shuffle(x, vi{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  x += __builtin_shuffle(x, vi{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  x += __builtin_shuffle(x, vi{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  x += __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+  x += __builtin_shuffle(x, vi{4, 5, 6, 7, 0, 1, 2, 3});
+  x += __builtin_shuffle(x, vi{2, 3, 0, 1, 6, 7, 4, 5});
+  x += __builtin_shuffle(x, vi{1, 0, 3, 2, 5, 4, 7, 6});
+#endif
+  return x[0];
+}
+
+inline float hmax(vf x) {
+  float s = x[0];
+  for (int i = 1; i < VW; ++i) s = std::max(s, x[i]);
   return s;
 }
 
@@ -249,13 +264,18 @@ void attend_item(const Item<T>& it, Scratch& sc) {
       // the online softmax's update, a run at a time
       for (int g = 0; g < G; ++g) {
         float* pg = p + g * RUN;
-        float best = mh[g];
-        for (int t = 0; t < n; ++t) best = std::max(best, pg[t]);
-        for (int t = n; t < RUN; ++t) pg[t] = best;  // (zeroed below)
-        for (int t = 0; t < RUN; t += VW) store(pg + t, vexp(load(pg + t) - best));
-        float sum = 0.0f;
-        for (int t = n; t < RUN; ++t) pg[t] = 0.0f;
-        for (int t = 0; t < n; ++t) sum += pg[t];
+        for (int t = n; t < RUN; ++t) pg[t] = -std::numeric_limits<float>::infinity();  // (zeroed below)
+        vf top = load(pg);
+        for (int t = VW; t < RUN; t += VW) top = top > load(pg + t) ? top : load(pg + t);
+        const float best = std::max(mh[g], hmax(top));
+        vf total{};
+        for (int t = 0; t < RUN; t += VW) {
+          const vf x = load(pg + t);
+          const vf e = x == -std::numeric_limits<float>::infinity() ? vf{} : vexp(x - best);
+          store(pg + t, e);
+          total += e;
+        }
+        const float sum = hsum(total);
         const float alpha = mh[g] == best ? 1.0f : std::exp(mh[g] - best);  // 0 on the first run
         lh[g] = lh[g] * alpha + sum;
         mh[g] = best;

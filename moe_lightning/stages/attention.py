@@ -364,7 +364,9 @@ def paged_attention(
     in fp32 inside and rounds the softmax weights to bf16 for P @ V, as transformers' bf16 reference does
     (it is the same kernel); or fp16 off a CPU. Otherwise (an fp32 q over a 16-bit cache, fp16 on a CPU,
     where the fp16 kernel is ~6x slower than fp32; any q over an int8 cache) the gathered chunk is upcast
-    (dequantized) and attended in fp32.
+    (dequantized) and attended in fp32. A CPU decode step that would attend in fp32 runs the native kernel
+    instead where it built (`plan.native`; docs/kv-cache.md, "The decode kernel"): the same to fp32
+    rounding, its blocks read where they lie.
     """
     t, h, hd = q.shape
     fused = sinks is None and q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
