@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import grpc
 
 from moe_lightning.commands import bench, demo_model, generate, plan, profile, run_job, timeline, up
-from moe_lightning.config.flag import CommandParser, EnvDefaultsParser
 from moe_lightning.config.choices import LOG_LEVELS
+from moe_lightning.config.flag import CommandParser, EnvDefaultsParser
 from moe_lightning.service.logs import configure_logging
 
 COMMANDS = {

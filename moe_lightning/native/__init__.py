@@ -65,36 +65,43 @@ def _cpu_flags_key() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:12]
 
 
-def build_dir() -> Path:
+def build_dir(source: Path) -> Path:
     import torch
 
     root = Path(os.environ.get(DIR_ENV) or Path.home() / ".cache" / "moe-lightning" / "native")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
     private_dir(root)  # ours alone: a planted .so there would run in every process that loads it
-    return private_dir(root / f"{key}-{_cpu_flags_key()}")
+    return private_dir(root / f"{source.stem}-{key}-{_cpu_flags_key()}")
 
 
 @functools.cache
-def decode_kernel() -> ModuleType | None:
-    """The decode attention extension, built if it is not yet; None where it cannot be (logged once)."""
+def load_extension(source: str) -> ModuleType | None:
+    """The extension built from `source` (a .cpp beside this file), built if it is not yet; None where it
+    cannot be or MOE_LIGHTNING_NATIVE=0. Logged once, as `native_kernels <stem>=native|pytorch`."""
     log = structlog.get_logger()
+    path = Path(__file__).with_name(source)
     if os.environ.get(OFF_ENV, "1") == "0":
-        log.info("native_kernels", decode_attention="pytorch", reason=f"{OFF_ENV}=0")
+        log.info("native_kernels", **{path.stem: "pytorch"}, reason=f"{OFF_ENV}=0")
         return None
     t0 = time.perf_counter()
     try:
         from torch.utils import cpp_extension
 
         module = cpp_extension.load(
-            name="moe_lightning_decode_attention",
-            sources=[str(SOURCE)],
+            name=f"moe_lightning_{path.stem}",
+            sources=[str(path)],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir()),
+            build_directory=str(build_dir(path)),
             verbose=False,
         )
     except Exception as exc:  # no compiler, no ninja, a failed build: today's path still runs
-        log.warning("native_kernels", decode_attention="pytorch", reason=f"{type(exc).__name__}: {exc}"[:500])
+        log.warning("native_kernels", **{path.stem: "pytorch"}, reason=f"{type(exc).__name__}: {exc}"[:500])
         return None
-    log.info("native_kernels", decode_attention="native", isa=cpu_isa(), seconds=round(time.perf_counter() - t0, 1))
+    log.info("native_kernels", **{path.stem: "native"}, isa=cpu_isa(), seconds=round(time.perf_counter() - t0, 1))
     return module
+
+
+def decode_kernel() -> ModuleType | None:
+    """The decode attention extension (decode_attention.cpp), or None where it cannot be built."""
+    return load_extension(SOURCE.name)
