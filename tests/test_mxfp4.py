@@ -217,7 +217,10 @@ def test_the_chooser_races_the_mxfp4_kernels_and_exact_keeps_the_exact_ones() ->
     kernels.warm_up([ql], torch.float32, max_rows=64)
     report = chooser.report()
     assert sorted(r["rows"] for r in report) == [1, 2, 4, 8, 16, 32, 64]
-    assert all(set(r["ms"]) == fastest for r in report)  # both timed, the faster kept
+    # both timed where nothing can be pruned yet (no smaller buckets to judge by), the faster kept; a
+    # kernel far behind at a bucket may go unraced at the larger ones (on a loaded machine, either)
+    assert all(set(r["ms"]) == fastest for r in report if r["rows"] <= 2)
+    assert all(set(r["ms"]) <= fastest and r["kernel"] == min(r["ms"], key=r["ms"].get) for r in report)
     x = torch.randn(5, 128)
     torch.testing.assert_close(ql.matmul(x), x @ ql.dequantize().T, rtol=1e-2, atol=1e-2 * 5)
 
