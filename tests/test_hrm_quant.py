@@ -152,6 +152,12 @@ def test_plan_cli_quantize() -> None:
     assert pages[0] > pages[1] > pages[2] > pages[3] and steps[0] > steps[2]
     bad = _plan("--hardware", "t4", "--quantize", "int4", "--quantize-group-size", "100")
     assert bad.returncode == 2 and "--quantize-group-size" in bad.stderr
+    # under --compare-quantize the group size is int4's: mxfp4 keeps its block of 32, not refused
+    g64 = _plan("--hardware", "l4", "--compare-quantize", "int4,mxfp4", "--quantize-group-size", "64", "--json")
+    assert g64.returncode == 0, g64.stderr
+    assert [p["expert_pages"]["group_size"] for p in json.loads(g64.stdout)["plans"]] == [64, None]  # its own
+    alone = _plan("--hardware", "t4", "--quantize", "mxfp4", "--quantize-group-size", "64")
+    assert alone.returncode == 2 and "mxfp4 has one scale per 32" in alone.stderr
 
 
 @pytest.fixture

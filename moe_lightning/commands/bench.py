@@ -22,7 +22,7 @@ from moe_lightning.commands.bench_formats import compare_formats, device_memory_
 from moe_lightning.commands.bench_ranks import rank_shares
 from moe_lightning.commands.bench_ranks import report as ranks_report
 from moe_lightning.config import flags
-from moe_lightning.config.checks import link_flag_error
+from moe_lightning.config.checks import compared_group_size, link_flag_error
 from moe_lightning.config.units import DeviceShare, format_rate
 from moe_lightning.quant.scheme import QuantFormat
 
@@ -112,8 +112,9 @@ def _ours(
     quantize: str = "auto",
     micro_batch: int | None = None,
     step_schedule: str = "mixed",
+    group_size: int | str | None = "",
 ) -> dict[str, Any]:
-    """One batch through a fresh stack; `device_memory=""` means the bench's --device-memory;
+    """One batch through a fresh stack; `device_memory=""` and `group_size=""` mean the bench's flags;
     `micro_batch`: fixed for this run (default: --micro-batch-size, else the stack's planner's)."""
     from moe_lightning.benchmark import decode_totals, run_batch
     from moe_lightning.timeline import load, summarize
@@ -140,7 +141,7 @@ def _ours(
         attention_placement=attention or args.attention_placement,
         experts_placement=experts or args.experts_placement,
         quantize=quantize,
-        quantize_group_size=args.quantize_group_size,
+        quantize_group_size=args.quantize_group_size if group_size == "" else group_size,
         step_schedule=step_schedule,
         expert_groups=args.expert_groups,
     )
@@ -233,11 +234,19 @@ def run(args: argparse.Namespace) -> int:
         for placement in placements:
 
             def one(fmt: Any, placement: str = placement) -> dict[str, Any]:
-                memory = device_memory_for(
-                    args.device_memory, args.model, spec, args.dtype, fmt, args.quantize_group_size, args.gpus
-                )
+                group_size = compared_group_size(fmt.value, args.quantize_group_size)
+                memory = device_memory_for(args.device_memory, args.model, spec, args.dtype, fmt, group_size, args.gpus)
                 tag = f"{fmt.value}{placement}"
-                run = _ours(args, prompts, tag, trace_dir, device_memory=memory, experts=placement, quantize=fmt.value)
+                run = _ours(
+                    args,
+                    prompts,
+                    tag,
+                    trace_dir,
+                    device_memory=memory,
+                    experts=placement,
+                    quantize=fmt.value,
+                    group_size=group_size,
+                )
                 return {**_public(run), "device_memory": memory}
 
             key = "formats" if placement == "gpu" else "formats_in_place"

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moe_lightning.config import flags
-from moe_lightning.config.checks import resolve_expert_scheme
+from moe_lightning.config.checks import compared_group_size, resolve_expert_scheme
 from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.config.units import parse_size
 
@@ -143,7 +143,7 @@ def _compare(args: argparse.Namespace, spec: ModelSpec, name: str, work: Workloa
 
     plans = []
     for fmt in args.compare_quantize:
-        quant = resolve_expert_scheme(spec, None, fmt, args.quantize_group_size, args.gpus)
+        quant = resolve_expert_scheme(spec, None, fmt, compared_group_size(fmt, args.quantize_group_size), args.gpus)
         hw = _profile(args, spec, quant)
         dtype, kv_dtype = _dtypes(args, spec, hw)
         est = optimize(

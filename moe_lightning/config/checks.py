@@ -57,6 +57,12 @@ _MXFP4_GROUPS = (
 )
 
 
+def compared_group_size(quantize: str, group_size: int | None) -> int | None:
+    """--quantize-group-size under --compare-quantize: int4's, so the other formats (mxfp4's block is its
+    own, int8 and none have none) are compared at theirs rather than refused."""
+    return group_size if quantize == "int4" else None
+
+
 def resolve_group_size(spec: ModelSpec, quantize: str, group_size: int | None, world: int = 1) -> int:
     """--quantize-group-size as the weight store uses it: given, or int4's default for these widths."""
     if quantize == "mxfp4" and group_size not in (None, MXFP4_BLOCK):

@@ -54,8 +54,8 @@ QUANTIZE_GROUP_SIZE = Flag(
 )
 COMPARE_QUANTIZE = Flag(
     "--compare-quantize",
-    "each expert page format of this comma-separated list side by side (alone: none,int8,int4); bench runs each "
-    "at the same --device-memory",
+    "each expert page format of this comma-separated list side by side (alone: none,int8,int4,mxfp4; "
+    "--quantize-group-size is int4's); bench runs each at the same --device-memory",
     type=parse_formats,
     nargs="?",
     const=choices.QUANTIZE_FORMATS,
