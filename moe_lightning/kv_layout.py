@@ -45,7 +45,9 @@ class KVLayout:
         group_windows: list[int | None] = []
         layer_group = [0] * spec.num_layers
         layer_slot = [0] * spec.num_layers
-        for w, layers in by_window.items():
+        # the whole-context group first: group 0's table is the one code that knows no groups reads
+        # (AttentionMetadata.block_tables), and it then never holds a freed (-1) entry
+        for w, layers in sorted(by_window.items(), key=lambda item: item[0] is not None):
             for start in range(0, len(layers), size):
                 for slot, layer in enumerate(layers[start : start + size]):
                     layer_group[layer], layer_slot[layer] = len(group_windows), slot

@@ -201,9 +201,11 @@ def check_kv(request: GenerationRequest, kv_blocks: int, layout: KVLayout) -> in
     """Returns the request's KV blocks; refuses one that could never be admitted (it would wait forever)."""
     blocks = blocks_needed(request, layout)
     if blocks > kv_blocks:
+        tokens = len(request.prompt_ids) + request.max_new_tokens
+        groups = f" in {layout.num_groups} layer groups" if layout.num_groups > 1 else ""
         raise ResourceExhaustedError(
-            f"prompt + max_new_tokens needs {blocks} KV blocks of {layout.block_size} tokens; "
-            f"the cache holds {kv_blocks} in all"
+            f"prompt + max_new_tokens is {tokens} tokens, {blocks} KV blocks of {layout.block_size} tokens{groups}; "
+            f"the cache holds {layout.tokens_in(kv_blocks)} tokens ({kv_blocks} blocks) in all"
         )
     return blocks
 

@@ -66,7 +66,11 @@ def _batch(*prompts: Prompt) -> generation_pb2.BatchGenerateRequest:
         (Prompt(token_ids=[1, 400]), InvalidRequestError, "input 2: prompt token ids [400] are outside"),
         (Prompt(token_ids=[1] * 41), InvalidRequestError, "input 2: prompt has 41 tokens; this server accepts"),
         (Prompt(token_ids=[1], stop=["x"]), InvalidRequestError, "input 2: stop strings need the model's"),
-        (Prompt(token_ids=[1], max_new_tokens=200), ResourceExhaustedError, "input 2: prompt + max_new_tokens needs"),
+        (
+            Prompt(token_ids=[1], max_new_tokens=200),
+            ResourceExhaustedError,
+            "input 2: prompt + max_new_tokens is 201 tokens",
+        ),
     ],
 )
 def test_batch_checks_every_input_before_queueing_any(
@@ -84,7 +88,10 @@ def test_a_single_request_is_refused_before_the_scheduler_sees_it(started: list[
     servicer, backend = _servicer(started)
     with pytest.raises(ResourceExhaustedError) as info:
         asyncio.run(servicer.Generate(_one(Prompt(token_ids=[1], max_new_tokens=200)), CONTEXT))
-    assert str(info.value) == "prompt + max_new_tokens needs 13 KV blocks of 16 tokens; the cache holds 8 in all"
+    assert (
+        str(info.value) == "prompt + max_new_tokens is 201 tokens, 13 KV blocks of 16 tokens; "
+        "the cache holds 128 tokens (8 blocks) in all"
+    )
     with pytest.raises(InvalidRequestError, match="^this model has no tokenizer"):
         asyncio.run(servicer.Generate(_one(Prompt(text="hello")), CONTEXT))
     assert backend.plans == []

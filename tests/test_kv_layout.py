@@ -29,11 +29,12 @@ def test_layers_are_grouped_by_window_in_groups_of_one_size() -> None:
     every = KVLayout.of(_spec(None, 8), 16)  # every layer slides: one group, and it frees too
     assert every.windows == (8,) and every.group_layers == 6
     alternating = KVLayout.of(_spec((0, 2, 4)), 16)  # GPT-OSS
-    assert alternating.windows == (8, None) and alternating.group_layers == 3
-    assert alternating.layer_group == (0, 1, 0, 1, 0, 1) and alternating.layer_slot == (0, 0, 1, 1, 2, 2)
+    # the whole-context group first (group 0's table is AttentionMetadata.block_tables: never a freed entry)
+    assert alternating.windows == (None, 8) and alternating.group_layers == 3
+    assert alternating.layer_group == (1, 0, 1, 0, 1, 0) and alternating.layer_slot == (0, 0, 1, 1, 2, 2)
     uneven = KVLayout.of(_spec((0, 1, 2, 4), layers=6), 16)  # 4 sliding, 2 full: groups of 2
-    assert uneven.windows == (8, 8, None) and uneven.group_layers == 2
-    assert uneven.layer_group == (0, 0, 1, 2, 1, 2)
+    assert uneven.windows == (None, 8, 8) and uneven.group_layers == 2
+    assert uneven.layer_group == (1, 1, 2, 0, 2, 0)
 
 
 def test_a_block_holds_one_groups_layers() -> None:

@@ -133,9 +133,7 @@ def test_the_latent_cache_is_exact_under_preemption_and_long_prompts(
     assert sum(len(p) + new for p in prompts) > 2.5 * longest
     s = make_stack(
         model=model,
-        # the sliding layers free their blocks behind the window, so the cache holds more than its
-        # tokens in every layer: just over the longest request's, to keep preempting
-        kv_cache_memory=per_token * (longest + 8),  # the longest and a bit: a third of the batch's
+        kv_cache_memory=per_token * (longest + 8),  # the longest request and a bit: well under a third of the batch's
         max_batch_size=64,
         prefill_budget=128,
         extra={"cpu_attention": ["--block-size", "4"]},

@@ -255,4 +255,4 @@ def test_requests_wait_for_kv_blocks_and_a_too_large_one_is_refused(
     s.stop()
     assert [d.token_ids for d in done] == [reference[i] for i in range(len(PROMPTS))]
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "needs 14 KV blocks of 16 tokens; the cache holds 8 in all" in info.value.details()
+    assert "14 KV blocks of 16 tokens; the cache holds 128 tokens (8 blocks) in all" in info.value.details()

@@ -50,7 +50,10 @@ def test_more_than_the_whole_kv_cache_is_resource_exhausted() -> None:
     assert blocks_needed(fits, KVLayout(16)) == 8
     with pytest.raises(ResourceExhaustedError) as info:
         validate(GenerationRequest([1] * 8, max_new_tokens=121), SERVER)
-    assert str(info.value) == "prompt + max_new_tokens needs 9 KV blocks of 16 tokens; the cache holds 8 in all"
+    assert (
+        str(info.value) == "prompt + max_new_tokens is 129 tokens, 9 KV blocks of 16 tokens; "
+        "the cache holds 128 tokens (8 blocks) in all"
+    )
     assert status_for(info.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
@@ -111,3 +114,20 @@ def test_every_domain_error_has_its_status() -> None:
         sub = type("Sub", (kind,), {})
         assert status_for(kind("x")) == code and status_for(sub("x")) == code, (module, name)
     assert status_for(ValueError("x")) == grpc.StatusCode.INTERNAL  # a bug, not a domain error
+
+
+def test_a_refusal_over_layer_groups_counts_tokens() -> None:
+    """GPT-OSS-20B's layout: a block holds one group's layers, so blocks alone would mislead."""
+    from moe_lightning.hrm.archs import ARCHS
+
+    layout = KVLayout.of(ARCHS["gpt-oss-20b"], 16)
+    assert layout.num_groups == 2 and layout.windows[0] is None  # the whole-context group first
+    server = RequestLimits(
+        vocab_size=320, max_context=4096, has_tokenizer=False, max_prompt_tokens=4096, kv_blocks=20, kv_layout=layout
+    )
+    with pytest.raises(ResourceExhaustedError) as info:
+        validate(GenerationRequest([1] * 200, max_new_tokens=8), server)
+    assert str(info.value) == (
+        "prompt + max_new_tokens is 208 tokens, 26 KV blocks of 16 tokens in 2 layer groups; "
+        "the cache holds 160 tokens (20 blocks) in all"
+    )
