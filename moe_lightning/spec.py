@@ -243,6 +243,14 @@ class ModelSpec:
             return None
         return self.sliding_window
 
+    def attended_share(self, context: float) -> float:
+        """The share of a `context`-token sequence's K/V, over all layers, that decode reads and a cache
+        taken by need holds: a sliding layer only its window's (1 without windows). The HRM's figure; the
+        cache's, by whole blocks, is KVLayout.held_share."""
+        c = max(context, 1.0)
+        windows = [self.window_of(i) for i in range(self.num_layers)]
+        return sum(1.0 if w is None else min(c, w) / c for w in windows) / self.num_layers
+
     @property
     def rope_dim(self) -> int:
         """The head dims RoPE rotates."""

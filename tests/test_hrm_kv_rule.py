@@ -66,6 +66,28 @@ def test_expected_use_gains_more_the_longer_the_generation() -> None:
     assert gains == sorted(gains) and gains[0] > 1.0  # ... but relatively more than the paper's rule
 
 
+def test_sliding_layers_hold_and_read_only_their_window_by_expected_use() -> None:
+    """GPT-OSS-120B at 2,048-token prompts: half its layers keep (and read) 128 tokens, so by need the
+    host holds ~1 / attended_share its sequences with every layer full, and a sequence's decode attention
+    costs that share; reserved at the maximum (the paper's rule) it holds every layer's context."""
+    oss = ARCHS["gpt-oss-120b"]
+    full = replace(oss, sliding_window=None, sliding_layers=None)
+    work = Workload(2048, 32)
+    share = oss.attended_share(work.avg_context)
+    assert share == pytest.approx((1 + 128 / work.avg_context) / 2)
+    hw = replace(T4, cpu_memory=512e9)  # bf16 weights: 234 GB
+    windowed = max_batch(oss, work, hw, None, NO_HEADROOM, BIG, kv_rule="expected")
+    whole = max_batch(full, work, hw, None, NO_HEADROOM, BIG, kv_rule="expected")
+    assert windowed / whole == pytest.approx(1 / share, rel=0.02)
+    assert max_batch(oss, work, hw, None, NO_HEADROOM, BIG, kv_rule="max") == max_batch(
+        full, work, hw, None, NO_HEADROOM, BIG, kv_rule="max"
+    )
+    policy = Policy(256, 256, "cpu", "gpu", 0)
+    attention = [estimate(spec, work, hw, policy).stage_seconds["cpu_attention"] for spec in (oss, full)]
+    assert attention[0] / attention[1] == pytest.approx(share, rel=0.01)
+    assert oss.attended_share(100) == 1.0  # shorter than the window: every layer reads it all
+
+
 def test_int8_kv_holds_more_sequences_than_bf16_by_the_bytes_ratio() -> None:
     ratio = kv_token_bytes(MIXTRAL, "bfloat16") / kv_token_bytes(MIXTRAL, "int8")
     assert ratio == bytes_per_token("bfloat16", 1, 8, 128) / bytes_per_token("int8", 1, 8, 128) == 256 / 132

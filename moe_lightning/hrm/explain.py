@@ -49,7 +49,8 @@ def host_kv(
     kv_rule: str = EXPECTED_USE,
 ) -> HostKV:
     tokens = work.max_context if kv_rule == MAX_CONTEXT else work.avg_context
-    per_seq = kv_token_bytes(spec, kv_dtype) * spec.num_layers * tokens
+    share = 1.0 if kv_rule == MAX_CONTEXT else spec.attended_share(tokens)  # sliding layers: their window
+    per_seq = kv_token_bytes(spec, kv_dtype) * spec.num_layers * tokens * share
     sequences = max_batch(spec, work, hw, dtype, headroom, sys.maxsize, kv_dtype, quant, kv_rule)
     spare = kv_tokens(sequences, work, kv_rule, headroom) - sequences * tokens
     return HostKV(kv_dtype, tokens, per_seq, sequences, kv_rule, spare)

@@ -252,6 +252,8 @@ class CostModel:
         page_bpw = page_bytes_per_weight(spec, b, quant)
         self.kv_host_token = kv_token_bytes(spec, self.kv_format)  # K and V of one token in one layer, host cache
         self.kv_device_token = spec.kv_tensors * spec.kv_size * b  # ... device cache (in the weights' dtype)
+        # taken by need, sliding layers hold only their window's K/V; reserved, every layer's context
+        self.held_share = 1.0 if self.kv_rule == MAX_CONTEXT else spec.attended_share(work.avg_context)
         self.total_experts = spec.total_experts
         self.kernels = {  # one machine: the expert GEMM's calibrated roofs are the device-side ones
             "gpu_experts": expert_kernels(hw, quant, b, page_bpw, True),
@@ -321,7 +323,8 @@ class CostModel:
         g = ops.where((groups > 0) & (groups < n_ub), groups, n_ub) if overlap else n_ub
         group_tokens = ops.where(g < n_ub, n / g, mu)  # one micro-batch's mu where nothing is grouped
         h1, h2, k, q, kv = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.q_size, spec.kv_size
-        layers, ctx = spec.num_layers, self.work.avg_context
+        # a sliding layer reads only its window: the layers' mean context
+        layers, ctx = spec.num_layers, self.work.avg_context * spec.attended_share(self.work.avg_context)
         f = sparse_share(spec)
         total = self.total_experts
         resident = ops.minimum(resident, total)
@@ -403,7 +406,7 @@ class CostModel:
         # --- memory -----------------------------------------------------------------------------
         dense_all = layers * w["layer_dense"] + w["embed_head"]
         held = kv_tokens(n, self.work, self.kv_rule, self.headroom, ops)  # the batch's KV tokens, by the rule
-        kv_device = held * self.kv_device_token * layers
+        kv_device = held * self.kv_device_token * layers * self.held_share
         # whole numbers, exact in both paths: a group's FFN holds its micro-batches' expert intermediates
         ffn_tokens = -(-n_ub // g) * mu
         activations = mu * (4 * h1 + q + 2 * kv) * 4 + ffn_tokens * (2 * h2 * k) * 4 + mu * spec.vocab_size * 4
@@ -423,7 +426,7 @@ class CostModel:
         gpu_bytes = gpu_bytes + ops.where(exp_gpu & (buffered != 0) & (not shared), 2 * buffered * w["expert"], 0.0)
         device_kv = r_c * kv_device + mu * self.work.max_context * self.kv_device_token
         gpu_bytes = gpu_bytes + ops.where(att_gpu, device_kv, 0.0)
-        kv_host_bytes = (1 - r_c) * (held * self.kv_host_token * layers)
+        kv_host_bytes = (1 - r_c) * (held * self.kv_host_token * layers * self.held_share)
         cpu_bytes = spec.num_sparse_layers * w["layer_experts"] + dense_all + kv_host_bytes
         cpu_bytes = cpu_bytes + n * (q * 2 + 2 * kv) * b * 2  # staging for hand-offs
         if shared:  # one memory: count it once, against the host
