@@ -179,24 +179,29 @@ def test_queue_limit_and_reset() -> None:
     assert plan is None  # and nothing is released into the new session
 
 
-@pytest.mark.parametrize("windowed", [False, True])
+@pytest.mark.parametrize("windowed", [False, True, "chunked"])
 @pytest.mark.parametrize("schedule", ["alternating", "mixed"])
-def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str, windowed: bool) -> None:
+def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str, windowed: bool | str) -> None:
     """At the operating point's size: 3,000 requests through a cache that holds a third of them, the
     workers' caches mirrored by a real PagedKVCache (an over-committed block fails the step). Windowed:
     a model whose sliding layers free their blocks behind the window (kv_layout.py), the batcher
-    counting them back as the mirror frees them."""
+    counting them back as the mirror frees them; chunked: prompts of up to 40 tokens, in mixed steps fed
+    in chunks of a 24-token budget (later chunks start past the window; the batcher credits the blocks
+    their sequences freed)."""
+    chunked = windowed == "chunked"
     layout = KVLayout.of(WINDOWED_SPEC, 4) if windowed else None
-    cfg = SchedulerConfig(max_batch_size=4096, micro_batch_size=128, max_queue=4096, step_schedule=schedule)
+    limits = dict(max_prefill_tokens=40, prefill_budget=24) if chunked else {}
+    cfg = SchedulerConfig(max_batch_size=4096, micro_batch_size=128, max_queue=4096, step_schedule=schedule, **limits)
     b = Batcher(KVCapacity(3000, 4, "float32", layout), cfg, Placement(Side.HOST, Side.DEVICE))
     backend = FakeBackend(kv_blocks=3000, block_size=4, **({"spec": WINDOWED_SPEC} if windowed else {}))
-    seqs = [_add(b, 1 + i % 7, 1 + i % (31 if windowed else 11)) for i in range(3000)]
+    seqs = [_add(b, 1 + i % (40 if chunked else 7), 1 + i % (31 if windowed else 11)) for i in range(3000)]
     released: list[int] = []
-    steps = 0
+    steps = later_chunks = 0
     while b.running or b.queued:
         plan, _ = _step(b, backend)
         released += plan.release
         steps += 1
+        later_chunks += sum(1 for mb in plan.micro_batches for w in mb if w.start > 0 and len(w.token_ids) > 1)
         # the same blocks free as in the workers, once they drop what the next plan releases and the
         # batcher counts back what the last step freed behind windows
         kv = backend.kv
@@ -218,6 +223,8 @@ def test_thousands_of_sequences_all_finish_with_every_block_back(schedule: str, 
     assert steps < 3000  # batched, not one at a time
     if windowed:  # the sliding group's blocks behind the window were freed while sequences ran
         assert backend.kv.freed_behind_windows > 0  # type: ignore[union-attr]
+    if chunked and schedule == "mixed":  # the budget cuts prompts (alternating prefills each whole)
+        assert later_chunks > 0
 
 
 def _run_all(b: Batcher, backend: FakeBackend) -> list[StepPlan]:
