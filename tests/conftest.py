@@ -35,9 +35,10 @@ os.environ["MOE_LIGHTNING_NATIVE_DIR"] = str(_CACHE_ROOT / "native")  # the nati
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The native kernels built once, before any service starts (each would otherwise wait on the
     first one's build); a machine that cannot build them runs the PyTorch path, as users' do."""
-    from moe_lightning.native import decode_kernel
+    from moe_lightning.native import decode_kernel, expert_kernel
 
     decode_kernel()
+    expert_kernel()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

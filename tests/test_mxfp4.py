@@ -215,7 +215,7 @@ def test_the_chooser_races_the_mxfp4_kernels_and_exact_keeps_the_exact_ones() ->
     fastest = names("fastest", torch.float32)
     chooser = kernels.configure()
     kernels.warm_up([ql], torch.float32, max_rows=64)
-    report = chooser.report()
+    report = [r for r in chooser.report() if r["format"] == "mxfp4"]  # not dequant_mm's dense GEMMs
     assert sorted(r["rows"] for r in report) == [1, 2, 4, 8, 16, 32, 64]
     # both timed where nothing can be pruned yet (no smaller buckets to judge by), the faster kept; a
     # kernel far behind at a bucket may go unraced at the larger ones (on a loaded machine, either)

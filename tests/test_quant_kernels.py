@@ -113,9 +113,9 @@ def test_warm_up_chooses_every_bucket_once_and_prunes_losers() -> None:
     ql = quantize(weight(64, 128), QuantScheme(QuantFormat.INT4, 32))
     chooser = kernels.configure()
     kernels.warm_up([ql, ql], torch.float32)
-    buckets = sorted(r["rows"] for r in chooser.report())
+    buckets = sorted(r["rows"] for r in chooser.report() if r["format"] == "int4")
     assert buckets == [2**i for i in range(11)]
-    for key, choice in chooser.table.items():
+    for key, choice in chooser.table.items():  # dequant_mm's dense GEMMs were raced too (dense_linear)
         assert choice.kernel.name == min(choice.seconds, key=choice.seconds.__getitem__)
         assert not choice.pruned & set(choice.seconds)  # a pruned kernel is not timed
         half = chooser.table.get((*key[:4], key[4] // 2, *key[5:]))
@@ -198,7 +198,7 @@ def test_a_single_kernel_can_be_forced() -> None:
     ql = quantize(weight(), QuantScheme(QuantFormat.INT8))
     chooser = kernels.configure(only="dequant_mm")
     ql.matmul(torch.randn(4, 256))
-    assert [r["kernel"] for r in chooser.report()] == ["dequant_mm"]
+    assert [r["kernel"] for r in chooser.report() if r["format"] == "int8"] == ["dequant_mm"]
 
 
 def test_command_line_formats_are_checked() -> None:

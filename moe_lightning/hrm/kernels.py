@@ -22,12 +22,15 @@ Sources of the numbers (W weights, b bytes of the model dtype, p page bytes per 
   stacking and converting the float32 ones moves 4x their page bytes): 1.5 + 4 (p - 0.5) bytes per
   weight, 1.75 at group size 128. It is built for a few rows per GEMM; its rate when compute-bound is
   an assumption (a quarter of the tensor-core peak), not measured here.
-* host (CPU) kernels: measured on the 2-core AVX2 dev VM for a (7168, 1024) weight against fp32 dense
-  GEMM on the same machine (1.6 ms at 1 row: 18.4 GB/s; 6 ms at 64 rows: 157 GFLOP/s). int8
-  (`_weight_int8pack_mm`, bf16 activations) took 0.25 ms at 1 row and 6 ms at 64: 0.625 bytes per
-  weight at the dense bandwidth, the full peak. int4 (the best of its kernels) took 3.2 ms at 1-8 rows
-  and 10 ms at 64: 8 bytes per weight (unpacking bound), 0.6 of the peak. Other CPUs differ (AMX,
-  AVX-512): a calibrated profile measures its own.
+* host (CPU) kernels: the native ones (quant/host_kernels.py, activations quantized to int8, VNNI dot
+  products), measured on the 2-core AVX-512 VNNI dev VM (2026-12-04, `bench/quant_kernels.py`, 8
+  distinct weights so that each is read from memory) against its own fp32 GEMMs: a (7168, 1024) weight
+  at 1 row took 1.13 ms in fp32 (the native kernel, 26 GB/s), 0.42 in int8 and 0.30 in int4: 1.5 and
+  1.1 bytes per weight at the dense bandwidth (a (1024, 3584) one: 1.3 and 1.0); at 64 rows 2.77 ms in
+  both, 340 GFLOP/s, 1.7x the 2048^3 fp32 GEMM's ~200 (int4 on the (1024, 3584) one: 1.4x), since
+  4-byte integer dot products do 4x the multiply-adds of an fp32 FMA a cycle. An AVX2 CPU runs the
+  same kernels without VNNI (pmaddubsw) and the older dev VM's PyTorch kernels were slower still (int4
+  at 8 bytes per weight, 0.6 of the peak): a calibrated profile measures its own.
   mxfp4 (dequantize-then-GEMM by a table gather) took 5.8 ms at 1 row and 11.4 ms at 64 on a
   (7168, 1024) weight against fp32 dense's 1.3 and 6.6 on the same machine: ~18 bytes per weight at
   the dense bandwidth, 0.6 of the peak. On CUDA its traffic is the page (0.53), the int32 indices written,
@@ -83,8 +86,8 @@ def _tinygemm(page_bpw: float) -> KernelRoof:
 
 
 HOST_KERNELS = {
-    QuantFormat.INT8: KernelRoof("int8mm_bf16", 1.0, 0.625, 0.0),
-    QuantFormat.INT4: KernelRoof("int4_host", 0.6, 8.0, 4.0),  # the int4-pack kernel unpacks to int32
+    QuantFormat.INT8: KernelRoof("int8_host", 1.7, 1.4),  # int8_native_i8
+    QuantFormat.INT4: KernelRoof("int4_host", 1.5, 1.0),  # int4_native_i8
     # dequantize-then-GEMM by the table gather (quant/mxfp4.py), in blocks of DEQUANT_CHUNK weights
     QuantFormat.MXFP4: KernelRoof("dequant_mm", 0.6, 18.0, 6.0, dequant_chunk("cpu")),
 }

@@ -25,6 +25,7 @@ from moe_lightning.private_paths import private_dir
 DIR_ENV = "MOE_LIGHTNING_NATIVE_DIR"  # where builds go (default ~/.cache/moe-lightning/native)
 OFF_ENV = "MOE_LIGHTNING_NATIVE"  # "0": never build or use them
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
+EXPERT_SOURCE = Path(__file__).with_name("expert_gemm.cpp")  # the host's expert GEMMs (quant/host_kernels.py)
 # -fopenmp: at::parallel_for is inlined from ATen's headers, and runs on one thread without it (the
 # library it links is the libgomp torch has loaded already: one OpenMP runtime in the process)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
@@ -105,3 +106,8 @@ def load_extension(source: str) -> ModuleType | None:
 def decode_kernel() -> ModuleType | None:
     """The decode attention extension (decode_attention.cpp), or None where it cannot be built."""
     return load_extension(SOURCE.name)
+
+
+def expert_kernel() -> ModuleType | None:
+    """The expert GEMM extension (expert_gemm.cpp), or None where it cannot be built."""
+    return load_extension(EXPERT_SOURCE.name)

@@ -1,41 +1,42 @@
 """y = x @ W^T by whichever kernel is fastest for the shape on this machine, and the quantized W
 (QuantizedLinear: a layer's tensors, in the formats of scheme.py) it runs over.
 
-For dense W the choice is the operand order (dense_linear). CPU BLAS (oneDNN/MKL in torch) is slow
-for x @ W^T when x has few rows: on the 2-core dev VM an expert FFN with 4-64 tokens ran ~2x faster
-as the weight-major product W @ x^T (same FLOPs, the weight streamed once in its stored row-major
-order). From ~128 rows on both orders are alike, and GPUs do not need the trick. The result is a
-transposed view; callers treat it as any (n, out) tensor.
+No kernel is fastest everywhere, so the first call of each (weight format and shape, rows bucket, dtype)
+races every candidate on the real operands and keeps the winner: warm-up is when that happens.
 
-For quantized W the kernels are PyTorch's own (no compiled dependency): `_weight_int8pack_mm`, the int4
-"tinygemm" kernels (`_weight_int4pack_mm_for_cpu` on CPU, `_weight_int4pack_mm` on CUDA 8.0+), and
-dequantize-then-GEMM everywhere (for mxfp4 by one table lookup per byte, quant/mxfp4.py). None is
-fastest everywhere (on the 2-core AVX2 dev VM the int8 kernel is ~4x faster than fp32 GEMM at 8 rows
-with bf16 activations and 8x slower with fp32 ones; docs/quantization.md has the table), so the first
-call of each (shape, rows bucket, dtype) races every candidate on the real operands and keeps the
-winner: warm-up is when that happens.
+Dense W (`dense_linear`) on a CPU below DENSE_RACE_BELOW rows races the operand orders of PyTorch's GEMM
+(oneDNN/MKL) and the native fp32 kernel: BLAS is slow for x @ W^T when x has few rows (on the 2-core
+dev VM an expert FFN with 4-64 tokens ran ~2x faster as the weight-major W @ x^T, the weight streamed
+once in its stored order), and the native kernel, which reads each weight once for all the rows in
+registers, halves that again at 8-16 rows (docs/quantization.md). From ~128 rows BLAS's own x @ W^T
+is as fast as any, and GPUs do not need the race.
 
-`exact` kernels give the GEMM on the dequantized weights (see KERNELS); the others round
-activations, scales or partial sums to bfloat16. `--expert-kernels exact` keeps only the former; the
-default, `fastest`, allows both.
+Quantized W races PyTorch's own kernels (`_weight_int8pack_mm`, the int4 "tinygemm" kernels,
+dequantize-then-GEMM everywhere, for mxfp4 by one table lookup per byte, quant/mxfp4.py) and the native
+ones (host_kernels.py: int8 and int4 pages converted in registers, with fp32 or int8 activations).
+
+`exact` kernels give the GEMM on the dequantized weights (see KERNELS); the others round activations,
+scales or partial sums to bfloat16, or activations to int8. `--expert-kernels exact` keeps only the
+former; the default, `fastest`, allows both.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 import torch
 from prometheus_client import Gauge
 
-from moe_lightning.quant import scheme
+from moe_lightning.quant import host_kernels, scheme
 from moe_lightning.quant.mxfp4 import dequantize_mxfp4
 from moe_lightning.quant.scheme import QuantFormat
 
-WEIGHT_MAJOR_BELOW = 128  # rows of x under which the weight-major order wins on CPU (dense_linear)
+DENSE_RACE_BELOW = 128  # rows of x under which a CPU's dense GEMM is raced (dense_linear); BLAS from there
 POLICIES = ("fastest", "exact")
 MAX_BUCKET = 1024
 WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pays for a measurement
@@ -45,6 +46,11 @@ RACE_ROUNDS = 5
 CHOSEN = Gauge(
     "moe_lightning_expert_kernel_seconds",
     "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
+    ["shape", "rows", "kernel"],
+)
+DENSE_CHOSEN = Gauge(
+    "moe_lightning_dense_kernel_seconds",
+    "Time of the dense GEMM kernel chosen for a weight shape and rows bucket (a CPU's), as measured when chosen",
     ["shape", "rows", "kernel"],
 )
 
@@ -114,9 +120,18 @@ class QuantizedLinear:
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: (n, in), weight: (out, in) -> (n, out), in the faster operand order (see the module doc)."""
-    if x.device.type == "cpu" and x.shape[0] < WEIGHT_MAJOR_BELOW:
-        return (weight @ x.T).T
+    """x: (n, in), weight: (out, in) -> (n, out), by the kernel chosen for the shape (see the module doc).
+    The result may be a transposed view; callers treat it as any (n, out) tensor."""
+    if x.device.type == "cpu" and x.shape[0] < DENSE_RACE_BELOW:
+        return CHOOSER.pick(x, weight).fn(x, weight)
+    return x @ weight.T
+
+
+def _weight_major(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return (weight @ x.T).T
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x @ weight.T
 
 
@@ -159,6 +174,8 @@ def dequant_block_rows(out_features: int, in_features: int, device_type: str) ->
     return max(1, int(chunk) // in_features)
 
 
+# The GEMM on the dequantized rows is dense_linear's, so its own race (a CPU, below DENSE_RACE_BELOW
+# rows) runs inside dequant_mm's first call at a new shape: the result is the dense GEMM's, bit for bit.
 def _dequant_mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
     return _dequant_mm_blocks(x, ql, dequant_block_rows(ql.out_features, ql.in_features, x.device.type))
 
@@ -253,17 +270,19 @@ def _int4_int8act_intmm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
     return (y + xsum @ (ql.zeros - 8 * ql.scales).t()).to(x.dtype)
 
 
-Fn = Callable[[torch.Tensor, QuantizedLinear], torch.Tensor]
+Weight = torch.Tensor | QuantizedLinear  # dense (format none) or quantized
+Fn = Callable[[torch.Tensor, Any], torch.Tensor]  # (x, the weight of its kernel's format) -> x @ W^T
 
 
 @dataclass(frozen=True, slots=True)
 class Kernel:
     name: str
-    format: QuantFormat
+    format: QuantFormat  # NONE: a dense weight
     fn: Fn
     devices: tuple[str, ...] = ("cpu", "cuda")
     exact_for: tuple[torch.dtype, ...] | None = None  # x's dtypes it is exact for; None: all
     raced_for: tuple[torch.dtype, ...] | None = None  # x's dtypes it is a candidate for; None: all
+    native: bool = False  # one of host_kernels.py's: only where the extension is built
 
     def races(self, dtype: torch.dtype) -> bool:
         return self.raced_for is None or dtype in self.raced_for
@@ -276,18 +295,28 @@ class Kernel:
             return False
         if self.name == "int4mm_cuda":  # tinygemm needs tensor cores of compute capability 8.0+
             return torch.cuda.get_device_capability(device) >= (8, 0)
-        return True
+        return not self.native or host_kernels.available()
 
 
 # Exact: the result is the GEMM on the dequantized weights (fp32 dequantization rounded once to x's
 # dtype), up to the order of the sums. Kernels that take scales (and zeros) in x's dtype are exact
 # only in fp32; those that round activations or scales to bf16 never are.
+# The native kernels compute in fp32 whatever x's dtype: exact in fp32 (`*_f32`, dense_native), never
+# with int8 activations (`*_i8`, ~0.7 % of the output's largest value).
 FP32 = (torch.float32,)
+CPU_ONLY = ("cpu",)
 KERNELS = (
+    Kernel("weight_major", QuantFormat.NONE, _weight_major),
+    Kernel("matmul", QuantFormat.NONE, _matmul),
+    Kernel("dense_native", QuantFormat.NONE, host_kernels.dense_native, CPU_ONLY, raced_for=FP32, native=True),
     Kernel("dequant_mm", QuantFormat.INT8, _dequant_mm),
     Kernel("int8mm", QuantFormat.INT8, _int8mm, exact_for=FP32),
     Kernel("int8mm_bf16", QuantFormat.INT8, _int8mm_bf16, exact_for=()),
+    Kernel("int8_native_f32", QuantFormat.INT8, host_kernels.int8_f32, CPU_ONLY, exact_for=FP32, native=True),
+    Kernel("int8_native_i8", QuantFormat.INT8, host_kernels.int8_i8, CPU_ONLY, exact_for=(), native=True),
     Kernel("dequant_mm", QuantFormat.INT4, _dequant_mm),
+    Kernel("int4_native_f32", QuantFormat.INT4, host_kernels.int4_f32, CPU_ONLY, exact_for=FP32, native=True),
+    Kernel("int4_native_i8", QuantFormat.INT4, host_kernels.int4_i8, CPU_ONLY, exact_for=(), native=True),
     Kernel("int4mm_cpu", QuantFormat.INT4, _int4mm_cpu, devices=("cpu",), exact_for=FP32),
     Kernel("int4_grouped_int8mm_bf16", QuantFormat.INT4, _int4_grouped_int8mm_bf16, ("cpu",), exact_for=()),
     Kernel("int4_int8act_intmm", QuantFormat.INT4, _int4_int8act_intmm, ("cpu",), exact_for=()),
@@ -311,6 +340,13 @@ KERNELS = (
 )
 
 
+def _weight_key(w: Weight) -> tuple[QuantFormat, tuple[int, ...], int]:
+    """(format, shape, group size) of a weight: what its kernels' speed depends on besides x."""
+    if isinstance(w, torch.Tensor):
+        return QuantFormat.NONE, tuple(w.shape), 0
+    return w.format, w.shape, w.group_size
+
+
 def rows_bucket(m: int) -> int:
     return min(MAX_BUCKET, 1 << max(0, math.ceil(math.log2(max(1, m)))))
 
@@ -329,8 +365,10 @@ class KernelChooser:
     table: dict[tuple, Choice] = field(default_factory=dict)
 
     def candidates(self, fmt: QuantFormat, device: torch.device, dtype: torch.dtype) -> list[Kernel]:
+        """The kernels raced for `fmt` weights: `only` where it names one of this format's (the other
+        formats keep the policy's), else the policy's."""
         found = [k for k in KERNELS if k.format is fmt and k.usable(device) and k.races(dtype)]
-        if self.only is not None:
+        if self.only is not None and any(k.name == self.only and k.format is fmt for k in KERNELS):
             found = [k for k in found if k.name == self.only]
         elif self.policy == "exact":
             found = [k for k in found if k.exact(dtype)]
@@ -338,15 +376,15 @@ class KernelChooser:
             raise ValueError(f"no {self.only or self.policy} kernel for {fmt} weights on {device.type}")
         return found
 
-    def pick(self, x: torch.Tensor, ql: QuantizedLinear) -> Kernel:
-        key = (str(x.device), ql.format, ql.shape, ql.group_size, rows_bucket(x.shape[0]), x.dtype)
+    def pick(self, x: torch.Tensor, w: Weight) -> Kernel:
+        key = (str(x.device), *_weight_key(w), rows_bucket(x.shape[0]), x.dtype)
         choice = self.table.get(key)
         if choice is None:
-            choice = self.table[key] = self._measure(x, ql, key)
+            choice = self.table[key] = self._measure(x, w, key)
         return choice.kernel
 
-    def _measure(self, x: torch.Tensor, ql: QuantizedLinear, key: tuple) -> Choice:
-        found = self.candidates(ql.format, x.device, x.dtype)
+    def _measure(self, x: torch.Tensor, ql: Weight, key: tuple) -> Choice:
+        found = self.candidates(key[1], x.device, x.dtype)
         if len(found) == 1 and self.only is not None:
             return Choice(found[0], {})
         pruned = self._pruned(key)
@@ -356,12 +394,14 @@ class KernelChooser:
         seconds = _race([k for k in found if k.name in first and k.name not in behind], x, ql)
         seconds.update(behind)
         if not seconds:
-            raise RuntimeError(f"every kernel for {ql.format} on {x.device} failed")
+            raise RuntimeError(f"every kernel for {key[1]} on {x.device} failed")
         best = min(seconds, key=seconds.__getitem__)
-        CHOSEN.labels("x".join(map(str, ql.shape)), str(key[4]), best).set(seconds[best])
+        gauge = DENSE_CHOSEN if key[1] is QuantFormat.NONE else CHOSEN
+        gauge.labels("x".join(map(str, key[2])), str(key[4]), best).set(seconds[best])
         structlog.get_logger().info(
             "kernel_chosen",
-            shape=list(ql.shape),
+            format=str(key[1]),
+            shape=list(key[2]),
             rows=key[4],
             dtype=str(x.dtype).removeprefix("torch."),
             kernel=best,
@@ -390,6 +430,7 @@ class KernelChooser:
         """What won for each shape and rows bucket, with the times it won by (benchmarks print it)."""
         return [
             {
+                "format": str(key[1]),
                 "shape": list(key[2]),
                 "rows": key[4],
                 "dtype": str(key[5]).removeprefix("torch."),
@@ -400,7 +441,7 @@ class KernelChooser:
         ]
 
 
-def _first_call(kernel: Kernel, x: torch.Tensor, ql: QuantizedLinear) -> float | None:
+def _first_call(kernel: Kernel, x: torch.Tensor, ql: Weight) -> float | None:
     """A first call, not counted in the race (it may load or compile the kernel): its seconds, or None
     if this build or device lacks the kernel."""
     try:
@@ -424,7 +465,7 @@ def _far_behind(first: dict[str, float]) -> dict[str, float]:
     return {name: t for name, t in first.items() if t > PRUNE_BEHIND * best}
 
 
-def _race(found: list[Kernel], x: torch.Tensor, ql: QuantizedLinear, rounds: int = RACE_ROUNDS) -> dict[str, float]:
+def _race(found: list[Kernel], x: torch.Tensor, ql: Weight, rounds: int = RACE_ROUNDS) -> dict[str, float]:
     """Each kernel's best time over `rounds`, the kernels taking turns within a round, so that a
     burst of load from the other processes (a service starting, the arena copy being written) falls
     on all of them alike; one more than 4x behind the best after a round runs no more."""
@@ -438,7 +479,7 @@ def _race(found: list[Kernel], x: torch.Tensor, ql: QuantizedLinear, rounds: int
     return times
 
 
-def _once(fn: Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+def _once(fn: Fn, x: torch.Tensor, ql: Weight) -> float:
     _sync(x.device)
     t0 = time.perf_counter()
     fn(x, ql)
@@ -451,7 +492,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Fn, x: torch.Tensor, ql: QuantizedLinear, reps: int = 3) -> float:
+def _time(fn: Fn, x: torch.Tensor, ql: Weight, reps: int = 3) -> float:
     """Best of `reps` after an uncounted warm call (bench/quant_kernels.py)."""
     fn(x, ql)
     return min(_once(fn, x, ql) for _ in range(reps))
@@ -475,17 +516,28 @@ def chooser() -> KernelChooser:
     return CHOOSER
 
 
-def warm_up(linears: list[QuantizedLinear], dtype: torch.dtype, max_rows: int = WARM_UP_ROWS) -> None:
+def warm_up(linears: Sequence[Weight], dtype: torch.dtype, max_rows: int = WARM_UP_ROWS) -> None:
     """Chooses the kernels of these weights (one per distinct shape) for every rows bucket up to
-    `max_rows`, so that steps do not pay for the measurements."""
-    shapes: dict[tuple, QuantizedLinear] = {}
-    for ql in linears:
-        shapes.setdefault((ql.shape, ql.group_size, ql.perm is None, str(ql.device)), ql)
-    for ql in shapes.values():
+    `max_rows` (a dense weight's up to DENSE_RACE_BELOW, on a CPU), so that steps do not pay for the
+    measurements."""
+    distinct: dict[tuple, Weight] = {}
+    for w in linears:
+        distinct.setdefault((str(w.device), *_weight_key(w), getattr(w, "perm", None) is None), w)
+    for w in distinct.values():
+        dense = isinstance(w, torch.Tensor)
+        if dense and w.device.type != "cpu":
+            continue  # dense_linear races on a CPU only
+        top = min(max_rows, DENSE_RACE_BELOW - 1 if dense else MAX_BUCKET)
         rows = 1
-        while rows <= min(max_rows, MAX_BUCKET):
-            x = torch.randn(rows, ql.in_features, device=ql.device).to(dtype)
-            quantized_linear(x, ql)
+        while True:
+            n = min(rows, top)
+            x = torch.randn(n, w.shape[1], device=w.device).to(dtype)
+            if isinstance(w, torch.Tensor):
+                dense_linear(x, w)
+            else:
+                quantized_linear(x, w)
+            if n == top:
+                break
             rows *= 2
 
 

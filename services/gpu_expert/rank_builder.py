@@ -27,6 +27,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import Shard, rank_spec
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.torch_dtypes import DTYPES
+from moe_lightning.weights import ModelWeights
 from services.gpu_expert.copy_engine import make_copy_engine
 from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.memory import default_budget
@@ -87,6 +88,18 @@ def host_warm_up_rows(placement: str, residency: ResidencyPlan, host_apart: bool
     if not host_apart or all(len(r) == n for r, n in zip(residency.resident, residency.experts_per_layer, strict=True)):
         return 0  # on a CPU device the host's kernels are the device's (warmed anyway); or nothing is on the host
     return HOST_WARM_UP_ROWS if placement == "cpu" or residency.ring_slots == 0 else 0
+
+
+def step_dense_weights(weights: ModelWeights) -> list[torch.Tensor]:
+    """The dense weights a step multiplies by (dense_linear): projections, routers, dense FFNs, the LM
+    head; kernels.warm_up keeps one per shape."""
+    out = [weights.lm_head]
+    for layer in weights.layers:
+        out += [t for t in (layer.wqkv, layer.wo, layer.router, layer.shared_gate) if t is not None]
+        for mlp in (layer.shared, layer.mlp):
+            if mlp is not None:
+                out += [w for w in (mlp.w13, mlp.w2) if isinstance(w, torch.Tensor)]
+    return out
 
 
 def claim_device(device: torch.device) -> None:
@@ -174,12 +187,14 @@ def build_worker(
     kernels.configure(config.expert_kernels)
     scheme = layout.expert_scheme()
     dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
-    if scheme.quantized:  # choose each shape's kernel now, on the weights as they compute
-        kernels.warm_up([experts[0].w13, experts[0].w2], dtype)
+    # each shape's kernel chosen now, on the weights as they compute (quantized pages; on a CPU the dense
+    # GEMMs too, raced below kernels.DENSE_RACE_BELOW rows): a step never pays for a measurement
+    kernels.warm_up([experts[0].w13, experts[0].w2, *step_dense_weights(weights)], dtype)
+    if scheme.quantized:
         host = weights.layers[first].experts[0]  # computed where it lives, when experts are placed there
         if rows := host_warm_up_rows(config.experts_placement, residency, host.device != experts[0].device):
             kernels.warm_up([host.w13, host.w2], dtype, max_rows=rows)
-        log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
+    log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
     dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo) if t is not None]  # no wqkv: MLA
     measurements = cached_measurements(
         expert_side_key(device, dtype, mine, scheme),

@@ -1,0 +1,212 @@
+"""The native host GEMMs (moe_lightning/native/expert_gemm.cpp through quant/host_kernels.py): each
+equal to the GEMM on the dequantized weight (exactly the fp32 ones, within the int8 activations' rounding
+the others) at every tile edge (rows and weight rows that are no multiple of the tiles), group sizes
+32/64/128/whole rows; the AVX2 build and the build without vectors (which raises) on this same CPU; and
+the chooser without the extension (PyTorch's kernels alone)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from moe_lightning import native
+from moe_lightning.quant import host_kernels, kernels
+from moe_lightning.quant.kernels import QuantizedLinear
+from moe_lightning.quant.rtn import quantize
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
+
+CPU = torch.device("cpu")
+ROWS = [1, 3, 5, 16, 33]  # the tiles hold 4-6 rows (AVX-512) or 1-3 (AVX2): edges of every kind
+SHAPES = [(96, 256), (37, 384), (200, 1024)]  # weight rows no multiple of the tiles' 3-4 either
+GROUPS = [32, 64, 128, -1]
+
+needs_native = pytest.mark.skipif(not host_kernels.available(), reason="the expert GEMM extension is not built here")
+
+
+@pytest.fixture(autouse=True)
+def fresh_chooser() -> Iterator[None]:
+    kernels.configure()
+    yield
+    kernels.configure()
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def operands(n: int, k: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * 0.02, torch.randn(rows, k, generator=g)
+
+
+Int8Kernel = Callable[[ModuleType, torch.Tensor, QuantizedLinear], torch.Tensor]
+INT8: dict[str, Int8Kernel] = {
+    "int8_f32": lambda ext, x, q: ext.int8_f32(x, q.qweight, q.scales),
+    "int8_i8": lambda ext, x, q: ext.int8_i8(x, q.qweight, q.scales),
+}
+INT4: dict[str, Int8Kernel] = {
+    "int4_f32": lambda ext, x, q: ext.int4_f32(x, q.qweight, q.scales, q.zeros),
+    "int4_i8": lambda ext, x, q: ext.int4_i8(x, q.qweight, q.scales, q.zeros),
+}
+EXACT = 1e-5  # fp32 activations: the order of the sums alone
+INT8_ACTIVATIONS = 1.5e-2  # ~0.7 % of the largest output at these shapes, measured; 2x margin
+
+
+def check_every_kernel(ext: ModuleType, n: int, k: int, rows: int) -> None:
+    w, x = operands(n, k, rows, seed=rows)
+    assert rel_error(ext.dense_f32(x, w), x @ w.T) <= EXACT
+    q8 = quantize(w, QuantScheme(QuantFormat.INT8))
+    want = x @ q8.dequantize().T
+    for name, fn in INT8.items():
+        tol = EXACT if name.endswith("f32") else INT8_ACTIVATIONS
+        assert rel_error(fn(ext, x, q8), want) <= tol, (name, n, k, rows)
+    for group in GROUPS:
+        q4 = quantize(w, QuantScheme(QuantFormat.INT4, group))
+        want = x @ q4.dequantize().T
+        for name, fn in INT4.items():
+            tol = EXACT if name.endswith("f32") else INT8_ACTIVATIONS
+            assert rel_error(fn(ext, x, q4), want) <= tol, (name, group, n, k, rows)
+
+
+@needs_native
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_kernels_equal_the_dequantized_gemm(shape: tuple[int, int], rows: int) -> None:
+    ext = host_kernels.extension()
+    assert ext is not None
+    check_every_kernel(ext, *shape, rows)
+
+
+@needs_native
+def test_int8_activations_cost_less_than_a_percent_of_the_output() -> None:
+    """The i8 kernels round each 128 columns of a row to 8 bits (scale max|x| / 127): on Gaussian
+    activations the output's RMS error is 0.65 % of its RMS, as rounding alone gives; a block scale read
+    from the wrong row or block, or int4's zeros applied to the unrounded activations (~2x the error),
+    would show here first."""
+    ext = host_kernels.extension()
+    w, x = operands(512, 1024, 16)
+    for fmt, fn in ((QuantFormat.INT8, INT8["int8_i8"]), (QuantFormat.INT4, INT4["int4_i8"])):
+        q = quantize(w, QuantScheme(fmt, 128))
+        want = x @ q.dequantize().T
+        rms = float((fn(ext, x, q) - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+        assert rms < 9e-3, (fmt, rms)
+
+
+@needs_native
+def test_shapes_a_kernel_does_not_take_raise_and_the_chooser_drops_it() -> None:
+    """The i8 kernels need K a multiple of 128 (their activation blocks): elsewhere they raise, and the
+    chooser races the rest, as for any kernel a build lacks."""
+    w, x = operands(64, 96, 4)
+    ql = quantize(w, QuantScheme(QuantFormat.INT8))
+    with pytest.raises(RuntimeError, match="multiple of 128 columns"):
+        host_kernels.int8_i8(x, ql)
+    got = ql.matmul(x)
+    (choice,) = [c for key, c in kernels.chooser().table.items() if key[1] is QuantFormat.INT8]
+    assert "int8_native_i8" not in choice.seconds and "int8_native_f32" in choice.seconds
+    assert rel_error(got, x @ ql.dequantize().T) <= INT8_ACTIVATIONS
+
+
+@needs_native
+def test_native_kernels_race_by_policy_and_dtype() -> None:
+    fastest = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.INT4, CPU, torch.float32)}
+    exact = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT4, CPU, torch.float32)}
+    assert {"int4_native_f32", "int4_native_i8"} <= fastest
+    assert "int4_native_f32" in exact and "int4_native_i8" not in exact
+    # in bf16 the dequantized weights are rounded to bf16 first, which the fp32 kernels do not do
+    in_bf16 = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT8, CPU, torch.bfloat16)}
+    assert in_bf16 == {"dequant_mm"}
+    dense = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.NONE, CPU, torch.float32)}
+    assert dense == {"weight_major", "matmul", "dense_native"}
+    dense_bf16 = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.NONE, CPU, torch.bfloat16)}
+    assert dense_bf16 == {"weight_major", "matmul"}
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 127, 128, 300])
+def test_dense_linear_races_below_the_threshold_and_equals_the_gemm(rows: int) -> None:
+    w, x = operands(48, 256, rows)
+    got = kernels.dense_linear(x, w)
+    torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
+    raced = [r for r in kernels.chooser().report() if r["format"] == "none"]
+    if rows < kernels.DENSE_RACE_BELOW:
+        assert [r["rows"] for r in raced] == [kernels.rows_bucket(rows)] and raced[0]["kernel"] in raced[0]["ms"]
+    else:
+        assert raced == []  # BLAS's own x @ W^T, not raced
+
+
+def test_warm_up_races_dense_weights_below_the_threshold_only() -> None:
+    w, _ = operands(48, 256, 1)
+    ql = quantize(w, QuantScheme(QuantFormat.INT8))
+    kernels.warm_up([w, w.clone(), ql], torch.float32)
+    buckets: dict[str, list[int]] = {}
+    for r in kernels.chooser().report():
+        buckets.setdefault(r["format"], []).append(r["rows"])
+    assert sorted(buckets["none"]) == [1, 2, 4, 8, 16, 32, 64, 128]  # 127 rows: the 128 bucket
+    assert sorted(buckets["int8"]) == [2**i for i in range(11)]
+
+
+def test_without_the_extension_pytorch_kernels_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension cannot build (no compiler, MOE_LIGHTNING_NATIVE=0), its kernels are not
+    candidates and every format still has PyTorch's."""
+    monkeypatch.setattr(host_kernels, "extension", lambda: None)
+    w, x = operands(64, 256, 5)
+    for scheme in (QuantScheme(QuantFormat.INT8), QuantScheme(QuantFormat.INT4, 32)):
+        names = {k.name for k in kernels.KernelChooser().candidates(scheme.format, CPU, torch.float32)}
+        assert names and not any("native" in name for name in names)
+        ql = quantize(w, scheme)
+        assert rel_error(ql.matmul(x), x @ ql.dequantize().T) <= INT8_ACTIVATIONS
+    assert rel_error(kernels.dense_linear(x, w), x @ w.T) <= EXACT
+    assert "dense_native" not in {r["kernel"] for r in kernels.chooser().report()}
+    with pytest.raises(NotImplementedError, match="not built"):
+        host_kernels.int4_f32(x, quantize(w, QuantScheme(QuantFormat.INT4, 32)))
+
+
+def test_a_failed_build_is_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader answers None (and logs why) when the compiler fails: the PyTorch path then serves."""
+    from torch.utils import cpp_extension
+
+    def fail(**_: object) -> ModuleType:
+        raise RuntimeError("Error building extension: no compiler")
+
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    assert native.load_extension.__wrapped__(native.EXPERT_SOURCE.name) is None
+
+
+def build_variant(directory: Path, name: str, flags: list[str]) -> ModuleType:
+    """expert_gemm.cpp built with more flags after -march=native: the instruction sets of other CPUs."""
+    from torch.utils import cpp_extension
+
+    return cpp_extension.load(
+        name=f"moe_lightning_expert_gemm_{name}",
+        sources=[str(native.EXPERT_SOURCE)],
+        extra_cflags=[*native.FLAGS, *flags],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
+    if native.cpu_isa() not in {"avx2"} and not native.cpu_isa().startswith("avx512"):
+        pytest.skip("this CPU has no AVX2")
+    return build_variant(tmp_path_factory.mktemp("avx2"), "avx2", ["-mno-avx512f", "-mno-avxvnni"])
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [1, 4, 33])
+def test_the_avx2_build_equals_the_dequantized_gemm(avx2_build: ModuleType, shape: tuple[int, int], rows: int) -> None:
+    """What a machine with AVX2 alone runs (256-bit vectors, pmaddubsw where VNNI is missing)."""
+    assert avx2_build.isa == "avx2"
+    check_every_kernel(avx2_build, *shape, rows)
+
+
+def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
+    plain = build_variant(tmp_path, "plain", ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma"])
+    assert plain.isa == "none"
+    w, x = operands(16, 128, 2)
+    with pytest.raises(RuntimeError, match="without AVX2/AVX-512"):
+        plain.dense_f32(x, w)
