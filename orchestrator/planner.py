@@ -28,7 +28,7 @@ from moe_lightning.config.choices import EXPERT_GROUP_CHOICES
 from moe_lightning.hrm.costmodel import Estimate, Policy, estimate
 from moe_lightning.hrm.hardware import HardwareProfile
 from moe_lightning.hrm.layercost import EXPECTED_USE, MAX_CONTEXT, NO_QUANT, Workload, check_kv_rule, kv_sequences
-from moe_lightning.hrm.optimizer import optimize
+from moe_lightning.hrm.optimizer import micro_batch_counts, optimize
 from moe_lightning.hrm.schedule_cost import schedule_throughput
 from moe_lightning.hrm.stage_accuracy import measured_per_layer, predicted_per_layer
 from moe_lightning.kv_layout import KVLayout
@@ -151,36 +151,45 @@ class Planner:
         have (docs/hrm.md "Experts once per group")."""
         self.fixed_batch, self.fixed_micro_batch = batch, micro_batch
         self.fixed_prefill_budget, self.fixed_expert_groups = prefill_budget, expert_groups
-        if micro_batch:
+        if micro_batch or batch:
             with self._lock:
                 self.estimate = self._optimize()
-                self._publish("the operator's micro-batch size")
+                self._publish("the operator's batch or micro-batch size")
 
-    def _fixed_sizes(self) -> dict[str, tuple[int, ...]]:
-        """optimize()'s mus / n_ubs for the operator's fixed sizes (none fixed: the whole search)."""
-        mu = self.fixed_micro_batch
-        if not mu:  # (0: one micro-batch of the whole batch, whatever its size)
-            return {}
-        sizes = {"mus": (mu,)}
-        if self.fixed_batch:
-            sizes["n_ubs"] = (-(-self.fixed_batch // mu),)
-        return sizes
+    def _fixed_sizes(self) -> list[dict[str, tuple[int, ...]]]:
+        """optimize()'s mus / n_ubs for the operator's fixed sizes, one search each ([{}]: the whole
+        search). A fixed batch with the micro-batch free is searched as the micro-batches that cover it:
+        the free search's (N, mu) would otherwise run as ceil(batch / mu) micro-batches of a batch it
+        never planned (a CPU-only run then split its batch in two for nothing)."""
+        mu, batch = self.fixed_micro_batch, self.fixed_batch
+        if mu:
+            return [{"mus": (mu,), "n_ubs": (-(-batch // mu),)} if batch else {"mus": (mu,)}]
+        if not batch:
+            return [{}]
+        if mu == 0:  # one micro-batch of the whole batch
+            return [{"mus": (batch,), "n_ubs": (1,)}]
+        widest = min(batch, self.max_micro_batch or batch)
+        sizes = {-(-batch // n_ub) for n_ub in micro_batch_counts(batch)}
+        return [{"mus": (m,), "n_ubs": (-(-batch // m),)} for m in sorted(sizes) if m <= widest]
 
     def _optimize(self) -> Estimate:
         try:
             return self._optimize_within(self._fixed_sizes())
         except ValueError:
-            if not self._fixed_sizes():
+            if self._fixed_sizes() == [{}]:
                 raise
         # the fixed sizes do not fit the model's estimate of memory (the operator may know the workload
         # better): the placement of a free plan, at the sizes that will run
-        free = self._optimize_within({})
+        free = self._optimize_within([{}])
         self.log.warning("fixed_sizes_above_the_plan", batch=self.fixed_batch, micro_batch=self.fixed_micro_batch)
-        if not (self.fixed_batch and self.fixed_micro_batch):
+        if not self.fixed_batch:
             return free
-        mu = self.fixed_micro_batch
-        sized = replace(free.policy, batch=-(-self.fixed_batch // mu) * mu, micro_batch_size=mu)
-        estimates = [self._estimate(replace(sized, expert_groups=g)) for g in self.expert_groups]
+        estimates = [
+            self._estimate(replace(free.policy, batch=n_ub * mu, micro_batch_size=mu, expert_groups=g))
+            for sizes in self._fixed_sizes()
+            for mu, n_ub in zip(sizes["mus"], sizes["n_ubs"], strict=True)
+            for g in self.expert_groups
+        ]
         return max(estimates, key=lambda e: e.tokens_per_second)  # the first of the fastest
 
     def _estimate(self, policy: Policy) -> Estimate:
@@ -195,7 +204,8 @@ class Planner:
             kv_rule=self.kv_rule,
         )
 
-    def _optimize_within(self, sizes: dict[str, tuple[int, ...]]) -> Estimate:
+    def _optimize_within(self, searches: list[dict[str, tuple[int, ...]]]) -> Estimate:
+        """The fastest plan of any of the searches (optimize()'s mus / n_ubs), over the placements."""
         best: Estimate | None = None
         self.alternatives: dict[str, float] = {}  # "attention/experts" -> best predicted tokens/s
         for att in self.attention:
@@ -203,29 +213,43 @@ class Planner:
                 continue  # no KV cache there
             cap = min(self.config.batch_cap, self.sequences_held(self.kv_tokens[att]))
             for exp in self.experts:
-                est = optimize(
-                    self.spec,
-                    self.workload,
-                    self.profile,
-                    self.dtype,
-                    batch_cap=cap,
-                    attention=(att,),
-                    experts=(exp,),
-                    resident=self.resident_experts,
-                    max_micro_batch=self.max_micro_batch,
-                    kv_dtype=self.kv_dtype,
-                    quant=self.quant,
-                    kv_rule=self.kv_rule,
-                    expert_groups=self.expert_groups,
-                    **sizes,  # type: ignore[arg-type]
-                )
+                found = [est for sizes in searches if (est := self._search(att, exp, cap, sizes)) is not None]
+                if not found:
+                    continue
+                est = max(found, key=lambda e: e.tokens_per_second)  # the first of the fastest
                 self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
                 if best is None or est.tokens_per_second > best.tokens_per_second:
                     best = est
         if best is None:
+            if searches != [{}]:
+                raise ValueError("no policy fits the fixed batch or micro-batch size")
             raise ValueError(f"no attention placement in {self.attention} has a KV cache")
         self.attention = (best.policy.attention,)  # the KV cache lives there now: re-plans keep it
         return best
+
+    def _search(self, att: str, exp: str, cap: int, sizes: dict[str, tuple[int, ...]]) -> Estimate | None:
+        """optimize() at one placement; None where nothing fits at these fixed sizes."""
+        try:
+            return optimize(
+                self.spec,
+                self.workload,
+                self.profile,
+                self.dtype,
+                batch_cap=cap,
+                attention=(att,),
+                experts=(exp,),
+                resident=self.resident_experts,
+                max_micro_batch=self.max_micro_batch,
+                kv_dtype=self.kv_dtype,
+                quant=self.quant,
+                kv_rule=self.kv_rule,
+                expert_groups=self.expert_groups,
+                **sizes,  # type: ignore[arg-type]
+            )
+        except ValueError:
+            if not sizes:  # the whole search: its reason is the answer
+                raise
+            return None
 
     @property
     def policy(self) -> Policy:

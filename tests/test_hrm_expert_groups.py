@@ -69,6 +69,19 @@ def test_grouped_reads_are_g_times_the_experts_a_group_touches() -> None:
     assert grouped.stages["gpu_experts"].work[1] < 0.7 * per_mb.stages["gpu_experts"].work[1]
 
 
+def test_experts_on_the_host_are_read_per_pass_as_the_devices_are() -> None:
+    """gpu_expert's runner computes the host's experts in the same FFN passes (a micro-batch's, or a
+    group's): read once a pass, not once a step, or a CPU-only plan splits its batch for nothing."""
+    spec = ARCHS["olmoe-1b-7b"]
+    model = CostModel(spec, WORK, T4, None, Headroom())
+    weights = 3 * spec.hidden_size * spec.intermediate_size * model.b
+    for groups, passes, tokens in ((0, 7, 3), (2, 2, 10.5)):
+        host = model.layer(21, 3, False, False, 0, 0.0, groups=groups)  # experts on the host, none resident
+        assert host.stages["cpu_experts"].work[1] == pytest.approx(passes * distinct_experts(tokens, spec) * weights)
+    whole, split = model.layer(64, 64, False, False, 0, 0.0), model.layer(64, 32, False, False, 0, 0.0)
+    assert split.stages["cpu_experts"].work[1] > 1.5 * whole.stages["cpu_experts"].work[1]
+
+
 def test_on_the_t4_plan_grouping_reads_the_experts_twice_not_seven_times() -> None:
     per_mb = estimate(MIXTRAL, WORK, T4, PLAN_POLICY)
     grouped = estimate(MIXTRAL, WORK, T4, replace(PLAN_POLICY, expert_groups=2))

@@ -78,3 +78,32 @@ def test_a_fixed_micro_batch_is_planned_around_and_its_experts_grouped_where_tha
     mixed = REGISTRY.get_sample_value(gauge, {"step_schedule": "mixed"})
     alternating = REGISTRY.get_sample_value(gauge, {"step_schedule": "alternating"})
     assert mixed is not None and alternating is not None and mixed >= alternating > 0
+
+
+@pytest.mark.parametrize("batch", [64, 100])
+def test_a_fixed_batch_is_planned_as_the_micro_batches_that_cover_it(batch: int) -> None:
+    """`bench` and `run` fix the batch to the prompts and leave the micro-batch to the plan: it is chosen
+    for that batch (ceil(batch / mu) micro-batches of mu), not carried over from a plan of another batch
+    size. On one set of cores nothing overlaps and each micro-batch re-reads its experts: one of the
+    whole batch. With `--micro-batch-size 0` it is one whatever the plan."""
+    free = Planner(SPEC, HOST, Workload(64, 32), "float32", kv_tokens=10**6)
+    held = Planner(SPEC, HOST, Workload(64, 32), "float32", kv_tokens=10**6)
+    held.fix(batch=batch)
+    p = held.policy
+    assert free.policy.batch != batch  # the free plan is of another batch
+    assert p.batch >= batch > p.batch - p.micro_batch_size
+    assert (p.batch, p.micro_batch_size) == (batch, batch)
+    whole = Planner(SPEC, HOST, Workload(64, 32), "float32", kv_tokens=10**6)
+    whole.fix(batch=batch, micro_batch=0)
+    assert (whole.policy.batch, whole.policy.micro_batch_size) == (batch, batch)
+    # the hand-off slots bound mu: the batch is then covered by micro-batches that fit them
+    narrow = Planner(SPEC, HOST, Workload(64, 32), "float32", kv_tokens=10**6, max_micro_batch=40)
+    narrow.fix(batch=batch)
+    q = narrow.policy
+    assert q.micro_batch_size <= 40 and q.batch >= batch > q.batch - q.micro_batch_size
+    # a cache the plan's rule says holds fewer (bench sizes it to the batch's own lengths): the batch
+    # still runs, so its micro-batches are still planned for it
+    tight = Planner(SPEC, HOST, Workload(64, 32), "float32", kv_tokens=(batch // 2) * 96)
+    tight.fix(batch=batch)
+    assert tight.kv_cache_sequences < batch
+    assert (tight.policy.batch, tight.policy.micro_batch_size) == (batch, batch)

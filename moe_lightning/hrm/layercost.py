@@ -355,8 +355,9 @@ class CostModel:
         host_roofs = gpu_roofs if shared else cpu_roofs
         for stage, weights, roofs, present, share in (
             ("gpu_experts", g * self._distinct(group_tokens) * expert_weights, gpu_roofs, on_device, 1 - host_share),
-            # the host reads each needed expert once a step
-            ("cpu_experts", self._distinct(n) * expert_weights, host_roofs, on_host, host_share),
+            # the host's experts run in the same FFN passes (gpu_expert's runner): each needed one read
+            # once per micro-batch, or per group of them, as the device's are
+            ("cpu_experts", g * self._distinct(group_tokens) * expert_weights, host_roofs, on_host, host_share),
         ):
             seconds, chosen[stage], (kflops, kbytes) = _pick(ops, self.kernels[stage], expert_flops, weights, *roofs)
             stages[stage] = Stage(seconds * share, present, (kflops * share, kbytes * share))
