@@ -170,7 +170,9 @@ class Planner:
             return [{"mus": (batch,), "n_ubs": (1,)}]
         widest = min(batch, self.max_micro_batch or batch)
         sizes = {-(-batch // n_ub) for n_ub in micro_batch_counts(batch)}
-        return [{"mus": (m,), "n_ubs": (-(-batch // m),)} for m in sorted(sizes) if m <= widest]
+        # the widest first, so that it wins a tie: the roofline sees no cost in more micro-batches where
+        # each stays compute-bound, but every micro-batch pays its per-layer calls (norms, RoPE, hand-offs)
+        return [{"mus": (m,), "n_ubs": (-(-batch // m),)} for m in sorted(sizes, reverse=True) if m <= widest]
 
     def _optimize(self) -> Estimate:
         try:
