@@ -210,3 +210,36 @@ def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
     w, x = operands(16, 128, 2)
     with pytest.raises(RuntimeError, match="without AVX2/AVX-512"):
         plain.dense_f32(x, w)
+
+
+@needs_native
+def test_a_long_native_gemm_lets_the_other_threads_run() -> None:
+    """The GIL is released for the call, as PyTorch's operators release it: a service's heartbeat thread
+    keeps stamping its shared-memory channels beside a long GEMM (a prefill's), or the peer judges the
+    service dead (moe_lightning/shm/channel.py)."""
+    import threading
+    import time
+
+    ext = host_kernels.extension()
+    assert ext is not None
+    w, x = operands(8192, 4096, 127)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=tick)
+    thread.start()
+    try:
+        time.sleep(0.01)
+        t0 = time.perf_counter()
+        ext.dense_f32(x, w)  # ~8.5 GFLOP: tens of milliseconds at least
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+    assert t1 - t0 > 0.01
+    assert sum(t0 < t < t1 for t in ticks) >= 2

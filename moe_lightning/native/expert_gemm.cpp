@@ -658,11 +658,14 @@ torch::Tensor int4_i8(const torch::Tensor& x, const torch::Tensor& q, const torc
 #endif
 }
 
+// The GIL is released for the call, as PyTorch's own operators release it: a service's other threads
+// (the shared-memory heartbeat, gRPC) keep running beside a long GEMM, or its peer would judge it dead.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dense_f32", &dense_f32, "x (M, K) fp32, w (N, K) fp32 -> x @ w^T");
-  m.def("int8_f32", &int8_f32, "x (M, K) fp32, qweight (N, K) int8, scales (N,) -> x @ (q s)^T");
-  m.def("int4_f32", &int4_f32, "x (M, K) fp32, qweight (N, K/2) uint8, scales, zeros (N, K/G) -> x @ deq^T");
-  m.def("int8_i8", &int8_i8, "int8_f32 with x quantized to int8 per (row, 128 columns)");
-  m.def("int4_i8", &int4_i8, "int4_f32 with x quantized to int8 per (row, 128 columns)");
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("dense_f32", &dense_f32, "x (M, K) fp32, w (N, K) fp32 -> x @ w^T", nogil());
+  m.def("int8_f32", &int8_f32, "x (M, K) fp32, qweight (N, K) int8, scales (N,) -> x @ (q s)^T", nogil());
+  m.def("int4_f32", &int4_f32, "x (M, K) fp32, qweight (N, K/2) uint8, scales, zeros (N, K/G) -> x @ deq^T", nogil());
+  m.def("int8_i8", &int8_i8, "int8_f32 with x quantized to int8 per (row, 128 columns)", nogil());
+  m.def("int4_i8", &int4_i8, "int4_f32 with x quantized to int8 per (row, 128 columns)", nogil());
   m.attr("isa") = kIsa;  // the vector instructions this build uses
 }
