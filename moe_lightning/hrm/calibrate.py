@@ -47,8 +47,9 @@ FLOPS_TOKENS = {"cpu": 64, "cuda": 1024}
 # Part of every cache key: bump it when a kernel the roofs are measured with changes, so cached
 # roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU; 3: decode
 # attention gathers whole blocks a chunk at a time, over an fp32, bf16 or fp16 KV cache; 4: the expert
-# GEMM's own rate measured for unquantized pages too; 5: the native host GEMMs and the dense GEMM's race)
-KERNELS_VERSION = 5
+# GEMM's own rate measured for unquantized pages too; 5: the native host GEMMs and the dense GEMM's race;
+# 6: the native decode attention kernel's rewrite, ~2x its KV read rate: attention_bandwidth is its rate)
+KERNELS_VERSION = 6
 
 
 def _sync(device: torch.device) -> None:
