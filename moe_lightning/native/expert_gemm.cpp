@@ -538,6 +538,13 @@ void check_available() {
 #endif
 }
 
+void check_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
+  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "qweight: contiguous (N, K) int8");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == q.size(0),
+              "scales: (N,) fp32");
+  check_x(x, q.size(1));
+}
+
 void check_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const torch::Tensor& z) {
   TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 2 && q.is_contiguous(), "qweight: contiguous (N, K/2) uint8");
   const int64_t N = q.size(0), K = 2 * q.size(1);
@@ -562,10 +569,7 @@ torch::Tensor dense_f32(const torch::Tensor& x, const torch::Tensor& w) {
 
 torch::Tensor int8_f32(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
   check_available();
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "qweight: contiguous (N, K) int8");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == q.size(0),
-              "scales: (N,) fp32");
-  check_x(x, q.size(1));
+  check_int8(x, q, scales);
 #ifdef ML_VEC
   return gemm_f32(x, q.data_ptr<int8_t>(), q.size(0), scales.data_ptr<float>());
 #else
@@ -602,10 +606,7 @@ torch::Tensor int4_f32(const torch::Tensor& x, const torch::Tensor& q, const tor
 
 torch::Tensor int8_i8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales) {
   check_available();
-  TORCH_CHECK(q.dtype() == torch::kInt8 && q.dim() == 2 && q.is_contiguous(), "qweight: contiguous (N, K) int8");
-  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.is_contiguous() && scales.numel() == q.size(0),
-              "scales: (N,) fp32");
-  check_x(x, q.size(1));
+  check_int8(x, q, scales);
 #ifdef ML_VEC
   const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
   TORCH_CHECK(K % ABLK == 0, "int8_i8 takes a multiple of ", ABLK, " columns, not ", K);
