@@ -142,3 +142,42 @@ def test_models_that_cannot_be_split_are_refused_with_the_numbers(tmp_path: Path
     with pytest.raises(ValueError, match="start the weight store with --tensor-parallel 2"):
         layout = ArenaLayout.for_spec(spec, "float32")
         weights_from_arena(torch.zeros(layout.total_bytes, dtype=torch.uint8), layout, spec, shard=Shard(0, 2))
+
+
+def _reduce_in_a_layout(rank: int, model: str, rendezvous: str, results: dict) -> None:
+    from services.gpu_expert.ranks import RankGroup
+
+    spec = ModelSpec.from_pretrained(model)
+    group = RankGroup(spec, Shard(rank, 2), torch.device("cpu"), "gloo", 60.0, Path(rendezvous), startup_timeout=60.0)
+    try:
+        partial = torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1)
+        if rank == 0:  # what the weight-major kernel hands back: the transposed view of a (4, 3)
+            partial = partial.T.contiguous().T
+            assert not partial.is_contiguous()
+        results[rank] = group.all_reduce(partial).tolist()
+    finally:
+        group.close()
+
+
+def test_an_all_reduce_of_partials_in_different_layouts_is_their_sum(tmp_path: Path) -> None:
+    """Each rank races its dense kernels on its own, so one rank's o_proj partial may be a
+    transposed view while another's is row-major (a CI failure once: the ranks' greedy tokens were
+    another sequence's); through real processes and gloo, the reduce is the sum of the values."""
+    import multiprocessing
+
+    arch, config = TP_FAMILIES["mixtral"]
+    model = save_hf(arch, tmp_path / "m", **config)
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        procs = [
+            context.Process(target=_reduce_in_a_layout, args=(r, str(model), str(tmp_path / "rdv"), results))
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        want = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * 3).tolist()
+        assert results[0] == want and results[1] == want

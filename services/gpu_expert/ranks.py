@@ -146,7 +146,11 @@ class RankGroup:
         return bool(flag.item())
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's partial `t` (in place)."""
+        """The sum of every rank's partial `t` (in place when `t` is contiguous). A collective adds
+        the ranks' buffers element by element in memory order, and each rank races its own dense
+        kernels (one may hand back a transposed view, another a row-major tensor): a partial is
+        made row-major first, or rows of one rank would be added to columns of another."""
+        t = t.contiguous()
         self._run("all-reduce", lambda: dist.all_reduce(t, group=self.device_group))
         return t
 
