@@ -17,6 +17,15 @@ from moe_lightning.quant.kernels import QuantizedLinear
 Weight = torch.Tensor | QuantizedLinear  # an expert's weight: the model's dtype, or a quantized page
 
 
+def _tensors_of(*weights: Weight | None) -> Iterator[torch.Tensor]:
+    """The tensors behind `weights` (a quantized one's parts), skipping the absent."""
+    for w in weights:
+        if isinstance(w, torch.Tensor):
+            yield w
+        elif w is not None:
+            yield from w.tensors()
+
+
 @dataclass(slots=True)
 class ExpertWeights:
     w13: Weight  # (2I, D): gate rows [0, I), up rows [I, 2I)
@@ -25,11 +34,7 @@ class ExpertWeights:
     b2: torch.Tensor | None = None  # (D,) down bias
 
     def tensors(self) -> Iterator[torch.Tensor]:
-        for w in (self.w13, self.b13, self.w2, self.b2):
-            if isinstance(w, torch.Tensor):
-                yield w
-            elif w is not None:
-                yield from w.tensors()
+        yield from _tensors_of(self.w13, self.b13, self.w2, self.b2)
 
     @property
     def device(self) -> torch.device:
@@ -114,8 +119,8 @@ class MlaWeights:
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # (D,)
-    wqkv: torch.Tensor | None  # ((H + 2K) * Hd, D); None with MLA
-    wo: torch.Tensor  # (D, H * Hd)
+    wqkv: Weight | None  # ((H + 2K) * Hd, D); None with MLA; quantized with --quantize-dense (quant/dense.py)
+    wo: Weight  # (D, H * Hd)
     ffn_norm: torch.Tensor  # (D,)
     router: torch.Tensor | None  # (E, D); None in a dense layer
     experts: Sequence[ExpertWeights]  # E entries; none in a dense layer
@@ -132,7 +137,7 @@ class LayerWeights:
     sinks: torch.Tensor | None = None  # (H,) each head's sink logit (GPT-OSS)
 
     def dense_tensors(self) -> Iterator[torch.Tensor]:
-        yield from (t for t in (self.attn_norm, self.wqkv, self.wo, self.ffn_norm) if t is not None)
+        yield from _tensors_of(self.attn_norm, self.wqkv, self.wo, self.ffn_norm)
         if self.mla is not None:
             yield from self.mla.tensors()
         optional = (
@@ -156,12 +161,12 @@ class ModelWeights:
     embed: torch.Tensor  # (V, D)
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # (D,)
-    lm_head: torch.Tensor  # (V, D); the same storage as embed when embeddings are tied
+    lm_head: Weight  # (V, D); the same storage as embed when embeddings are tied; quantized as wqkv may be
 
     def nbytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, self.final_norm, self.lm_head]
+        tensors = list(_tensors_of(self.embed, self.final_norm, self.lm_head))
         for layer in self.layers:
             tensors.extend(layer.dense_tensors())
             for expert in layer.experts:

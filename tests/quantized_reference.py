@@ -15,6 +15,8 @@ from moe_lightning.quant.scheme import QuantScheme
 
 # per-expert Linear weights (Mixtral, OLMoE, Qwen-MoE; not Qwen2-MoE's shared expert, which is dense)
 PER_EXPERT = re.compile(r"\.experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# what --quantize-dense quantizes (moe_lightning/quant/dense.py): attention projections and the LM head
+DENSE = re.compile(r"(\.self_attn\.(q|k|v|o)_proj\.weight|^lm_head\.weight)$")
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -22,8 +24,15 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return quantize(w, scheme).dequantize().to(w.dtype)
 
 
-def write_dequantized(src: Path, dst: Path, scheme: QuantScheme, experts_per_layer: int | None = None) -> Path:
-    """Copies the checkpoint at `src` to `dst` with its experts replaced by their dequantized pages."""
+def write_dequantized(
+    src: Path,
+    dst: Path,
+    scheme: QuantScheme,
+    experts_per_layer: int | None = None,
+    dense: QuantScheme | None = None,
+) -> Path:
+    """Copies the checkpoint at `src` to `dst` with its experts replaced by their dequantized pages
+    (and with `dense`, the attention projections and LM head by theirs, as --quantize-dense makes them)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
@@ -31,7 +40,9 @@ def write_dequantized(src: Path, dst: Path, scheme: QuantScheme, experts_per_lay
     for f in src.glob("*.safetensors"):
         sd = load_file(f)
         for name, t in sd.items():
-            if PER_EXPERT.search(name) or name.endswith(("ffn.experts.mlp.w1", "ffn.experts.mlp.v1")):
+            if dense is not None and DENSE.search(name):
+                sd[name] = fake_quantize(t, dense)
+            elif PER_EXPERT.search(name) or name.endswith(("ffn.experts.mlp.w1", "ffn.experts.mlp.v1")):
                 sd[name] = fake_quantize(t, scheme)
             elif name.endswith("ffn.experts.mlp.w2"):  # DBRX: expert j's w2 is block j transposed
                 assert experts_per_layer is not None

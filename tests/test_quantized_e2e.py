@@ -93,3 +93,34 @@ def test_int4_without_a_group_size_takes_one_that_divides_the_widths(make_stack:
     lines = (s.config.log_dir / "weight_store.log").read_text().splitlines()
     chosen = [json.loads(line) for line in lines if '"int4_group_size"' in line]
     assert [c["chosen"] for c in chosen] == [32]
+
+
+def test_quantized_dense_projections_equal_the_dequantized_model(
+    hf_dir: Path, make_stack: Callable[..., Stack], tmp_path: Path
+) -> None:
+    """--quantize-dense int8: q/k/v, o and the LM head int8 beside int8 experts, streamed; the greedy
+    tokens of transformers on the checkpoint with all of them replaced by their dequantized int8."""
+    spec = ModelSpec.from_pretrained(hf_dir)
+    scheme = SCHEMES["int8"]
+    s = make_stack(
+        quantize="int8",
+        quantize_dense="int8",
+        expert_kernels="exact",
+        micro_batch_size=3,
+        device_memory=str(device_budget(hf_dir, 2 * (spec.num_experts - 1), 1, scheme)),
+        experts_placement="gpu",
+    )
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    with urllib.request.urlopen(s.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
+        text = r.read().decode()
+    s.stop()
+    series = r'^moe_lightning_expert_kernel_seconds\{kernel="\w+",rows="(\d+)",shape="(\S+)"\}'
+    chosen = re.findall(series, text, re.M)  # the quantized kernels', every rows bucket chosen at start
+    q, kv, d = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
+    for shape in (f"{spec.vocab_size}x{d}", f"{q + 2 * kv}x{d}", f"{d}x{q}"):  # head, q/k/v, o
+        assert {int(rows) for rows, s in chosen if s == shape} == {2**i for i in range(11)}, shape
+    dequantized = write_dequantized(hf_dir, tmp_path / "dequantized", scheme, dense=scheme)
+    assert [d.token_ids for d in done] == hf_generate(load_hf(dequantized), PROMPTS, 14)
+    undone = hf_generate(load_hf(write_dequantized(hf_dir, tmp_path / "experts-only", scheme)), PROMPTS, 14)
+    assert undone != [d.token_ids for d in done]  # the dense weights' rounding shows: the check has teeth

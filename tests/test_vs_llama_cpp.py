@@ -50,6 +50,10 @@ def test_formats_pair_ours_with_llama_cpp_file_types() -> None:
         ("int4", 128, "q4_0"),
     ]
     assert FORMATS["int8"].gguf == "q8_0"
+    assert [(f.quantize, f.quantize_dense, f.gguf) for f in parse_formats("int8-qd,int4-qd")] == [
+        ("int8", "int8", "q8_0"),
+        ("int4", "int8", "q4_0"),
+    ]
     with pytest.raises(ValueError, match="int2"):
         parse_formats("fp32,int2")
 

@@ -64,6 +64,7 @@ def run_ours(
         dtype="float32",
         quantize=fmt.quantize,
         quantize_group_size=fmt.group_size,
+        quantize_dense=fmt.quantize_dense,
         prefill_budget=sum(map(len, prompts)),
     )
     d = run.delta

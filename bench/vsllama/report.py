@@ -43,6 +43,7 @@ def make_pair(
         "format": fmt.name,
         "gguf": fmt.gguf,
         "group_size": fmt.group_size,
+        "quantize_dense": fmt.quantize_dense,
         "prompts": prompts,
         "gen_len": gen_len,
         "ours": ours,

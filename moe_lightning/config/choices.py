@@ -35,6 +35,7 @@ ATTENTION_PLACEMENTS = (AUTO, "cpu", "gpu")
 EXPERTS_PLACEMENTS = (AUTO, "gpu", "cpu")
 
 EXPERT_KERNELS = ("fastest", "exact")  # gpu_expert's quantized GEMMs
+QUANTIZE_DENSE = ("none", "int8")  # gpu_expert's attention projections and LM head
 TP_BACKENDS = (AUTO, "nccl", "gloo")  # the ranks' all-reduces; auto: NCCL on CUDA, gloo on CPU
 DEVICE_TYPES = ("cpu", "cuda")  # a device is one of these, cuda with an optional :index
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # any case on the command line

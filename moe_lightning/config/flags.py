@@ -46,6 +46,13 @@ QUANTIZE = Flag(
     "weights stay in the model's dtype",
     choices=choices.QUANTIZE_CHOICES,
 )
+QUANTIZE_DENSE = Flag(
+    "--quantize-dense",
+    "format of the attention projections (q/k/v, o) and the LM head where gpu_expert computes them: int8 "
+    "(per-channel, rounded to nearest at load, as llama.cpp's q8_0 / q4_0 files also quantize them) or none "
+    "(the model's dtype); the arena keeps them as they are (docs/quantization.md)",
+    choices=choices.QUANTIZE_DENSE,
+)
 QUANTIZE_GROUP_SIZE = Flag(
     "--quantize-group-size",
     "int4 group size: 32, 64, 128, or -1 for one group per row (default: the largest of 128, 64, 32 that divides "

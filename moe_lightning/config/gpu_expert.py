@@ -55,6 +55,7 @@ class GpuExpertConfig(TensorParallelConfig, WorkerConfig, ServiceConfig):
     block_size: int = option(flags.BLOCK_SIZE, 16)
     no_overlap: bool = option(NO_OVERLAP, False)
     expert_kernels: str = option(flags.EXPERT_KERNELS, "fastest")
+    quantize_dense: str = option(flags.QUANTIZE_DENSE, "none")
     # the orchestrator's, for what to warm up at start (rank_builder.py); each step's plan carries the one in force
     experts_placement: str = option(flags.EXPERTS_PLACEMENT, "auto")
     link_bandwidth: float | None = option(flags.LINK_BANDWIDTH)

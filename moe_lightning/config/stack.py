@@ -79,6 +79,7 @@ class StackConfig(CliConfig):
     quantize: str = option(flags.QUANTIZE, "auto")
     quantize_group_size: int | None = option(flags.QUANTIZE_GROUP_SIZE)  # None: config.checks.int4_group_size
     expert_kernels: str = option(flags.EXPERT_KERNELS, "fastest")
+    quantize_dense: str = option(flags.QUANTIZE_DENSE, "none")
     max_batch_size: int | None = option(flags.MAX_BATCH_SIZE)  # None: the orchestrator's HRM policy decides
     micro_batch_size: int | None = option(flags.MICRO_BATCH_SIZE)
     cache_dir: Path | None = option(flags.CACHE_DIR)
@@ -178,6 +179,7 @@ def _gpu_expert(c: StackConfig, w: Wiring) -> tuple[type[GpuExpertConfig], dict[
         device_memory=c.device_memory,
         device_kv_memory=c.device_kv_memory or 0,
         expert_kernels=c.expert_kernels,
+        quantize_dense=c.quantize_dense,
         experts_placement=c.experts_placement,
         link_bandwidth=c.link_bandwidth,
         threads=c.threads.get("gpu_expert", 0),

@@ -20,6 +20,7 @@ from moe_lightning.hrm.calibrate import cached_measurements, expert_side_key, me
 from moe_lightning.hrm.roofs import Measurements, simulated_link
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.quant import kernels
+from moe_lightning.quant.dense import quantize_dense
 from moe_lightning.service.convert import DTYPE_FROM_PB
 from moe_lightning.shm.channel import TensorChannel
 from moe_lightning.shm.segment import Segment, segment_name
@@ -149,11 +150,20 @@ def build_worker(
     if pinned:
         closers.append(lambda idle: unpin_host_memory(arena.bytes(), device) if idle else None)
     weights = weights_from_arena(arena.bytes(), layout, spec, device, experts_on_host=True, shard=shard)
+    dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
+    # the HRM plans the dense stages on the model dtype's read rate (quant/dense.py's formats stay
+    # unplanned): a sample of the weights as the arena holds them, one layer's once quantized (on a GPU
+    # the originals are held until start ends)
+    sample_layers = weights.layers[: 4 if config.quantize_dense == "none" else 1]
+    dense = [t for layer in sample_layers for t in (layer.wqkv, layer.wo) if isinstance(t, torch.Tensor)]  # MLA: wo
+    saved = quantize_dense(weights, config.quantize_dense)
+    if saved:
+        log.info("dense_quantized", format=config.quantize_dense, bytes_saved=saved)
     first = spec.experts_per_layer.index(spec.num_experts)  # the first sparse layer
     rank = shard.rank if shard.world > 1 else None
     expert_bytes = layout.expert_page_bytes(first, 0, rank)  # what one streamed expert moves (its scales included)
     if shard.world == 1:
-        dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes
+        dense_bytes = layout.total_bytes - spec.total_experts * expert_bytes - saved
     else:  # the rank's slices of the dense weights (and the head on rank 0)
         dense_bytes = weights.nbytes() - spec.total_experts * expert_bytes
     if isinstance(config.device_memory, DeviceShare):  # the dense weights and that share of the experts
@@ -172,7 +182,7 @@ def build_worker(
     engine = make_copy_engine(device, timeline, config.link_bandwidth)
     pager = ExpertPager(weights, residency, device, timeline, lookahead=not config.no_overlap, engine=engine)
     closers.append(lambda idle: pager.close())
-    kv = _device_kv_cache(mine, device, weights.layers[0].wo.dtype, config.device_kv_memory, config.block_size)
+    kv = _device_kv_cache(mine, device, dtype, config.device_kv_memory, config.block_size)
     output, link = None, None
     if shard.leads:
         output = TensorChannel.create(
@@ -186,7 +196,6 @@ def build_worker(
     experts = list(pager.resident[first].values()) or pager.slots or list(weights.layers[first].experts)
     kernels.configure(config.expert_kernels)
     scheme = layout.expert_scheme()
-    dtype = weights.layers[0].wo.dtype  # the dense weights': the experts' pages may be quantized
     # each shape's kernel chosen now, on the weights as they compute (quantized pages; on a CPU the dense
     # GEMMs too, raced below kernels.DENSE_RACE_BELOW rows): a step never pays for a measurement
     kernels.warm_up([experts[0].w13, experts[0].w2, *step_dense_weights(weights)], dtype)
@@ -195,7 +204,6 @@ def build_worker(
         if rows := host_warm_up_rows(config.experts_placement, residency, host.device != experts[0].device):
             kernels.warm_up([host.w13, host.w2], dtype, max_rows=rows)
     log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
-    dense = [t for layer in weights.layers[:4] for t in (layer.wqkv, layer.wo) if t is not None]  # no wqkv: MLA
     measurements = cached_measurements(
         expert_side_key(device, dtype, mine, scheme),
         lambda: measure_expert_side(experts, str(device), budget, dtype=dtype, dense=dense, scheme=scheme),
@@ -231,5 +239,5 @@ def build_worker(
         budget=budget,
         expert_slice_bytes=expert_bytes,
     )
-    weight_bytes = layout.total_bytes if shard.world == 1 else dense_bytes + spec.total_experts * expert_bytes
+    weight_bytes = layout.total_bytes - saved if shard.world == 1 else dense_bytes + spec.total_experts * expert_bytes
     return Worker(runner, device, budget, measurements, residency, weight_bytes, output, closers, timeline)
