@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from moe_lightning.arena import ArenaLayout
-from moe_lightning.client import GenerationClient, Prompt
+from moe_lightning.client import Completion, GenerationClient, Prompt
 from moe_lightning.launcher import Stack
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -32,13 +32,11 @@ def metric(stack: Stack, service: str, name: str) -> float:
     return float(found[1]) if found else 0.0
 
 
-@pytest.mark.parametrize("fmt", list(SCHEMES))
-def test_streamed_quantized_experts_equal_the_dequantized_model(
-    fmt: str, hf_dir: Path, make_stack: Callable[..., Stack], tmp_path: Path
-) -> None:
+def _streamed(make_stack: Callable[..., Stack], hf_dir: Path, fmt: str, **more: str) -> tuple[Stack, list[Completion]]:
+    """A stack with `fmt` experts streamed through one buffer slot, exact kernels, and the greedy
+    completions of PROMPTS (14 tokens)."""
     scheme = SCHEMES[fmt]
     spec = ModelSpec.from_pretrained(hf_dir)
-    layout = ArenaLayout.for_spec(spec, "float32", scheme)
     s = make_stack(
         quantize=fmt,
         quantize_group_size=scheme.group_size,
@@ -46,9 +44,20 @@ def test_streamed_quantized_experts_equal_the_dequantized_model(
         micro_batch_size=3,
         device_memory=str(device_budget(hf_dir, 2 * (spec.num_experts - 1), 1, scheme)),
         experts_placement="gpu",
+        **more,
     )
     with GenerationClient(s.api_address, timeout=120) as c:
-        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+        return s, c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+
+
+@pytest.mark.parametrize("fmt", list(SCHEMES))
+def test_streamed_quantized_experts_equal_the_dequantized_model(
+    fmt: str, hf_dir: Path, make_stack: Callable[..., Stack], tmp_path: Path
+) -> None:
+    scheme = SCHEMES[fmt]
+    spec = ModelSpec.from_pretrained(hf_dir)
+    layout = ArenaLayout.for_spec(spec, "float32", scheme)
+    s, done = _streamed(make_stack, hf_dir, fmt)
     streamed = metric(s, "gpu_expert", "moe_lightning_expert_bytes_streamed_total")
     assert metric(s, "gpu_expert", "moe_lightning_resident_experts") == spec.num_sparse_layers
     s.stop()
@@ -102,16 +111,7 @@ def test_quantized_dense_projections_equal_the_dequantized_model(
     tokens of transformers on the checkpoint with all of them replaced by their dequantized int8."""
     spec = ModelSpec.from_pretrained(hf_dir)
     scheme = SCHEMES["int8"]
-    s = make_stack(
-        quantize="int8",
-        quantize_dense="int8",
-        expert_kernels="exact",
-        micro_batch_size=3,
-        device_memory=str(device_budget(hf_dir, 2 * (spec.num_experts - 1), 1, scheme)),
-        experts_placement="gpu",
-    )
-    with GenerationClient(s.api_address, timeout=120) as c:
-        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=14) for p in PROMPTS])
+    s, done = _streamed(make_stack, hf_dir, "int8", quantize_dense="int8")
     with urllib.request.urlopen(s.endpoints()["gpu_expert"]["metrics"], timeout=10) as r:
         text = r.read().decode()
     s.stop()
