@@ -27,12 +27,15 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def write_dequantized(
     src: Path,
     dst: Path,
-    scheme: QuantScheme,
+    scheme: QuantScheme | None,
     experts_per_layer: int | None = None,
     dense: QuantScheme | None = None,
+    ranks: int = 1,
 ) -> Path:
     """Copies the checkpoint at `src` to `dst` with its experts replaced by their dequantized pages
-    (and with `dense`, the attention projections and LM head by theirs, as --quantize-dense makes them)."""
+    (`scheme` None: kept), and with `dense`, the attention projections and LM head by theirs, as
+    --quantize-dense makes them on `ranks` tensor-parallel ranks (o_proj's columns are split by rank,
+    each rank quantizing its own)."""
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.is_file():
@@ -41,7 +44,10 @@ def write_dequantized(
         sd = load_file(f)
         for name, t in sd.items():
             if dense is not None and DENSE.search(name):
-                sd[name] = fake_quantize(t, dense)
+                cols = t.shape[1] // ranks if name.endswith("o_proj.weight") else t.shape[1]
+                sd[name] = torch.cat([fake_quantize(c, dense) for c in t.split(cols, dim=1)], dim=1)
+            elif scheme is None:
+                continue
             elif PER_EXPERT.search(name) or name.endswith(("ffn.experts.mlp.w1", "ffn.experts.mlp.v1")):
                 sd[name] = fake_quantize(t, scheme)
             elif name.endswith("ffn.experts.mlp.w2"):  # DBRX: expert j's w2 is block j transposed

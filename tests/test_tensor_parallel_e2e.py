@@ -19,10 +19,12 @@ import pytest
 from moe_lightning.arena import ArenaLayout
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.launcher import Stack
+from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.shm.segment import list_segments
 from moe_lightning.spec import ModelSpec
 
 from processes import UpProcess, cli, wait_for_ranks
+from quantized_reference import write_dequantized
 from reference import assert_top_logprobs_match, hf_greedy, load_hf, save_hf
 from test_families import PROMPTS
 from tp_configs import TP_FAMILIES, rank_device_budget
@@ -122,3 +124,21 @@ def test_ranks_a_model_cannot_be_split_over_fail_at_start_naming_the_numbers(mak
     assert s.procs == {}
     assert "4 attention heads do not divide by 3 ranks" in str(info.value)
     assert "2 KV heads neither divide by 3 ranks nor divide them" in str(info.value)
+
+
+def test_ranks_with_int8_dense_weights_match_the_dequantized_model(
+    make_stack: Callable[..., Stack], tmp_path: Path
+) -> None:
+    """--quantize-dense int8 on 2 ranks: each quantizes its own slice (o_proj by its columns), and the
+    greedy tokens are transformers' on the checkpoint with those slices dequantized."""
+    arch, config = TP_FAMILIES["mixtral"]
+    model = save_hf(arch, tmp_path / "m", seed=3, **config)
+    s = make_stack(model=model, gpus=2, kv_cache_memory="16MiB", quantize_dense="int8", expert_kernels="exact")
+    with GenerationClient(s.api_address, timeout=120) as c:
+        done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=STEPS, ignore_eos=True) for p in PROMPTS])
+    s.stop()
+    int8 = QuantScheme(QuantFormat.INT8)
+    reference = load_hf(write_dequantized(model, tmp_path / "deq", None, dense=int8, ranks=2))
+    assert [d.token_ids for d in done] == [hf_greedy(reference, p, STEPS)[0] for p in PROMPTS]
+    one_rank = load_hf(write_dequantized(model, tmp_path / "deq1", None, dense=int8))
+    assert [hf_greedy(one_rank, p, STEPS)[0] for p in PROMPTS] != [d.token_ids for d in done]  # slices show
