@@ -8,7 +8,7 @@ same run. Prints one table (tok/s end to end and in decode, ratios, shares of th
 step's time goes, and the goals; --json keeps every figure, written after each pair.
 
     python bench/vs_llama_cpp.py --model models/demo-bench [--prompts 64,256]
-        [--formats fp32,int8,int4,int4-g32] [--gen-len 32] [--threads 2] [--micro-batch-size N]
+        [--formats fp32,int8,int4,int4-g32,int8-qd,int4-qd] [--gen-len 32] [--threads 2] [--micro-batch-size N]
         [--json OUT]
     python bench/vs_llama_cpp.py --report A.json B.json [--json ALL.json]   # one table of several runs
 
