@@ -34,7 +34,11 @@ os.environ["MOE_LIGHTNING_NATIVE_DIR"] = str(_CACHE_ROOT / "native")  # the nati
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The native kernels built once, before any service starts (each would otherwise wait on the
-    first one's build); a machine that cannot build them runs the PyTorch path, as users' do."""
+    first one's build); a machine that cannot build them runs the PyTorch path, as users' do. Not for
+    --collect-only, which runs nothing (the GPU check's dry run collects its CUDA tests: a minute of
+    builds for nothing)."""
+    if session.config.option.collectonly:
+        return
     from moe_lightning.native import decode_kernel, expert_kernel
 
     decode_kernel()
