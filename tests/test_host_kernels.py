@@ -96,6 +96,45 @@ def test_int8_activations_cost_less_than_a_percent_of_the_output() -> None:
         assert rms < 9e-3, (fmt, rms)
 
 
+def rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the i8 kernels see it: each (row, 128 columns) scaled by 127 / max|x|, rounded half to even
+    (nearbyint's default mode), and scaled back; a block of zeros stays zeros."""
+    blocks = x.reshape(x.shape[0], -1, 128)
+    top = blocks.abs().amax(-1, keepdim=True)
+    c127 = torch.full_like(top, 127.0)  # tensor / tensor: a scalar divisor is a multiply by its reciprocal
+    inv = torch.where(top > 0, c127 / top, torch.zeros_like(top))
+    scale = torch.where(top > 0, top / c127, torch.ones_like(top))
+    return (torch.round(blocks * inv) * scale).reshape(x.shape)
+
+
+def check_rounded_activations(ext: ModuleType) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 4096, generator=g) * 0.02
+    x = torch.randn(64, 4096, generator=g) * 3
+    x[3, 128:256] = 0.0
+    x[7, :5] = 0.0
+    # the last 16 rows: every value x * (127 / 3) a hair from an odd k + 1/2, their blocks' max 3. Rounded
+    # as the product's fp32 value (k + 1/2 exactly) they go to the even neighbour, k + 1; with the
+    # multiply fused into the rounding's add, about half would go to k
+    odd = torch.randint(-63, 62, (16, 4096), generator=g) * 2 + 1
+    inv = torch.tensor(127.0) / torch.tensor(3.0)
+    x[48:] = ((odd + 0.5).double() / inv.double()).float()
+    x[48:, ::128] = 3.0
+    for fmt, group, fn in ((QuantFormat.INT8, 128, INT8["int8_i8"]), (QuantFormat.INT4, 32, INT4["int4_i8"])):
+        q = quantize(w, QuantScheme(fmt, group))
+        want = (rounded_activations(x).double() @ q.dequantize().double().T).float()
+        assert rel_error(fn(ext, x, q), want) <= 2e-6, fmt  # one activation off by one step: ~1e-4
+
+
+@needs_native
+def test_i8_kernels_equal_the_gemm_on_activations_rounded_per_block() -> None:
+    """The i8 kernels' only departure from the exact GEMM is the documented rounding of the activations
+    (a vectorised rounding that fused the scaling's multiply into an add rounded some ties the other way)."""
+    ext = host_kernels.extension()
+    assert ext is not None
+    check_rounded_activations(ext)
+
+
 @needs_native
 def test_shapes_a_kernel_does_not_take_raise_and_the_chooser_drops_it() -> None:
     """The i8 kernels need K a multiple of 128 (their activation blocks): elsewhere they raise, and the
@@ -202,6 +241,10 @@ def test_the_avx2_build_equals_the_dequantized_gemm(avx2_build: ModuleType, shap
     """What a machine with AVX2 alone runs (256-bit vectors, pmaddubsw where VNNI is missing)."""
     assert avx2_build.isa == "avx2"
     check_every_kernel(avx2_build, *shape, rows)
+
+
+def test_the_avx2_build_rounds_activations_as_documented(avx2_build: ModuleType) -> None:
+    check_rounded_activations(avx2_build)
 
 
 def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
