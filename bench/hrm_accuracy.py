@@ -41,7 +41,6 @@ def main() -> int:
     if not (args.model / "config.json").exists():
         write_demo_model(args.model, "bench")
     spec = ModelSpec.from_pretrained(args.model)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     profile = cached_profile(spec, "cpu", refresh=args.refresh)
     work = Workload(args.prompt_len, args.gen)
 

@@ -91,7 +91,6 @@ def main() -> int:
         write_demo_model(args.model, "bench")
     spec = ModelSpec.from_pretrained(args.model)
     batch = random_prompts(args.batch, args.prompt_len, spec.vocab_size)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     local = in_process(args.model, batch, args.gen)
     remote = stack(args.model, batch, args.gen, f"bench{os.getpid()}", args.threads)
     result = {

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from moe_lightning.service.errors import ErrorMappingInterceptor
 from moe_lightning.service.limits import MAX_MESSAGE_BYTES
+from moe_lightning.service.main_thread import MainThreadWork
 from moe_lightning.service.metrics import SERVING
 from moe_lightning.service.metrics_http import Route, start_metrics_server
 
@@ -111,6 +112,7 @@ class ServiceRuntime(ServiceHooks):
         self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self.main_thread = MainThreadWork()  # what handlers hand to the main thread (main_thread.py)
         self.set_serving(False)
 
     def set_serving(self, ready: bool) -> None:
@@ -147,9 +149,8 @@ class ServiceRuntime(ServiceHooks):
         self._stopped.set()
 
     def wait(self) -> None:
-        """Blocks until stop() has finished."""
-        while not self._stopped.wait(0.5):
-            pass
+        """Runs the work handed to the main thread until stop() has finished."""
+        self.main_thread.serve(self._stopped)
 
 
 def _safe(fn: Callable[[], None], log: Any) -> None:

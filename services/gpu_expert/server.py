@@ -28,6 +28,7 @@ from moe_lightning.service.convert import (
     timeline_to_pb,
 )
 from moe_lightning.service.errors import NotReadyError
+from moe_lightning.service.main_thread import MainThreadWork
 from moe_lightning.service.names import GPU_EXPERT
 from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.service.upstream import fetch_manifest
@@ -65,6 +66,7 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         self.failed = False  # the rank group broke: exit non-zero so that the group restarts
         self.on_group_failure: Callable[[str], None] | None = None  # ends the group (rank 0's leader)
         self.idle: bool | None = None  # at shutdown: whether the step lock was had (see _idle)
+        self.main_thread: MainThreadWork | None = None  # where steps run once serving (main_thread.py)
 
     def ready(self, worker: Worker, group: RankGroup | None) -> None:
         """Weights are mapped and calibrated: steps reach the worker's runner from now on."""
@@ -127,7 +129,8 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
             if self.group is not None:
                 self._to_ranks(Command.STEP, request.SerializeToString())
             try:
-                out = self.runner.step(plan)
+                runner = self.runner
+                out = self.main_thread.run(lambda: runner.step(plan)) if self.main_thread else runner.step(plan)
             except RankGroupError as exc:  # the ranks are out of step: the group ends here, lock held
                 self._group_broke(str(exc))
                 raise
@@ -207,6 +210,7 @@ def _start(
     RANK_COLLECTIVES.labels("0")
     RESIDENT.set(sum(len(r) for r in worker.residency.resident))
     BUFFER_SLOTS.set(worker.residency.ring_slots)
+    servicer.main_thread = runtime.main_thread
     servicer.ready(worker, group)
     DEVICE_BYTES.set(worker.residency.device_bytes)
     DEVICE_BUDGET.set(worker.budget)
