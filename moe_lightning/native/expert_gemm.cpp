@@ -67,7 +67,9 @@ struct V {
   static constexpr int L = 16;      // fp32 lanes
   static constexpr int BYTES = 64;  // int8 lanes
   // registers: the tiles below keep MB * NB accumulators and a few weight vectors in 32 of them
-  static constexpr int MB_F32 = 6, NB_F32 = 4;
+  // (5 x 5 for fp32, measured: 1.2-1.3x a 6 x 4 or 4 x 4 tile over fp32 weights at 16-32 rows, each
+  // (N, 1024) and (1024, 3584) shape of the bench model's experts and its lm_head, hot or from DRAM)
+  static constexpr int MB_F32 = 5, NB_F32 = 5;
   static constexpr int MB_I4F = 4, NB_I4F = 4;
   static constexpr int MB_I8 = 4, NB_I8 = 4;
   static constexpr int MB_I4 = 8;  // rows of x per R weight rows (tile_i4)
@@ -241,45 +243,61 @@ inline void tiles(int mb, int nb, Fn&& f) {
   dispatch<MB>(mb, [&](auto mbc) { dispatch<NB>(nb, [&](auto nbc) { f(mbc, nbc); }); });
 }
 
-// Weight rows shorter than this are prefetched PREFETCH_BLOCKS blocks ahead (into L2): a block of NB such rows
-// is a few KiB, too short for the hardware's stream prefetcher to find before it ends, and weights a decode
-// step reads once come from DRAM. `python bench/quant_kernels.py --shape 7168x1024 --rows 8 16 32 --experts 24`
-// (24 weights in turn, past the L3), ms per call: int8_native_i8 0.60 / 0.91 / 1.51 -> 0.36 / 0.68 / 1.27,
-// int4_native_i8 0.55 / 0.83 / 1.47 -> 0.34 / 0.68 / 1.29. Rows of 3584 bytes or more (an fp32 w13, an
-// int8 w2) gained nothing or lost up to 10 %: they stay with the hardware's prefetcher.
-constexpr int64_t PREFETCH_ROW_BYTES = 2048;
-constexpr int64_t PREFETCH_BLOCKS = 4;
+// Weights a decode step reads once come from DRAM, and a block of NB weight rows is a few KiB: too short for
+// the hardware's stream prefetcher to find before it ends. So each thread prefetches (into L2) the rows
+// PREFETCH_AHEAD bytes, or one block if that is more, ahead of the block it computes, a few lines at each step
+// of the tile's loop along K: a burst at the start of a block (the first version) held the core until its
+// misses came back, so it overlapped nothing for rows of 3.5 KiB or more, and it took the fp32 tile not at all;
+// spread, the fp32 GEMM at (3584, 1024), 8 and 16 rows, went from 19 and 13 to 24 and 15 GB/s.
+constexpr int64_t PREFETCH_AHEAD = 8192;
 
-// (an asm statement: GCC 12 deleted this loop, written with __builtin_prefetch or _mm_prefetch, as one
-// without effects)
-inline void prefetch_bytes(const char* p, int64_t n) {
-  for (int64_t at = 0; at < n; at += 64) asm volatile("prefetcht2 %0" : : "m"(p[at]));
-}
+// A thread's prefetch cursor over its share of the weight: `tile` calls step() once per step along K, and
+// each call fetches up to `quota` lines, never past `limit` (the block after the one computed, shifted
+// ahead), so the cursor keeps its distance instead of running through the whole share.
+struct Prefetch {
+  const char* at = nullptr;
+  const char* limit = nullptr;
+  int quota = 0;
+  inline void step() {
+    // (an asm statement: GCC 12 deleted this loop, written with __builtin_prefetch or _mm_prefetch, as one
+    // without effects)
+    for (int i = 0; i < quota && at < limit; ++i, at += 64) asm volatile("prefetcht2 %0" : : "m"(*at));
+  }
+};
 
-// weight rows [0, N) in blocks of NB, split across PyTorch's threads; `tile(n, nb)` computes them. `w`,
-// `row_bytes`: the weight's rows as they lie (see PREFETCH_ROW_BYTES)
+// weight rows [0, N) in blocks of NB, split across PyTorch's threads; `tile(n, nb, fetch)` computes them,
+// calling fetch.step() at each of its `steps_per_block` steps along K (all its passes over the block's rows
+// together). `w`, `row_bytes`: the weight's rows as they lie
 template <class Tile>
-void over_blocks(int64_t N, int64_t NB, int64_t work_per_block, const void* w, int64_t row_bytes, Tile&& tile) {
+void over_blocks(int64_t N, int64_t NB, int64_t work_per_block, const void* w, int64_t row_bytes,
+                 int64_t steps_per_block, Tile&& tile) {
   const int64_t blocks = (N + NB - 1) / NB;
   // a grain of ~64K multiply-adds: a thread's share is worth waking it for
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, work_per_block));
-  const char* base = row_bytes < PREFETCH_ROW_BYTES ? static_cast<const char*>(w) : nullptr;
+  const char* base = static_cast<const char*>(w);
+  const int64_t block_bytes = NB * row_bytes;
+  const int64_t ahead = (std::max(PREFETCH_AHEAD, block_bytes) + 63) / 64 * 64;
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    auto fetch = [&](int64_t b) {  // block b of this thread's, where there is one
-      if (base != nullptr && b < b1) prefetch_bytes(base + b * NB * row_bytes, (std::min(N, (b + 1) * NB) - b * NB) * row_bytes);
-    };
-    for (int64_t b = b0; b < b0 + PREFETCH_BLOCKS; ++b) fetch(b);
+    const char* first = base + b0 * block_bytes;
+    const char* end = base + std::min(N, b1 * NB) * row_bytes;
+    Prefetch fetch;
+    fetch.at = first;
+    fetch.limit = std::min(end, first + ahead);
+    fetch.quota = static_cast<int>(ahead / 64);
+    fetch.step();  // the first `ahead` bytes at once: nothing to overlap them with
+    fetch.quota = static_cast<int>((block_bytes / 64 + steps_per_block - 1) / std::max<int64_t>(1, steps_per_block));
     for (int64_t b = b0; b < b1; ++b) {
-      fetch(b + PREFETCH_BLOCKS);
+      fetch.limit = std::min(end, base + (b + 1) * block_bytes + ahead);
       const int64_t n = b * NB;
-      tile(n, std::min(NB, N - n));
+      tile(n, std::min(NB, N - n), fetch);
     }
   });
 }
 
 // ---- fp32 activations: dense_f32, int8_f32 ------------------------------------------------------
 template <int MB, int NB, class W>
-inline void tile_f32(const float* x, int64_t K, const W* w, int64_t ldw, const float* scale, float* y, int64_t ldy) {
+inline void tile_f32(const float* x, int64_t K, const W* w, int64_t ldw, const float* scale, float* y, int64_t ldy,
+                     Prefetch& fetch) {
   typename V::F acc[MB][NB];
   ML_UNROLL
   for (int i = 0; i < MB; ++i)
@@ -287,6 +305,7 @@ inline void tile_f32(const float* x, int64_t K, const W* w, int64_t ldw, const f
     for (int j = 0; j < NB; ++j) acc[i][j] = V::fzero();
   const int64_t kv = K - K % V::L;
   for (int64_t k = 0; k < kv; k += V::L) {
+    fetch.step();
     typename V::F wv[NB];
     ML_UNROLL
     for (int j = 0; j < NB; ++j) wv[j] = V::widen(w + j * ldw + k);
@@ -313,11 +332,12 @@ torch::Tensor gemm_f32(const torch::Tensor& x, const W* w, int64_t N, const floa
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks(N, V::NB_F32, M * K * V::NB_F32, w, K * static_cast<int64_t>(sizeof(W)), [&](int64_t n, int64_t nb) {
+  const int64_t steps = (M + V::MB_F32 - 1) / V::MB_F32 * (K / V::L);
+  over_blocks(N, V::NB_F32, M * K * V::NB_F32, w, K * static_cast<int64_t>(sizeof(W)), steps, [&](int64_t n, int64_t nb, Prefetch& fetch) {
     for (int64_t m = 0; m < M; m += V::MB_F32) {
       const int mb = static_cast<int>(std::min<int64_t>(V::MB_F32, M - m));
       tiles<V::MB_F32, V::NB_F32>(mb, static_cast<int>(nb), [&](auto mbc, auto nbc) {
-        tile_f32<decltype(mbc)::value, decltype(nbc)::value>(xp + m * K, K, w + n * K, K, scale == nullptr ? nullptr : scale + n, yp + m * N + n, N);
+        tile_f32<decltype(mbc)::value, decltype(nbc)::value>(xp + m * K, K, w + n * K, K, scale == nullptr ? nullptr : scale + n, yp + m * N + n, N, fetch);
       });
     }
   });
@@ -344,7 +364,7 @@ torch::Tensor split_even_odd(const torch::Tensor& x) {
 
 template <int MB, int NB>
 inline void tile_i4f(const float* x, int64_t K, const uint8_t* q, const float* s, const float* z, int64_t G,
-                     float* y, int64_t ldy) {
+                     float* y, int64_t ldy, Prefetch& fetch) {
   const int64_t groups = K / G, half = K / 2;
   typename V::F acc[MB][NB], sv[NB], cv[NB];
   ML_UNROLL
@@ -352,6 +372,7 @@ inline void tile_i4f(const float* x, int64_t K, const uint8_t* q, const float* s
     ML_UNROLL
     for (int j = 0; j < NB; ++j) acc[i][j] = V::fzero();
   for (int64_t k = 0; k < K; k += 2 * V::L) {
+    fetch.step();
     if (k % G == 0) {  // a new group: w = q s + (z - 8 s)
       const int64_t g = k / G;
       ML_UNROLL
@@ -483,7 +504,7 @@ QuantizedActivations quantize_rows(const torch::Tensor& x, int64_t run, int64_t 
 
 template <int MB, int NB>
 inline void tile_i8(const QuantizedActivations& a, int64_t m, int64_t K, const int8_t* w, const float* ws, float* y,
-                    int64_t ldy) {
+                    int64_t ldy, Prefetch& fetch) {
   const int64_t blocks = K / ABLK;
   const int8_t* xq = a.q.data_ptr<int8_t>() + m * K;
   const float* xs = a.scale.data_ptr<float>() + m * blocks;
@@ -494,6 +515,7 @@ inline void tile_i8(const QuantizedActivations& a, int64_t m, int64_t K, const i
     ML_UNROLL
     for (int j = 0; j < NB; ++j) acc[i][j] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
+    fetch.step();
     typename V::I xv[MB][C];  // the rows' activations, loaded once for the NB weight rows
     ML_UNROLL
     for (int i = 0; i < MB; ++i)
@@ -529,7 +551,7 @@ inline void tile_i8(const QuantizedActivations& a, int64_t m, int64_t K, const i
 // Rows past N repeat the last one and are not stored.
 template <int MB, int GPB>
 inline void tile_i4(const QuantizedActivations& a, int64_t m, int64_t K, const uint8_t* q, const float* s,
-                    const float* z, int64_t G, int64_t n0, int64_t N, float* y, int64_t ldy) {
+                    const float* z, int64_t G, int64_t n0, int64_t N, float* y, int64_t ldy, Prefetch& fetch) {
   constexpr int R = V::R, CPG = 4 / GPB;  // chunks of 16 bytes per group within a block
   const int64_t groups = K / G, half = K / 2, blocks = K / ABLK, gstride = a.gsum.size(1);
   const int nr = static_cast<int>(std::min<int64_t>(R, N - n0));
@@ -547,6 +569,7 @@ inline void tile_i4(const QuantizedActivations& a, int64_t m, int64_t K, const u
   ML_UNROLL
   for (int i = 0; i < MB; ++i) acc[i] = V::fzero();
   for (int64_t b = 0; b < blocks; ++b) {
+    fetch.step();
     typename V::I hi[4], lo[4];
     V::row_chunks(rows, b * (ABLK / 2), hi);
     ML_UNROLL
@@ -653,11 +676,12 @@ torch::Tensor int4_f32(const torch::Tensor& x, const torch::Tensor& q, const tor
   const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t groups = s.size(1);
-  over_blocks(N, V::NB_I4F, M * K * V::NB_I4F, qp, K / 2, [&](int64_t n, int64_t nb) {
+  const int64_t steps = (M + V::MB_I4F - 1) / V::MB_I4F * (K / (2 * V::L));
+  over_blocks(N, V::NB_I4F, M * K * V::NB_I4F, qp, K / 2, steps, [&](int64_t n, int64_t nb, Prefetch& fetch) {
     for (int64_t m = 0; m < M; m += V::MB_I4F) {
       const int mb = static_cast<int>(std::min<int64_t>(V::MB_I4F, M - m));
       tiles<V::MB_I4F, V::NB_I4F>(mb, static_cast<int>(nb), [&](auto mbc, auto nbc) {
-        tile_i4f<decltype(mbc)::value, decltype(nbc)::value>(xp + m * K, K, qp + n * (K / 2), sp + n * groups, zp + n * groups, G, yp + m * N + n, N);
+        tile_i4f<decltype(mbc)::value, decltype(nbc)::value>(xp + m * K, K, qp + n * (K / 2), sp + n * groups, zp + n * groups, G, yp + m * N + n, N, fetch);
       });
     }
   });
@@ -678,11 +702,12 @@ torch::Tensor int8_i8(const torch::Tensor& x, const torch::Tensor& q, const torc
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  over_blocks(N, V::NB_I8, M * K * V::NB_I8 / 4, qp, K, [&](int64_t n, int64_t nb) {
+  const int64_t steps = (M + V::MB_I8 - 1) / V::MB_I8 * (K / ABLK);
+  over_blocks(N, V::NB_I8, M * K * V::NB_I8 / 4, qp, K, steps, [&](int64_t n, int64_t nb, Prefetch& fetch) {
     for (int64_t m = 0; m < M; m += V::MB_I8) {
       const int mb = static_cast<int>(std::min<int64_t>(V::MB_I8, M - m));
       tiles<V::MB_I8, V::NB_I8>(mb, static_cast<int>(nb), [&](auto mbc, auto nbc) {
-        tile_i8<decltype(mbc)::value, decltype(nbc)::value>(a, m, K, qp + n * K, sp + n, yp + m * N + n, N);
+        tile_i8<decltype(mbc)::value, decltype(nbc)::value>(a, m, K, qp + n * K, sp + n, yp + m * N + n, N, fetch);
       });
     }
   });
@@ -705,13 +730,14 @@ torch::Tensor int4_i8(const torch::Tensor& x, const torch::Tensor& q, const torc
   const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int gpb = G >= ABLK ? 1 : static_cast<int>(ABLK / G);  // groups per block of 128 columns: 1, 2 or 4
-  over_blocks(N, V::R, M * K * V::R / 4, qp, K / 2, [&](int64_t n, int64_t) {
+  const int64_t steps = (M + V::MB_I4 - 1) / V::MB_I4 * (K / ABLK);
+  over_blocks(N, V::R, M * K * V::R / 4, qp, K / 2, steps, [&](int64_t n, int64_t, Prefetch& fetch) {
     for (int64_t m = 0; m < M; m += V::MB_I4) {
       const int mb = static_cast<int>(std::min<int64_t>(V::MB_I4, M - m));
       tiles<V::MB_I4, 4>(mb, gpb, [&](auto mbc, auto gpbc) {
         constexpr int GPB = decltype(gpbc)::value;
         if constexpr (GPB != 3) {
-          tile_i4<decltype(mbc)::value, GPB>(a, m, K, qp, sp, zp, G, n, N, yp + m * N, N);
+          tile_i4<decltype(mbc)::value, GPB>(a, m, K, qp, sp, zp, G, n, N, yp + m * N, N, fetch);
         }
       });
     }
