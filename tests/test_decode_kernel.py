@@ -141,3 +141,7 @@ def test_the_benchmark_reports_each_case_beside_the_read_roof(tmp_path: Path) ->
     assert all(v["best_gbps"] > 0 for v in case["variants"].values())
     assert ("(g) native bf16" in case["variants"]) == report["native"]
     assert "share of the read roof" in done.stdout or not report["native"]
+    if report["native"]:  # the kernels' own ceiling, their KV in the caches, beside the roof
+        (rates,) = report["in_cache_gbps"].values()
+        assert set(rates) == {"(f) native fp32", "(g) native bf16"} and all(r > 0 for r in rates.values())
+        assert "the kernel's ceiling on this CPU" in done.stdout

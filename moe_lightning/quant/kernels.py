@@ -8,8 +8,10 @@ Dense W (`dense_linear`) on a CPU below DENSE_RACE_BELOW rows races the operand 
 (oneDNN/MKL) and the native fp32 kernel: BLAS is slow for x @ W^T when x has few rows (on the 2-core
 dev VM an expert FFN with 4-64 tokens ran ~2x faster as the weight-major W @ x^T, the weight streamed
 once in its stored order), and the native kernel, which reads each weight once for all the rows in
-registers, halves that again at 8-16 rows (docs/quantization.md). From ~128 rows BLAS's own x @ W^T
-is as fast as any, and GPUs do not need the race.
+registers, halves that again at 8-16 rows and stays 1.2-1.9x ahead up to a 256-row decode batch
+(docs/quantization.md). Past 256 rows BLAS's own x @ W^T runs without a race: within ~15 % of the native
+tile there, and racing a large weight (an lm_head) at 512+ rows would add seconds to every start. GPUs
+do not need the race.
 
 Quantized W races PyTorch's own kernels (`_weight_int8pack_mm`, the int4 "tinygemm" kernels,
 dequantize-then-GEMM everywhere, for mxfp4 by one table lookup per byte, quant/mxfp4.py) and the native
@@ -36,7 +38,7 @@ from moe_lightning.quant import host_kernels, scheme
 from moe_lightning.quant.mxfp4 import dequantize_mxfp4
 from moe_lightning.quant.scheme import QuantFormat
 
-DENSE_RACE_BELOW = 128  # rows of x under which a CPU's dense GEMM is raced (dense_linear); BLAS from there
+DENSE_RACE_BELOW = 257  # rows of x under which a CPU's dense GEMM is raced (dense_linear); BLAS from there
 POLICIES = ("fastest", "exact")
 MAX_BUCKET = 1024
 WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pays for a measurement
