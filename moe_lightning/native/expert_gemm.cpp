@@ -72,7 +72,7 @@ struct V {
   static constexpr int MB_F32 = 5, NB_F32 = 5;
   static constexpr int MB_I4F = 4, NB_I4F = 4;
   static constexpr int MB_I8 = 4, NB_I8 = 4;
-  static constexpr int MB_I4 = 16;  // rows of x per R weight rows (tile_i4): 16 share a block's nibble split, 5 % over 8
+  static constexpr int MB_I4 = 16;  // rows of x per R weight rows (tile_i4): 16 share a block's nibble split (0-5 % over 8)
   static F fzero() { return _mm512_setzero_ps(); }
   static I izero() { return _mm512_setzero_si512(); }
   static F load(const float* p) { return _mm512_loadu_ps(p); }
@@ -730,16 +730,29 @@ torch::Tensor int4_i8(const torch::Tensor& x, const torch::Tensor& q, const torc
   const float *sp = s.data_ptr<float>(), *zp = z.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int gpb = G >= ABLK ? 1 : static_cast<int>(ABLK / G);  // groups per block of 128 columns: 1, 2 or 4
-  const int64_t steps = (M + V::MB_I4 - 1) / V::MB_I4 * (K / ABLK);
-  over_blocks(N, V::R, M * K * V::R / 4, qp, K / 2, steps, [&](int64_t n, int64_t, Prefetch& fetch) {
-    for (int64_t m = 0; m < M; m += V::MB_I4) {
-      const int mb = static_cast<int>(std::min<int64_t>(V::MB_I4, M - m));
-      tiles<V::MB_I4, 4>(mb, gpb, [&](auto mbc, auto gpbc) {
-        constexpr int GPB = decltype(gpbc)::value;
-        if constexpr (GPB != 3) {
-          tile_i4<decltype(mbc)::value, GPB>(a, m, K, qp, sp, zp, G, n, N, yp + m * N, N, fetch);
-        }
-      });
+  // passes of MB_I4 rows, then of up to MB_I4 / 2: a tile per width and group count, 27 instances where
+  // every width to MB_I4 would make 48 (their build time is most of the extension's), at the same speed
+  // for a remainder as a tile of MB_I4 / 2 rows had
+  constexpr int HALF = std::max(1, V::MB_I4 / 2);
+  auto width = [&](int64_t left) { return left >= V::MB_I4 ? V::MB_I4 : static_cast<int>(std::min<int64_t>(HALF, left)); };
+  int64_t passes = 0;
+  for (int64_t m = 0; m < M; m += width(M - m)) ++passes;
+  over_blocks(N, V::R, M * K * V::R / 4, qp, K / 2, passes * (K / ABLK), [&](int64_t n, int64_t, Prefetch& fetch) {
+    for (int64_t m = 0, mb; m < M; m += mb) {
+      mb = width(M - m);
+      auto run = [&](auto mbc) {
+        dispatch<4>(gpb, [&](auto gpbc) {
+          constexpr int GPB = decltype(gpbc)::value;
+          if constexpr (GPB != 3) {
+            tile_i4<decltype(mbc)::value, GPB>(a, m, K, qp, sp, zp, G, n, N, yp + m * N, N, fetch);
+          }
+        });
+      };
+      if (mb == V::MB_I4) {
+        run(std::integral_constant<int, V::MB_I4>{});
+      } else {
+        dispatch<HALF>(static_cast<int>(mb), run);
+      }
     }
   });
   return y;
