@@ -9,7 +9,7 @@ step's time goes, and the goals; --json keeps every figure, written after each p
 
     python bench/vs_llama_cpp.py --model models/demo-bench [--prompts 64,256]
         [--formats fp32,int8,int4,int4-g32,int8-qd,int4-qd] [--gen-len 32] [--threads 2] [--micro-batch-size N]
-        [--json OUT]
+        [--llama-extra-bufts auto|on|off] [--json OUT]
     python bench/vs_llama_cpp.py --report A.json B.json [--json ALL.json]   # one table of several runs
 
 llama.cpp comes from the optional extra: `pip install -e '.[bench-llama]'` builds llama-cpp-python for
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours: sequences per micro-batch, 0 the whole batch (default: the HRM's choice)",
     )
     p.add_argument("--kv-unified", action="store_true", help="llama.cpp: one KV buffer (default: one a sequence)")
+    p.add_argument(
+        "--llama-extra-bufts",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="llama.cpp's weights repacked for this CPU (AMX tiles where it has AMX): on, off, or auto = on, "
+        "and off for a pair whose llama.cpp process a signal kills with them on (a SIGSEGV in its AMX "
+        "matmul on some AMX CPUs: bench/README.md)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every figure here (after each pair)")
     p.add_argument("--report", type=Path, nargs="+", default=None, help="print one table of these --json files")
     args = p.parse_args(argv)
@@ -103,10 +112,28 @@ def run_llama(gguf: Path, prompts: list[list[int]], args: argparse.Namespace, wo
     cmd = [sys.executable, "-m", "bench.vsllama.llama_worker", "generate", str(gguf), str(src), str(out)]
     cmd += ["--gen-len", str(args.gen_len), "--threads", str(args.threads)]
     cmd += ["--kv-unified"] if args.kv_unified else []
-    subprocess.run(cmd, cwd=REPO, check=True)  # its progress bar on our stderr
-    result = json.loads(out.read_text())
+    result = run_worker(
+        cmd, out, extra_bufts=args.llama_extra_bufts != "off", fallback=args.llama_extra_bufts == "auto"
+    )
     log(f"llama.cpp: prefill {result['prefill_seconds']:.1f} s, decode {result['decode_seconds']:.1f} s")
     return result
+
+
+def run_worker(cmd: list[str], out: Path, extra_bufts: bool, fallback: bool) -> dict[str, Any]:
+    """One llama_worker process (its progress bar on our stderr) and the JSON it wrote to `out`. With
+    `fallback`, a process killed by a signal while llama.cpp's extra buffer types were on runs once more
+    with them off, and the result says so (`extra_bufts_fallback`): llama.cpp's AMX matmul segfaults
+    on some AMX CPUs (its issue 20824), which would otherwise end the whole comparison."""
+    run = subprocess.run([*cmd, *([] if extra_bufts else ["--no-extra-bufts"])], cwd=REPO)
+    if run.returncode < 0 and extra_bufts and fallback:
+        name = signal.Signals(-run.returncode).name
+        log(f"llama.cpp died of {name} with its extra buffer types (repacked / AMX weights); once more without them")
+        result = run_worker(cmd, out, extra_bufts=False, fallback=False)
+        result["extra_bufts_fallback"] = f"{name} with them on"
+        return result
+    if run.returncode:
+        raise subprocess.CalledProcessError(run.returncode, run.args)
+    return json.loads(out.read_text())
 
 
 def compare(args: argparse.Namespace) -> dict[str, Any]:
@@ -123,6 +150,7 @@ def compare(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads,
         "llama_cpp_version": llama_cpp_version(),
         "llama_kv_unified": args.kv_unified,
+        "llama_extra_bufts": args.llama_extra_bufts,
         "ours_micro_batch_size": args.micro_batch_size,
         "roofs": [roof],
         "workloads": {},

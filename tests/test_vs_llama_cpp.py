@@ -1,7 +1,8 @@
 """bench/vs_llama_cpp.py (issue 34, item 4): what runs without llama.cpp (the prompts both systems get,
 the formats' pairing, the roof's arithmetic, packing prompts into prefill batches, the converter taken
 out of llama-cpp-python's sdist, the pre-tokenizer the demo tokenizer is given, ours' phases through a
-real stack, the report, its goals and merging runs), then the whole script on the tiny model, skipped
+real stack, the report, its goals and merging runs, a llama.cpp process killed by a signal run again
+without its extra buffer types), then the whole script on the tiny model, skipped
 where llama_cpp is not importable (it is the optional `bench-llama` extra, which CI does not build)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.gpucheck.workload import bench_prompts  # noqa: E402
+from bench.vs_llama_cpp import run_worker  # noqa: E402
 from bench.vsllama.convert_hf import is_gpt2_byte_level  # noqa: E402
 from bench.vsllama.formats import FORMATS, parse_formats  # noqa: E402
 from bench.vsllama.gguf_files import extract_converter  # noqa: E402
@@ -175,6 +177,45 @@ def test_the_report_merges_runs_into_one_table(tmp_path: Path) -> None:
     assert len(json.loads(merged.read_text())["pairs"]) == 2
     text = render(json.loads(merged.read_text())["pairs"], [roof])
     assert "= 9 tok/s" in text and "goals:" in text
+
+
+def test_a_llama_cpp_killed_by_a_signal_runs_again_without_its_extra_buffers(tmp_path: Path) -> None:
+    # a worker that dies as llama.cpp's AMX matmul does on some AMX CPUs unless told --no-extra-bufts
+    out = tmp_path / "llama.json"
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import json, os, signal, sys\n"
+        "if '--no-extra-bufts' not in sys.argv:\n"
+        "    os.kill(os.getpid(), signal.SIGSEGV)\n"
+        "if '--exit' in sys.argv:\n"
+        "    sys.exit(3)\n"
+        f"open({str(out)!r}, 'w').write(json.dumps({{'extra_bufts': False, 'decode_seconds': 2.0}}))\n"
+    )
+    cmd = [sys.executable, str(worker)]
+    assert run_worker(cmd, out, extra_bufts=True, fallback=True) == {
+        "extra_bufts": False,
+        "decode_seconds": 2.0,
+        "extra_bufts_fallback": "SIGSEGV with them on",
+    }
+    assert "extra_bufts_fallback" not in run_worker(cmd, out, extra_bufts=False, fallback=True)
+    with pytest.raises(subprocess.CalledProcessError) as killed:  # --llama-extra-bufts on: no second try
+        run_worker(cmd, out, extra_bufts=True, fallback=False)
+    assert killed.value.returncode == -11
+    with pytest.raises(subprocess.CalledProcessError):  # an error of its own is not retried
+        run_worker([*cmd, "--exit"], out, extra_bufts=False, fallback=True)
+    # the table stars such a llama.cpp figure and says why under it
+    pair = make_pair(
+        FORMATS["int8"],
+        4,
+        32,
+        9.0,
+        {**_side(6.0, 3.0), "token_ids": [[1]]},
+        {**_llama(1, 31, [[1]]), "extra_bufts": False, "extra_bufts_fallback": "SIGSEGV with them on"},
+    )
+    text = render([pair], [])
+    assert "4.0*" in text
+    assert "* llama.cpp with its weights as the file has them (no repacking for this CPU, no AMX): " in text
+    assert "int8 N=4: SIGSEGV with them on" in text
 
 
 def test_ours_prefills_in_one_step_then_decodes_the_whole_batch(tiny: Path) -> None:

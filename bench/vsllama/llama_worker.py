@@ -2,6 +2,7 @@
 threads, memory and mapped file go when it ends, as our stack's processes do):
 
     python -m bench.vsllama.llama_worker generate GGUF PROMPTS_JSON OUT_JSON [--gen-len 32] [--threads 2]
+        [--kv-unified] [--no-extra-bufts]
     python -m bench.vsllama.llama_worker quantize F32_GGUF OUT_GGUF q8_0|q4_0 [--threads 2]
 
 `generate` runs llama.cpp batched, as its own batched tools do, not one sequence at a time: one context
@@ -12,7 +13,9 @@ are the argmax of the N rows of logits it returns (greedy, EOS ignored). Each se
 of its own (kv_unified off), the faster layout for decode here: fp32, 64 MT-Bench prompts, 157 tok/s
 against 118 with one buffer for all sequences (--kv-unified), and 165 against 90 at 256 prompts, where
 a step attends over every sequence's cells under a mask; prefill is 5-10 % faster unified. Everything
-else is llama.cpp's default (f16 KV cache, flash attention by its own choice, mmap).
+else is llama.cpp's default (f16 KV cache, flash attention by its own choice, mmap, and its extra
+weight buffer types: q8_0 / q4_0 weights repacked for this CPU's kernels, AMX tiles where the CPU has
+AMX; --no-extra-bufts keeps the weights as the file has them, for CPUs where those crash).
 """
 
 from __future__ import annotations
@@ -81,7 +84,12 @@ class Batch:
 
 
 def generate(
-    gguf: Path, prompts: list[list[int]], gen_len: int, threads: int, kv_unified: bool = False
+    gguf: Path,
+    prompts: list[list[int]],
+    gen_len: int,
+    threads: int,
+    kv_unified: bool = False,
+    extra_bufts: bool = True,
 ) -> dict[str, Any]:
     """Greedy generation of `gen_len` tokens for every prompt, all sequences in one batch; the
     prefill and decode phases timed apart (each including the argmax over the logits)."""
@@ -92,7 +100,9 @@ def generate(
     llama.llama_backend_init()
     n = len(prompts)
     t0 = time.perf_counter()
-    model = llama.llama_model_load_from_file(str(gguf).encode(), llama.llama_model_default_params())
+    mp = llama.llama_model_default_params()
+    mp.use_extra_bufts = extra_bufts
+    model = llama.llama_model_load_from_file(str(gguf).encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
     vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))
@@ -158,6 +168,7 @@ def generate(
         "n_batch": cp.n_batch,
         "n_ubatch": cp.n_ubatch,
         "kv_unified": kv_unified,
+        "extra_bufts": extra_bufts,
         "threads": threads,
         "token_ids": out,
     }
@@ -187,6 +198,11 @@ def main(argv: list[str]) -> None:
     g.add_argument("--gen-len", type=int, default=32)
     g.add_argument("--threads", type=int, default=2)
     g.add_argument("--kv-unified", action="store_true", help="one KV buffer for all sequences, not a stream each")
+    g.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="weights as the file has them: no repacking for this CPU's kernels, no AMX buffers",
+    )
     q = sub.add_parser("quantize")
     q.add_argument("source", type=Path)
     q.add_argument("target", type=Path)
@@ -197,7 +213,9 @@ def main(argv: list[str]) -> None:
         quantize(args.source, args.target, args.kind, args.threads)
         return
     prompts = json.loads(args.prompts.read_text())
-    result = generate(args.gguf, prompts, args.gen_len, args.threads, kv_unified=args.kv_unified)
+    result = generate(
+        args.gguf, prompts, args.gen_len, args.threads, kv_unified=args.kv_unified, extra_bufts=not args.no_extra_bufts
+    )
     args.out.write_text(json.dumps(result))
 
 

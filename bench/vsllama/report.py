@@ -116,7 +116,7 @@ def table(pairs: list[dict[str, Any]]) -> list[str]:
             f"{o['e2e_tokens_per_second']:.1f}",
             f"{o['decode_tokens_per_second']:.1f}",
             f"{ll['e2e_tokens_per_second']:.1f}",
-            f"{ll['decode_tokens_per_second']:.1f}",
+            f"{ll['decode_tokens_per_second']:.1f}{'' if ll.get('extra_bufts', True) else '*'}",
             f"{p['decode_ratio']:.2f}x",
             f"{p['e2e_ratio']:.2f}x",
             f"{p['ours_roof_share']:.2f}",
@@ -161,6 +161,17 @@ def breakdown_lines(pairs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def plain_weights_note(pairs: list[dict[str, Any]]) -> list[str]:
+    """The footnote of the table's starred llama.cpp figures: runs without its extra buffer types."""
+    plain = [p for p in pairs if not p["llama_cpp"].get("extra_bufts", True)]
+    if not plain:
+        return []
+    why = "; ".join(
+        f"{p['format']} N={p['prompts']}: {p['llama_cpp'].get('extra_bufts_fallback', 'asked for')}" for p in plain
+    )
+    return [f"* llama.cpp with its weights as the file has them (no repacking for this CPU, no AMX): {why}"]
+
+
 def render(pairs: list[dict[str, Any]], roofs: list[dict[str, Any]]) -> str:
     """The whole report: the roof(s), the table, the time per decode step, the goals."""
     lines = []
@@ -174,7 +185,7 @@ def render(pairs: list[dict[str, Any]], roofs: list[dict[str, Any]]) -> str:
             f"(2 x {sum(r['active_parameters'].values()) / 1e6:.1f} M active parameters a token) "
             f"= {r['tokens_per_second']:.0f} tok/s"
         )
-    lines += ["", *table(pairs), "", "decode step, ms:", *breakdown_lines(pairs), ""]
+    lines += ["", *table(pairs), *plain_weights_note(pairs), "", "decode step, ms:", *breakdown_lines(pairs), ""]
     agree = [
         f"{p['format']} N={p['prompts']}: first token {p['agreement']['first_token']:.0%}, "
         f"whole sequence {p['agreement']['whole_sequence']:.0%}"
