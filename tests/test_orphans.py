@@ -62,6 +62,27 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
+def _left_behind(pids: list[int], logs: Path) -> str:
+    """What a failure needs to name a process that outlived its launcher: each one's command line, state
+    and kernel wait channel, and the end of every log of the run (its last words, if it logged any)."""
+    lines = []
+    for pid in pids:
+        try:
+            status = dict(
+                line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+            )
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            status, wchan = {}, "?"
+        state, threads = status.get("State", "?").strip(), status.get("Threads", "?").strip()
+        lines.append(f"pid {pid}: {' '.join(_cmdline(pid))[-300:]} (state {state}, {threads} threads, in {wchan})")
+    for log in sorted(logs.glob("**/*")) if logs.is_dir() else []:
+        if log.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-8:]
+            lines += [f"--- {log.name}", *tail]
+    return "\n".join(lines)
+
+
 @pytest.mark.skipif(not LINUX, reason="PR_SET_PDEATHSIG is Linux's")
 def test_child_whose_parent_already_died_exits_at_once() -> None:
     """The race: the parent died between fork and prctl, so the signal would never come."""
@@ -183,7 +204,7 @@ def test_kill_9_of_up_leaves_no_service_running(tiny_model: Path, tmp_path: Path
         up.proc.kill()  # nothing of `up` runs now: no stop(), no finally
         up.proc.wait()
         left = _wait_gone(pids, 20)
-        assert left == [], f"still running after up was killed: {left}"
+        assert left == [], f"still running after up was killed: {left}\n{_left_behind(left, tmp_path / 'logs')}"
         print(f"every service gone {time.monotonic() - t0:.1f} s after kill -9 of up")
         # they got SIGTERM, so they cleaned up as at any stop: no segment of theirs is left
         deadline = time.monotonic() + 5
