@@ -24,8 +24,18 @@ if TYPE_CHECKING:
     from moe_lightning.checkpoint import CheckpointReader
 
 
+# safetensors hands out views of its file mapping, whose tensors start wherever the header left them
+# (8-byte aligned); a host GEMM over a weight not on a 64-byte line boundary splits every vector load in
+# two (a decode step's down projections 1.5x slower: docs/quantization.md, "Kernels")
+CACHE_LINE = 64
+
+
 def to_layout(t: torch.Tensor, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    return t.to(device=device, dtype=dtype).contiguous()
+    """A checkpoint tensor in our dtype, on `device`, contiguous, and on the host cache-line aligned."""
+    out = t.to(device=device, dtype=dtype).contiguous()
+    if out.device.type == "cpu" and out.data_ptr() % CACHE_LINE and out.numel():
+        out = out.clone()  # PyTorch's host allocator aligns to 64 bytes
+    return out
 
 
 def load_layer(
