@@ -164,6 +164,54 @@ def test_native_kernels_race_by_policy_and_dtype() -> None:
     assert dense_bf16 == {"weight_major", "matmul"}
 
 
+def check_evict_keeps_the_bytes(ext: ModuleType) -> None:
+    """Eviction writes lines back and drops them: every value reads the same after it, at any dtype,
+    length and start (a view that begins and ends inside a cache line)."""
+    g = torch.Generator().manual_seed(0)
+    raw = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=g)
+    for t in (raw, raw[3:1003], torch.randn(37, 129, generator=g), torch.randn(1), raw.view(torch.int8)[:64]):
+        before = t.clone()
+        ext.evict(t)
+        assert torch.equal(t, before)
+    ext.evict(torch.empty(0))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.evict(torch.randn(8, 8).t())
+
+
+@needs_native
+def test_evict_keeps_the_bytes() -> None:
+    ext = host_kernels.extension()
+    assert ext is not None
+    check_evict_keeps_the_bytes(ext)
+
+
+@needs_native
+def test_the_race_times_each_call_over_an_evicted_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step reads each host weight from DRAM (docs/quantization.md, "Kernels"): before every
+    timed call of the race, first calls included, the weight's tensors (an int4 page's scales and zeros
+    too) are evicted from the caches."""
+    evicted: list[list[int]] = []
+    real = host_kernels.evict
+
+    def watch(tensors: list[torch.Tensor]) -> bool:
+        evicted.append([t.data_ptr() for t in tensors])
+        return real(tensors)
+
+    monkeypatch.setattr(host_kernels, "evict", watch)
+    w, x = operands(64, 256, 16)
+    q4 = quantize(w, QuantScheme(QuantFormat.INT4, 64))
+    kernels.chooser().pick(x, q4)
+    choice = next(iter(kernels.chooser().table.values()))
+    timed = len(choice.seconds)  # every candidate was called at least once, each time evicted first
+    assert len(evicted) >= timed >= 2
+    page = [q4.qweight.data_ptr(), q4.scales.data_ptr(), q4.zeros.data_ptr()]
+    assert evicted.count(page) >= timed, evicted  # (a kernel that dequantizes to a dense GEMM races that too)
+    evicted.clear()
+    dense, _ = operands(48, 256, 1)  # a shape not raced yet (dequant_mm raced its dense GEMM of w's)
+    kernels.chooser().pick(x, dense)
+    assert len(evicted) >= 2 and all(ptrs == [dense.data_ptr()] for ptrs in evicted)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 127, 128, 256, 300])
 def test_dense_linear_races_below_the_threshold_and_equals_the_gemm(rows: int) -> None:
     w, x = operands(48, 256, rows)
@@ -248,8 +296,11 @@ def test_the_avx2_build_rounds_activations_as_documented(avx2_build: ModuleType)
 
 
 def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
-    plain = build_variant(tmp_path, "plain", ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma"])
+    plain = build_variant(
+        tmp_path, "plain", ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma", "-mno-clflushopt"]
+    )
     assert plain.isa == "none"
+    check_evict_keeps_the_bytes(plain)  # by plain clflush, the one every x86-64 CPU has
     w, x = operands(16, 128, 2)
     with pytest.raises(RuntimeError, match="without AVX2/AVX-512"):
         plain.dense_f32(x, w)

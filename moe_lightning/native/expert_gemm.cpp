@@ -642,6 +642,24 @@ void check_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Ten
 
 }  // namespace
 
+// Writes a tensor's lines back and drops them from every cache level. The kernel race (quant/kernels.py)
+// times each call over a weight evicted so: a decode step reads each expert once, after gigabytes of the
+// others, so from DRAM, and a weight the race had just read sat in the L3 (docs/quantization.md,
+// "Kernels"). Plain clflush where the build has no clflushopt: slower, the same effect.
+void evict(const torch::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "evict: a contiguous tensor on the CPU");
+  const auto* p = static_cast<const char*>(t.data_ptr());
+  const char* end = p + t.numel() * t.element_size();
+  for (auto* q = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t{63}); q < end; q += 64) {
+#ifdef __CLFLUSHOPT__
+    _mm_clflushopt(const_cast<char*>(q));
+#else
+    _mm_clflush(q);
+#endif
+  }
+  _mm_sfence();
+}
+
 torch::Tensor dense_f32(const torch::Tensor& x, const torch::Tensor& w) {
   check_available();
   TORCH_CHECK(w.dtype() == torch::kFloat32 && w.dim() == 2 && w.is_contiguous(), "w: contiguous (N, K) fp32");
@@ -770,5 +788,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_f32", &int4_f32, "x (M, K) fp32, qweight (N, K/2) uint8, scales, zeros (N, K/G) -> x @ deq^T", nogil());
   m.def("int8_i8", &int8_i8, "int8_f32 with x quantized to int8 per (row, 128 columns)", nogil());
   m.def("int4_i8", &int4_i8, "int4_f32 with x quantized to int8 per (row, 128 columns)", nogil());
+  m.def("evict", &evict, "drops a contiguous host tensor's bytes from the caches", nogil());
   m.attr("isa") = kIsa;  // the vector instructions this build uses
 }

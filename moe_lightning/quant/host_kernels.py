@@ -44,6 +44,18 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.float().contiguous()
 
 
+def evict(tensors: list[torch.Tensor]) -> bool:
+    """Drops these host tensors' bytes from the CPU's caches (the next read comes from DRAM); False
+    where the extension is not built here (nothing evicted)."""
+    ext = extension()
+    if ext is None:
+        return False
+    for t in tensors:
+        if t.device.type == "cpu" and t.is_contiguous() and t.numel():
+            ext.evict(t)
+    return True
+
+
 def dense_native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ext().dense_f32(_fp32(x), w).to(x.dtype)
 

@@ -447,7 +447,7 @@ def _first_call(kernel: Kernel, x: torch.Tensor, ql: Weight) -> float | None:
     """A first call, not counted in the race (it may load or compile the kernel): its seconds, or None
     if this build or device lacks the kernel."""
     try:
-        return _once(kernel.fn, x, ql)
+        return _cold_once(kernel.fn, x, ql)
     except torch.OutOfMemoryError:
         raise  # not a missing kernel: the step's own error handling says so
     except (RuntimeError, NotImplementedError, AttributeError) as exc:
@@ -475,10 +475,26 @@ def _race(found: list[Kernel], x: torch.Tensor, ql: Weight, rounds: int = RACE_R
     alive = list(found)
     for _ in range(rounds):
         for kernel in alive:
-            times[kernel.name] = min(times.get(kernel.name, math.inf), _once(kernel.fn, x, ql))
+            times[kernel.name] = min(times.get(kernel.name, math.inf), _cold_once(kernel.fn, x, ql))
         best = min(times.values())
         alive = [k for k in alive if times[k.name] <= 4 * best]
     return times
+
+
+def _weight_tensors(w: Weight) -> list[torch.Tensor]:
+    if isinstance(w, torch.Tensor):
+        return [w]
+    return [t for t in (w.qweight, w.scales, w.zeros, w.perm) if t is not None]
+
+
+def _cold_once(fn: Fn, x: torch.Tensor, ql: Weight) -> float:
+    """One call over a weight that comes from DRAM, on a CPU that can evict it (host_kernels.evict): a
+    decode step reads each host weight once, after gigabytes of the others, while a weight the race has
+    just read sits in the L3, where the kernels rank otherwise (MKL's `weight_major` ahead of
+    `dense_native` at 16-32 rows there, behind it from DRAM; docs/quantization.md, "Kernels")."""
+    if x.device.type == "cpu":
+        host_kernels.evict(_weight_tensors(ql))
+    return _once(fn, x, ql)
 
 
 def _once(fn: Fn, x: torch.Tensor, ql: Weight) -> float:
