@@ -164,6 +164,24 @@ def test_native_kernels_race_by_policy_and_dtype() -> None:
     assert dense_bf16 == {"weight_major", "matmul"}
 
 
+def check_long_rows(ext: ModuleType) -> None:
+    """The fp32-activation GEMMs take K in chunks of 1024 columns once x has more rows than one tile:
+    each tile's sums carried across chunks, the last one ragged (K no multiple of the vectors either)."""
+    for n, k in ((37, 2500), (16, 2048), (9, 1040)):
+        for rows in (1, 7, 33):
+            w, x = operands(n, k, rows, seed=k + rows)
+            assert rel_error(ext.dense_f32(x, w), x @ w.T) <= EXACT, (n, k, rows)
+            q8 = quantize(w, QuantScheme(QuantFormat.INT8))
+            assert rel_error(ext.int8_f32(x, q8.qweight, q8.scales), x @ q8.dequantize().T) <= EXACT, (n, k, rows)
+
+
+@needs_native
+def test_fp32_gemms_over_rows_longer_than_a_chunk() -> None:
+    ext = host_kernels.extension()
+    assert ext is not None
+    check_long_rows(ext)
+
+
 def check_evict_keeps_the_bytes(ext: ModuleType) -> None:
     """Eviction writes lines back and drops them: every value reads the same after it, at any dtype,
     length and start (a view that begins and ends inside a cache line)."""
@@ -293,6 +311,10 @@ def test_the_avx2_build_equals_the_dequantized_gemm(avx2_build: ModuleType, shap
 
 def test_the_avx2_build_rounds_activations_as_documented(avx2_build: ModuleType) -> None:
     check_rounded_activations(avx2_build)
+
+
+def test_the_avx2_build_over_rows_longer_than_a_chunk(avx2_build: ModuleType) -> None:
+    check_long_rows(avx2_build)
 
 
 def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
