@@ -491,7 +491,7 @@ def _cold_once(fn: Fn, x: torch.Tensor, ql: Weight) -> float:
     """One call over a weight that comes from DRAM, on a CPU that can evict it (host_kernels.evict): a
     decode step reads each host weight once, after gigabytes of the others, while a weight the race has
     just read sits in the L3, where the kernels rank otherwise (MKL's `weight_major` ahead of
-    `dense_native` at 16-32 rows there, behind it from DRAM; docs/quantization.md, "Kernels")."""
+    `dense_native` at 16 rows there, behind it from DRAM; docs/quantization.md, "Kernels")."""
     if x.device.type == "cpu":
         host_kernels.evict(_weight_tensors(ql))
     return _once(fn, x, ql)
