@@ -481,19 +481,13 @@ def _race(found: list[Kernel], x: torch.Tensor, ql: Weight, rounds: int = RACE_R
     return times
 
 
-def _weight_tensors(w: Weight) -> list[torch.Tensor]:
-    if isinstance(w, torch.Tensor):
-        return [w]
-    return [t for t in (w.qweight, w.scales, w.zeros, w.perm) if t is not None]
-
-
 def _cold_once(fn: Fn, x: torch.Tensor, ql: Weight) -> float:
     """One call over a weight that comes from DRAM, on a CPU that can evict it (host_kernels.evict): a
     decode step reads each host weight once, after gigabytes of the others, while a weight the race has
     just read sits in the L3, where the kernels rank otherwise (MKL's `weight_major` ahead of
     `dense_native` at 16 rows there, behind it from DRAM; docs/quantization.md, "Kernels")."""
     if x.device.type == "cpu":
-        host_kernels.evict(_weight_tensors(ql))
+        host_kernels.evict([ql] if isinstance(ql, torch.Tensor) else list(ql.tensors()))
     return _once(fn, x, ql)
 
 
