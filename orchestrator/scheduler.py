@@ -102,6 +102,8 @@ class Scheduler:
                 raise UnavailableError(f"{self._dead}; this server cannot run requests, use another")
             if self._suspended is not None:
                 raise UnavailableError(f"{self._suspended}; retry shortly")
+            if self.backend_lost.is_set():
+                raise UnavailableError("a backend service could not be reached, the stack is recovering; retry shortly")
             seq = self.batcher.add(request, text)
             seq.grammar = grammar
             ticket = Ticket(seq, on_tokens)
@@ -194,7 +196,9 @@ class Scheduler:
         concerns and the loop goes on (issue 14, item 8: it used to kill the thread silently)."""
         with self._cv:
             b = self.batcher
-            while (b.idle or self._suspended) and not self._closed:
+            # a lost backend fails every step at once: stepping on would spin (a failed step's releases
+            # go with the next plan) until the supervisor suspends, starving the restart of the CPU
+            while (b.idle or self._suspended or self.backend_lost.is_set()) and not self._closed:
                 self._cv.wait(0.5)
             if self._closed:
                 return False

@@ -28,6 +28,7 @@ from orchestrator.scheduler import Scheduler
 
 RECOVERIES = Counter("moe_lightning_backend_recoveries_total", "Times the backend was re-wired after a fault")
 WORKERS = ("gpu_expert", "cpu_attention")
+LOST_TICK = 0.05  # seconds between looks at the scheduler's backend_lost flag
 HEALTH_MISSES = 3  # failed checks in a row before a worker counts as down (with interval 0.5 s: ~1.5-4.5 s)
 
 
@@ -70,14 +71,21 @@ class BackendSupervisor:
     def _run(self) -> None:
         degraded = False
         dead = False
-        while not self._stop.wait(self.interval):
+        tick = min(LOST_TICK, self.interval)
+        next_check = 0.0
+        while not self._stop.wait(tick):
+            # a step that could not reach a worker is acted on within a tick; the health checks run
+            # every interval (stop() must not wait out an interval either: the drain waits on it)
+            lost = self.scheduler.backend_lost.is_set()
+            if not lost and time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + self.interval
             if not self.scheduler.alive:
                 if not dead:  # nothing can run requests here: probes must send traffic elsewhere
                     self.log.error("scheduler_dead")
                     self.set_serving(False)
                     dead = True
                 continue
-            lost = self.scheduler.backend_lost.is_set()
             down = [] if lost else self._down()
             if lost or any(s in down for s in WORKERS):
                 self._recover(f"backend service down: {', '.join(down) or 'a step could not reach it'}")

@@ -18,7 +18,7 @@ class FakeBackend:
     """Answers a plan as gpu_expert would, with scripted tokens: sequence s's i-th generated token is
     `script[s][i]` when scripted, else a token that is never EOS; i counts from the `draws` a step with
     sampling parameters carries, as gpu_expert's random stream does, so a re-prefilled sequence gets the
-    tokens it would have. Records every plan. `fail` makes the next step raise it; while `gate` is
+    tokens it would have. Records every plan. `fail` makes the next step raise it, `down` every step; while `gate` is
     clear, steps wait for it (a step in flight). With `kv_blocks`, a real PagedKVCache mirrors what the
     workers' caches do with each plan (release, then each sequence's new tokens at its start): a
     batcher that over-commits the cache or disagrees on a length fails the step, as the workers would."""
@@ -36,6 +36,7 @@ class FakeBackend:
         self.plans: list[StepPlan] = []
         self.generated: dict[int, int] = {}
         self.fail: BaseException | None = None
+        self.down: BaseException | None = None  # raised by every step while set (a dead worker)
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a step has begun
@@ -47,6 +48,8 @@ class FakeBackend:
         if self.fail is not None:
             error, self.fail = self.fail, None
             raise error
+        if self.down is not None:
+            raise self.down
         if self.kv is not None:
             for seq in plan.release:
                 self.kv.free(seq)

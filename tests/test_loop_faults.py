@@ -195,3 +195,21 @@ def test_a_dead_scheduler_makes_the_orchestrator_not_serving() -> None:
     scheduler = StubScheduler()
     scheduler.alive = False
     assert _supervise(FlakyBackend([]), scheduler, until=0.05) == [False]
+
+
+def test_a_failed_step_is_acted_on_at_once_and_stop_does_not_wait_out_the_interval() -> None:
+    # the health checks every 30 s here: neither the lost flag nor stop() may wait for the next one
+    # (the orchestrator's drain waits on stop(): a SIGTERM must refuse new requests within ~0.1 s)
+    scheduler = StubScheduler()
+    serving: list[bool] = []
+    sup = BackendSupervisor(FlakyBackend([]), scheduler, serving.append, lambda c: KV, interval=30.0)  # type: ignore[arg-type]
+    sup.start()
+    time.sleep(0.2)
+    scheduler.backend_lost.set()
+    deadline = time.monotonic() + 2.0
+    while scheduler.resumed == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.suspended and serving == [False, True]
+    t0 = time.monotonic()
+    sup.stop()
+    assert time.monotonic() - t0 < 0.5 and not sup._thread.is_alive()

@@ -5,6 +5,7 @@ and shutdown end what is in flight (real threads, no processes)."""
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,23 +71,36 @@ def test_a_lost_backend_flags_recovery_and_suspend_resume_start_a_new_session(
     loop: tuple[Scheduler, FakeBackend],
 ) -> None:
     s, backend = loop
-    backend.fail = UnavailableError("gpu_expert is unreachable")
+    backend.down = UnavailableError("gpu_expert is unreachable")
     with pytest.raises(UnavailableError):
         s.submit(_request()).wait(30)
     assert s.backend_lost.wait(5)
-    backend.gate.clear()
-    backend.entered.clear()
-    running = s.submit(_request(50))
-    assert backend.entered.wait(10)  # its step is in flight when the supervisor suspends
-    assert s.suspend("backend service down: gpu_expert") == 1
-    with pytest.raises(UnavailableError, match="retry it"):
-        running.wait(5)
+    # no step until the supervisor acts: every one would fail at once (the failed step's releases
+    # went with the next plan, thousands of steps a second), and new requests are refused at once
+    steps = len(backend.plans)
+    with pytest.raises(UnavailableError, match="recovering; retry shortly"):
+        s.submit(_request())
+    time.sleep(0.5)
+    assert len(backend.plans) == steps
+    assert s.suspend("backend service down: gpu_expert") == 0
     with pytest.raises(UnavailableError, match="retry shortly"):
         s.submit(_request())
-    backend.gate.set()
+    backend.down = None
     s.resume(KVCapacity(128, 4, "float32"))
     assert not s.backend_lost.is_set() and s.kv_blocks == 128
     assert s.submit(_request()).wait(30).finish_reason == FINISH_LENGTH
+    # a suspend while a step is in flight ends its requests; the step's late answer is dropped
+    backend.gate.clear()
+    backend.entered.clear()
+    running = s.submit(_request(50))
+    assert backend.entered.wait(10)
+    assert s.suspend("backend service down: cpu_attention") == 1
+    with pytest.raises(UnavailableError, match="retry it"):
+        running.wait(5)
+    backend.gate.set()
+    s.resume(KVCapacity(128, 4, "float32"))
+    assert s.submit(_request()).wait(30).finish_reason == FINISH_LENGTH
+    assert s.stats()["free_blocks"] == 128
 
 
 def test_cancel_and_shutdown_end_what_is_in_flight(loop: tuple[Scheduler, FakeBackend]) -> None:

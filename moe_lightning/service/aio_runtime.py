@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from moe_lightning.config.service import ServiceConfig
 
 import asyncio
+import contextlib
+import inspect
 import signal
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -77,8 +79,18 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 return response
 
             return handler._replace(unary_unary=unary)
+        # grpc runs a streaming handler by its kind: an async generator's messages are sent for it, a
+        # coroutine writes its own (context.write: grpc's health Watch). The wrapper must be of the
+        # same kind, or the call fails with INTERNAL ('async for' over a coroutine).
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
+            if inspect.iscoroutinefunction(inner_stream):
+
+                async def stream_writer(request: Any, context: grpc.aio.ServicerContext) -> None:
+                    await _reject_undecodable(request, context)
+                    await _mapped_writer(inner_stream(request, context), context, method)
+
+                return handler._replace(unary_stream=stream_writer)
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 await _reject_undecodable(request, context)
@@ -88,6 +100,12 @@ class AioErrorMappingInterceptor(grpc.aio.ServerInterceptor):
             return handler._replace(unary_stream=stream)
         if handler.stream_stream is not None:  # a malformed message in the stream is the handler's to refuse
             inner_bidi = handler.stream_stream
+            if inspect.iscoroutinefunction(inner_bidi):
+
+                async def bidi_writer(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+                    await _mapped_writer(inner_bidi(requests, context), context, method)
+
+                return handler._replace(stream_stream=bidi_writer)
 
             async def bidi(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 async for msg in _mapped(inner_bidi(requests, context), context, method):
@@ -103,17 +121,30 @@ def _cancel_code(context: grpc.aio.ServicerContext) -> str:
     return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
-async def _mapped(responses: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[Any]:
-    """A streaming handler's responses, its exception as the call's status."""
+@contextlib.asynccontextmanager
+async def _call_status(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """A streaming handler's exception as the call's status; the call's outcome counted."""
     try:
-        async for msg in responses:
-            yield msg
+        yield
     except Exception as exc:
         await _abort(context, exc, method)
     except asyncio.CancelledError:
         count_rpc(method, _cancel_code(context))
         raise
     count_rpc(method, "OK")
+
+
+async def _mapped(responses: AsyncIterator[Any], context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[Any]:
+    """A streaming handler's responses, its exception as the call's status."""
+    async with _call_status(context, method):
+        async for msg in responses:
+            yield msg
+
+
+async def _mapped_writer(call: Awaitable[None], context: grpc.aio.ServicerContext, method: str) -> None:
+    """_mapped for a streaming handler that writes its own messages."""
+    async with _call_status(context, method):
+        await call
 
 
 async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
