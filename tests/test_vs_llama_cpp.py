@@ -227,6 +227,9 @@ def test_ours_prefills_in_one_step_then_decodes_the_whole_batch(tiny: Path) -> N
     assert r["generated_tokens"] == 24 and [len(t) for t in r["token_ids"]] == [4] * 6
     assert r["decode_tokens_per_second"] == pytest.approx(18 / r["decode_seconds"])
     assert r["decode_ms_per_step"]["orchestrator_wall"] >= r["decode_ms_per_step"]["step"] > 0
+    # fp32 on a CPU: no quantized kernel, the dense GEMMs' race picks for every rows bucket decoded
+    dense = r["dense_kernels"]
+    assert r["kernels"] == {} and dense and all(1 in buckets for buckets in dense.values()), dense
 
 
 def test_the_whole_script_on_the_tiny_model(tiny: Path, tmp_path: Path) -> None:

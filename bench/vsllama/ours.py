@@ -87,5 +87,6 @@ def run_ours(
         "policy": run.policy(),  # the planner's labels: its micro-batch even where one was fixed
         "micro_batch_size": micro_batch,  # fixed for this run (None: the planner's)
         "kernels": kernels_chosen(run.after["gpu_expert"]),
+        "dense_kernels": kernels_chosen(run.after["gpu_expert"], "dense"),
         "token_ids": [c.token_ids for c in run.done],
     }

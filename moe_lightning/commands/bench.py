@@ -174,6 +174,7 @@ def _ours(
         "expert_bytes_streamed": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total"),
         "expert_bytes_per_step": d("gpu_expert", "moe_lightning_expert_bytes_streamed_total") / max(1.0, all_steps),
         "kernels": kernels_chosen(run.after["gpu_expert"]),
+        "dense_kernels": kernels_chosen(run.after["gpu_expert"], "dense"),
         "rank_shares": rank_shares(run.after["gpu_expert"], lambda key: d("gpu_expert", key), all_steps),
         "decode_stage_seconds": decode.seconds(),
         "_decode": decode,

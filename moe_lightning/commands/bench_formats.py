@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 # decode tok/s >= 1.3x for int8 and never below fp32
 BYTES_TARGET = {QuantFormat.INT8: 3.5, QuantFormat.INT4: 6.0}
 SPEED_TARGET = {QuantFormat.INT8: 1.3, QuantFormat.INT4: 1.0}
-KERNEL_SERIES = re.compile(r'^moe_lightning_expert_kernel_seconds\{kernel="(\w+)",rows="(\d+)",shape="(\S+)"\}$')
+KERNEL_SERIES = re.compile(
+    r'^moe_lightning_(expert|dense)_kernel_seconds\{kernel="(\w+)",rows="(\d+)",shape="(\S+)"\}$'
+)
 
 
 def device_memory_for(
@@ -49,13 +51,14 @@ def device_memory_for(
     return share_budget(asked, dense, expert, spec.total_experts)
 
 
-def kernels_chosen(gpu_expert_metrics: dict[str, float]) -> dict[str, dict[int, str]]:
-    """{weight shape: {rows bucket: kernel}} from gpu_expert's metrics."""
+def kernels_chosen(gpu_expert_metrics: dict[str, float], weights: str = "expert") -> dict[str, dict[int, str]]:
+    """{weight shape: {rows bucket: kernel}} from gpu_expert's metrics: the quantized weights' kernels
+    (`weights` "expert"), or the dense (fp32/bf16) weights' GEMMs a CPU races ("dense")."""
     out: dict[str, dict[int, str]] = {}
     for key in gpu_expert_metrics:
         found = KERNEL_SERIES.match(key)
-        if found:
-            out.setdefault(found[3], {})[int(found[2])] = found[1]
+        if found and found[1] == weights:
+            out.setdefault(found[4], {})[int(found[3])] = found[2]
     return {shape: dict(sorted(rows.items())) for shape, rows in sorted(out.items())}
 
 
