@@ -203,6 +203,35 @@ def test_evict_keeps_the_bytes() -> None:
     check_evict_keeps_the_bytes(ext)
 
 
+def check_argmax_columns(ext: ModuleType) -> None:
+    """Each column's first maximum, as torch.argmax(dim=0) picks it: at row counts under, at and over a
+    thread's run (256), with the maximum repeated in one run and across runs (the first wins), and NaN
+    (the first NaN wins over any number)."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 255, 256, 257, 1000, 32000):
+        for cols in (1, 3, 16, 257):
+            t = torch.randn(rows, cols, generator=g)
+            if rows > 1:
+                t[rows - 1, 0] = t[0, 0] = 100.0  # the first row and the last: different runs
+            if rows > 600:
+                t[500, cols - 1] = t[510, cols - 1] = 100.0  # within a run
+            assert torch.equal(ext.argmax_columns(t), t.argmax(dim=0)), (rows, cols)
+    t = torch.randn(1000, 4, generator=g)
+    t[700, 1] = t[900, 1] = t[300, 2] = float("nan")
+    t[0, 2] = float("inf")
+    got = ext.argmax_columns(t)
+    assert torch.equal(got, t.argmax(dim=0)) and got[1] == 700 and got[2] == 300
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.argmax_columns(torch.randn(8, 4).T)
+    with pytest.raises(RuntimeError, match="R > 0"):
+        ext.argmax_columns(torch.randn(0, 4))
+
+
+@needs_native
+def test_argmax_columns_picks_each_columns_first_maximum() -> None:
+    check_argmax_columns(host_kernels.extension())
+
+
 @needs_native
 def test_the_race_times_each_call_over_an_evicted_weight(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode step reads each host weight from DRAM (docs/quantization.md, "Kernels"): before every
@@ -317,12 +346,17 @@ def test_the_avx2_build_over_rows_longer_than_a_chunk(avx2_build: ModuleType) ->
     check_long_rows(avx2_build)
 
 
+def test_the_avx2_build_picks_each_columns_first_maximum(avx2_build: ModuleType) -> None:
+    check_argmax_columns(avx2_build)
+
+
 def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
     plain = build_variant(
         tmp_path, "plain", ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma", "-mno-clflushopt"]
     )
     assert plain.isa == "none"
     check_evict_keeps_the_bytes(plain)  # by plain clflush, the one every x86-64 CPU has
+    check_argmax_columns(plain)  # plain C++: every build has it
     w, x = operands(16, 128, 2)
     with pytest.raises(RuntimeError, match="without AVX2/AVX-512"):
         plain.dense_f32(x, w)

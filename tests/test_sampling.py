@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_lightning.sampling import SamplingParams, sample
+from moe_lightning.quant import host_kernels
+from moe_lightning.sampling import SamplingParams, greedy_tokens, sample
 
 LOGITS = torch.tensor([[0.1, 2.0, 1.9, -1.0, 0.5], [3.0, 0.0, 0.0, 0.0, 2.9]])
 
@@ -14,6 +15,51 @@ def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
     for p in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6, seed=1)):
         for _ in range(20):
             assert sample(LOGITS, [p, p], [p.make_generator(), p.make_generator()]).tolist() == [1, 0]
+
+
+def greedy_cases() -> list[torch.Tensor]:
+    """(B, V) logits in every layout the head leaves: rows (the `matmul` GEMM), a (V, B) tensor's
+    transposed view (`weight_major`), a strided slice of either, one row; with repeated maxima and NaN."""
+    g = torch.Generator().manual_seed(3)
+    by_columns = torch.randn(32000, 64, generator=g)
+    by_columns[[9, 31000], 5] = 50.0  # the first of two maxima wins
+    by_columns[[400, 20], 6] = float("nan")  # a NaN is the maximum, the first of them
+    rows = torch.randn(256, 32000, generator=g)
+    rows[3, [7, 8]] = 50.0
+    rows[4, 17] = float("nan")
+    return [by_columns.T, rows, by_columns.T[::2], rows[:, ::3], rows[:1], by_columns[:1000, :3].T.contiguous()]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "without-the-extension"])
+def test_greedy_tokens_equal_torch_argmax_in_every_layout(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if native and not host_kernels.available():
+        pytest.skip("the native host kernels are not built here")
+    if not native:
+        monkeypatch.setattr(host_kernels, "extension", lambda: None)
+    for logits in greedy_cases():
+        assert torch.equal(greedy_tokens(logits), torch.argmax(logits, dim=-1)), logits.stride()
+    picked = greedy_tokens(greedy_cases()[0])
+    assert picked[5] == 9 and picked[6] == 20
+    greedy = SamplingParams()
+    view = greedy_cases()[0]
+    assert torch.equal(sample(view, [greedy] * 64, [None] * 64), torch.argmax(view, dim=-1))
+
+
+def test_the_native_pick_reads_the_transposed_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout `weight_major` leaves goes to the native kernel, the others to PyTorch."""
+    if not host_kernels.available():
+        pytest.skip("the native host kernels are not built here")
+    seen: list[tuple[int, ...]] = []
+    real = host_kernels.argmax_columns
+
+    def spy(t: torch.Tensor) -> torch.Tensor | None:
+        seen.append(tuple(t.shape))
+        return real(t)
+
+    monkeypatch.setattr(host_kernels, "argmax_columns", spy)
+    for logits in greedy_cases():
+        greedy_tokens(logits)
+    assert seen == [(32000, 64)]
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ() -> None:

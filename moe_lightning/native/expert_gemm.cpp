@@ -21,11 +21,13 @@
 //               activation block's; the zeros' share, sum_g c_g sum_{k in g} x_k, from the fp32
 //               activations' group sums.
 //
+// Beside them, argmax_columns: the head's greedy pick over the logits as its GEMM leaves them.
+//
 // The fp32-activation kernels are exact (the GEMM on the dequantized weight, up to the order of the
 // sums); the int8-activation ones round the activations to 8 bits per block of 128.
 //
 // Vectors: AVX-512 (F, BW, VL and VNNI) where the compiler targets it (-march=native on such a CPU),
-// else AVX2 with FMA; without either every entry point raises, and PyTorch's kernels run instead
+// else AVX2 with FMA; without either every GEMM raises, and PyTorch's kernels run instead
 // (moe_lightning/quant/kernels.py drops a kernel that raises). Threads: PyTorch's intra-op pool, over
 // blocks of weight rows.
 
@@ -807,6 +809,53 @@ torch::Tensor int4_i8(const torch::Tensor& x, const torch::Tensor& q, const torc
 #endif
 }
 
+// ---- the head's greedy pick ------------------------------------------------------------------------
+// Each column's first maximum of a contiguous (R, C) fp32 tensor, NaN counting as the maximum (torch.argmax's
+// rule). The head's GEMM at many rows is MKL's weight-major one (quant/kernels.py), which leaves the logits
+// as a (V, B) tensor viewed as (B, V): torch's argmax over that view's strided last dim took 22 ms for
+// 256 x 32000 logits here, a quarter of the head's time; this reads the (V, B) rows as they lie, each
+// thread a run of them with its running maxima across B (vectorized), in 0.65 ms (docs/quantization.md).
+torch::Tensor argmax_columns(const torch::Tensor& t) {
+  TORCH_CHECK(t.dtype() == torch::kFloat32 && t.dim() == 2 && t.is_contiguous() && t.device().is_cpu() && t.size(0) > 0,
+              "argmax_columns: a contiguous (R, C) fp32 tensor on the CPU with R > 0");
+  const int64_t R = t.size(0), C = t.size(1);
+  const float* p = t.data_ptr<float>();
+  // runs of at least 256 rows: fewer are not worth a thread
+  const int64_t runs = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), R / 256));
+  std::vector<float> best(runs * C);
+  std::vector<int64_t> where(runs * C);
+  auto take = [](float v, float b) { return v > b || (v != v && b == b); };
+  at::parallel_for(0, runs, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<int32_t> row(C);  // int32 beside the fp32 maxima: both vectorize at the same width
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t r0 = R * u / runs, r1 = R * (u + 1) / runs;
+      float* b = best.data() + u * C;
+      std::copy(p + r0 * C, p + (r0 + 1) * C, b);
+      std::fill(row.begin(), row.end(), 0);
+      for (int64_t r = r0 + 1; r < r1; ++r) {
+        const float* v = p + r * C;
+        const auto rr = static_cast<int32_t>(r - r0);
+        for (int64_t j = 0; j < C; ++j) {
+          const bool hit = take(v[j], b[j]);
+          b[j] = hit ? v[j] : b[j];
+          row[j] = hit ? rr : row[j];
+        }
+      }
+      for (int64_t j = 0; j < C; ++j) where[u * C + j] = r0 + row[j];
+    }
+  });
+  auto out = torch::empty({C}, t.options().dtype(torch::kInt64));
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t j = 0; j < C; ++j) {  // the runs in row order: an equal maximum of a later run loses
+    float bj = best[j];
+    int64_t wj = where[j];
+    for (int64_t u = 1; u < runs; ++u)
+      if (take(best[u * C + j], bj)) bj = best[u * C + j], wj = where[u * C + j];
+    o[j] = wj;
+  }
+  return out;
+}
+
 // The GIL is released for the call, as PyTorch's own operators release it: a service's other threads
 // (the shared-memory heartbeat, gRPC) keep running beside a long GEMM, or its peer would judge it dead.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -816,6 +865,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_f32", &int4_f32, "x (M, K) fp32, qweight (N, K/2) uint8, scales, zeros (N, K/G) -> x @ deq^T", nogil());
   m.def("int8_i8", &int8_i8, "int8_f32 with x quantized to int8 per (row, 128 columns)", nogil());
   m.def("int4_i8", &int4_i8, "int4_f32 with x quantized to int8 per (row, 128 columns)", nogil());
+  m.def("argmax_columns", &argmax_columns, "t (R, C) fp32 -> each column's first maximum (C,) int64", nogil());
   m.def("evict", &evict, "drops a contiguous host tensor's bytes from the caches", nogil());
   m.attr("isa") = kIsa;  // the vector instructions this build uses
 }

@@ -56,6 +56,13 @@ def evict(tensors: list[torch.Tensor]) -> bool:
     return True
 
 
+def argmax_columns(t: torch.Tensor) -> torch.Tensor | None:
+    """t: contiguous (R, C) fp32 on the CPU -> each column's first maximum, (C,) int64, NaN counting as the
+    maximum (torch.argmax's rule); None where the extension is not built here."""
+    ext = extension()
+    return None if ext is None else ext.argmax_columns(t)
+
+
 def dense_native(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _ext().dense_f32(_fp32(x), w).to(x.dtype)
 
