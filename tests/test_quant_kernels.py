@@ -194,6 +194,94 @@ def test_a_kernel_far_behind_on_its_first_call_is_not_raced(monkeypatch: pytest.
     assert choice.seconds == {"slow": 0.05, "fast": seconds[fast]} and not choice.pruned
 
 
+def settling_kernels(monkeypatch: pytest.MonkeyPatch, race: dict[str, float], steady: dict[str, float]) -> dict:
+    """Two int8 kernels with given times: `race` in the race (evicted weight), `steady` on a step's calls;
+    the calls each makes are counted. Given, not measured: a loaded machine must not decide."""
+    calls = dict.fromkeys(race, 0)
+
+    def make(name: str) -> kernels.Fn:
+        def fn(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
+            calls[name] += 1
+            return x @ ql.dequantize().T
+
+        return fn
+
+    fns = {name: make(name) for name in race}
+    by_fn = {fn: name for name, fn in fns.items()}
+
+    def timed(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+        fn(x, ql)
+        return race[by_fn[fn]]
+
+    def step_call(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> tuple[torch.Tensor, float]:
+        return fn(x, ql), steady[by_fn[fn]]
+
+    monkeypatch.setattr(kernels, "KERNELS", tuple(kernels.Kernel(n, QuantFormat.INT8, f) for n, f in fns.items()))
+    monkeypatch.setattr(kernels, "_once", timed)
+    monkeypatch.setattr(kernels, "_timed_call", step_call)
+    return calls
+
+
+def test_a_near_tie_is_settled_on_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race's winner by 5 % is the slower one on a step's calls: both run SETTLE_CALLS calls in a
+    random order after the race, the faster keeps the bucket, and its gauge and report say so."""
+    from prometheus_client import REGISTRY
+
+    calls = settling_kernels(monkeypatch, race={"raced": 1.0, "steady": 1.05}, steady={"raced": 0.002, "steady": 0.001})
+    ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
+    chooser = kernels.KernelChooser()
+    x = torch.randn(16, 32)
+    want = x @ ql.dequantize().T
+    torch.testing.assert_close(chooser.run(x, ql), want)  # the race, then the winner's call, uncounted
+    (choice,) = chooser.table.values()
+    assert choice.kernel.name == "raced" and choice.settling is not None
+    assert [k.name for k in choice.settling.kernels] == ["raced", "steady"] and choice.settling.calls == [0, 0]
+    before = dict(calls)
+    order = []
+    for _ in range(2 * kernels.SETTLE_CALLS):
+        torch.testing.assert_close(chooser.run(x, ql), want)
+        order.append("raced" if calls["raced"] > before["raced"] + order.count("raced") else "steady")
+    assert {n: calls[n] - before[n] for n in calls} == {"raced": kernels.SETTLE_CALLS, "steady": kernels.SETTLE_CALLS}
+    assert order != ["raced", "steady"] * kernels.SETTLE_CALLS  # not in turns
+    assert choice.kernel.name == "steady" and choice.settling is None
+    assert choice.settled == {"raced": pytest.approx(0.002), "steady": pytest.approx(0.001)}
+    (row,) = chooser.report()
+    assert row["kernel"] == "steady" and row["settled_ms"] == {"raced": 2.0, "steady": 1.0}
+
+    def gauge(kernel: str) -> float | None:
+        labels = {"shape": "16x32", "rows": "16", "kernel": kernel}
+        return REGISTRY.get_sample_value("moe_lightning_expert_kernel_seconds", labels)
+
+    assert gauge("steady") == pytest.approx(0.001) and gauge("raced") is None
+    chooser.run(x, ql)
+    assert calls["steady"] == before["steady"] + kernels.SETTLE_CALLS + 1  # settled: the winner alone
+
+
+def test_a_clear_winner_is_not_settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runner-up more than SETTLE_WITHIN behind in the race is not tried on the calls."""
+    calls = settling_kernels(monkeypatch, race={"best": 1.0, "behind": 1.2}, steady={"best": 0.002, "behind": 0.001})
+    ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
+    chooser = kernels.KernelChooser()
+    x = torch.randn(8, 32)
+    for _ in range(2 * kernels.SETTLE_CALLS + 1):
+        chooser.run(x, ql)
+    (choice,) = chooser.table.values()
+    assert choice.kernel.name == "best" and choice.settling is None and not choice.settled
+    assert calls["behind"] == 1 + kernels.RACE_ROUNDS  # in the race, none after it
+
+
+def test_dense_near_ties_settle_on_real_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real dense kernels of this CPU, every runner-up counted as a near tie: the bucket settles on
+    one of the two after their calls, and every call's result is the GEMM's."""
+    monkeypatch.setattr(kernels, "SETTLE_WITHIN", float("inf"))
+    w, x = weight(96, 256), torch.randn(16, 256)
+    for _ in range(2 * kernels.SETTLE_CALLS + 1):
+        torch.testing.assert_close(kernels.dense_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
+    (choice,) = kernels.chooser().table.values()
+    assert choice.settling is None and len(choice.settled) == 2 and choice.kernel.name in choice.settled
+    assert choice.settled[choice.kernel.name] == min(choice.settled.values())
+
+
 def test_a_single_kernel_can_be_forced() -> None:
     ql = quantize(weight(), QuantScheme(QuantFormat.INT8))
     chooser = kernels.configure(only="dequant_mm")

@@ -2,7 +2,9 @@
 (QuantizedLinear: a layer's tensors, in the formats of scheme.py) it runs over.
 
 No kernel is fastest everywhere, so the first call of each (weight format and shape, rows bucket, dtype)
-races every candidate on the real operands and keeps the winner: warm-up is when that happens.
+races every candidate on the real operands and keeps the winner: warm-up is when that happens. On a
+CPU a runner-up within SETTLE_WITHIN of the winner is tried against it on the step's own calls, and the
+faster there keeps the bucket (Settling).
 
 Dense W (`dense_linear`) on a CPU below DENSE_RACE_BELOW rows races the operand orders of PyTorch's GEMM
 (oneDNN/MKL) and the native fp32 kernel: BLAS is slow for x @ W^T when x has few rows (on the 2-core
@@ -25,6 +27,7 @@ former; the default, `fastest`, allows both.
 from __future__ import annotations
 
 import math
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +48,11 @@ WARM_UP_ROWS = MAX_BUCKET  # every bucket is measured at start: a step never pay
 PRUNE_BEHIND = 8.0  # far behind the best ...
 GROWS = 1.5  # ... and slower by this much per doubling of the rows: not timed at more rows (_pruned)
 RACE_ROUNDS = 5
+# A runner-up the race timed within SETTLE_WITHIN of the winner (on a CPU) is settled on the calls
+# themselves: SETTLE_CALLS of each, in a random order, and the faster on average keeps the bucket
+# (see Settling).
+SETTLE_WITHIN = 1.15
+SETTLE_CALLS = 24
 CHOSEN = Gauge(
     "moe_lightning_expert_kernel_seconds",
     "Time of the quantized kernel chosen for a weight shape and rows bucket, as measured when chosen",
@@ -125,7 +133,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x: (n, in), weight: (out, in) -> (n, out), by the kernel chosen for the shape (see the module doc).
     The result may be a transposed view; callers treat it as any (n, out) tensor."""
     if x.device.type == "cpu" and x.shape[0] < DENSE_RACE_BELOW:
-        return CHOOSER.pick(x, weight).fn(x, weight)
+        return CHOOSER.run(x, weight)
     return x @ weight.T
 
 
@@ -354,10 +362,42 @@ def rows_bucket(m: int) -> int:
 
 
 @dataclass(slots=True)
+class Settling:
+    """The race's winner and a runner-up it timed within SETTLE_WITHIN of it, tried in turn on the calls
+    a step makes until each has run SETTLE_CALLS of them. At decode's 16-32 rows per expert the fp32
+    kernels come within a few percent of each other in the race, and which wins flipped from one start
+    to the next (the other services starting beside it, the weight read once where a step streams
+    gigabytes), while on a step's calls one stays 5-10 % ahead (docs/quantization.md, "Kernels"). The
+    order is drawn at random, not alternated: a layer's experts come in the same order every step, and
+    a bucket's calls in turns would give each kernel the same experts (and their row counts) each time."""
+
+    kernels: tuple[Kernel, Kernel]
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    calls: list[int] = field(default_factory=lambda: [0, 0])
+    draw: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def next(self) -> int:
+        """Which kernel runs the next call: either at random until one has had its share."""
+        if self.calls[0] >= SETTLE_CALLS:
+            return 1
+        if self.calls[1] >= SETTLE_CALLS:
+            return 0
+        return self.draw.randrange(2)
+
+    def settled(self) -> bool:
+        return min(self.calls) >= SETTLE_CALLS
+
+    def means(self) -> tuple[float, float]:
+        return self.seconds[0] / max(1, self.calls[0]), self.seconds[1] / max(1, self.calls[1])
+
+
+@dataclass(slots=True)
 class Choice:
     kernel: Kernel
     seconds: dict[str, float]  # every candidate's time on the operands it was chosen with
     pruned: frozenset[str] = frozenset()  # not timed: far behind and slower the more rows (see _pruned)
+    settling: Settling | None = None  # a near tie, being settled on the calls (then None)
+    settled: dict[str, float] = field(default_factory=dict)  # the mean call each had when it was
 
 
 @dataclass(slots=True)
@@ -365,6 +405,7 @@ class KernelChooser:
     policy: str = "fastest"
     only: str | None = None  # one kernel by name (tests, benchmarks of a single kernel)
     table: dict[tuple, Choice] = field(default_factory=dict)
+    settle: bool = True  # near ties settled on the calls (Settling); False: the race's winner stays
 
     def candidates(self, fmt: QuantFormat, device: torch.device, dtype: torch.dtype) -> list[Kernel]:
         """The kernels raced for `fmt` weights: `only` where it names one of this format's (the other
@@ -379,11 +420,49 @@ class KernelChooser:
         return found
 
     def pick(self, x: torch.Tensor, w: Weight) -> Kernel:
+        return self._choice(x, w)[0].kernel
+
+    def run(self, x: torch.Tensor, w: Weight) -> torch.Tensor:
+        """x @ W^T by the bucket's kernel; while a near tie is being settled, by either (timed)."""
+        choice, fresh = self._choice(x, w)
+        trial = choice.settling
+        if trial is None or fresh:  # the call that raced ran over a weight the race had just read
+            return choice.kernel.fn(x, w)
+        i = trial.next()
+        y, seconds = _timed_call(trial.kernels[i].fn, x, w)
+        trial.seconds[i] += seconds
+        trial.calls[i] += 1
+        if trial.settled():
+            self._settle(x, w, choice, trial)
+        return y
+
+    def _choice(self, x: torch.Tensor, w: Weight) -> tuple[Choice, bool]:
         key = (str(x.device), *_weight_key(w), rows_bucket(x.shape[0]), x.dtype)
         choice = self.table.get(key)
-        if choice is None:
-            choice = self.table[key] = self._measure(x, w, key)
-        return choice.kernel
+        if choice is not None:
+            return choice, False
+        choice = self.table[key] = self._measure(x, w, key)
+        return choice, True
+
+    def _settle(self, x: torch.Tensor, w: Weight, choice: Choice, trial: Settling) -> None:
+        means = trial.means()
+        best = trial.kernels[0 if means[0] <= means[1] else 1]
+        fmt, shape, _ = _weight_key(w)
+        gauge = DENSE_CHOSEN if fmt is QuantFormat.NONE else CHOSEN
+        labels = ("x".join(map(str, shape)), str(rows_bucket(x.shape[0])))
+        if best is not choice.kernel:
+            gauge.remove(*labels, choice.kernel.name)
+        gauge.labels(*labels, best.name).set(min(means))
+        choice.kernel, choice.settling = best, None
+        choice.settled = {k.name: m for k, m in zip(trial.kernels, means, strict=True)}
+        structlog.get_logger().info(
+            "kernel_settled",
+            format=str(fmt),
+            shape=list(shape),
+            rows=int(labels[1]),
+            kernel=best.name,
+            mean_ms={k: round(m * 1e3, 3) for k, m in choice.settled.items()},
+        )
 
     def _measure(self, x: torch.Tensor, ql: Weight, key: tuple) -> Choice:
         found = self.candidates(key[1], x.device, x.dtype)
@@ -409,7 +488,9 @@ class KernelChooser:
             kernel=best,
             ms={k: round(v * 1e3, 3) for k, v in seconds.items()},
         )
-        return Choice(next(k for k in found if k.name == best), seconds, frozenset(pruned))
+        winner = next(k for k in found if k.name == best)
+        tie = _near_tie(winner, found, seconds, x.device) if self.settle else None
+        return Choice(winner, seconds, frozenset(pruned), tie)
 
     def _pruned(self, key: tuple) -> set[str]:
         """Kernels not worth timing at this rows bucket: more than PRUNE_BEHIND times slower than the
@@ -438,9 +519,28 @@ class KernelChooser:
                 "dtype": str(key[5]).removeprefix("torch."),
                 "kernel": c.kernel.name,
                 "ms": {k: round(v * 1e3, 3) for k, v in c.seconds.items()},
+                "settled_ms": {k: round(v * 1e3, 3) for k, v in c.settled.items()},  # {}: no near tie
             }
             for key, c in self.table.items()
         ]
+
+
+def _near_tie(winner: Kernel, found: list[Kernel], seconds: dict[str, float], device: torch.device) -> Settling | None:
+    """The winner and its closest runner-up where the race could not tell them apart (a CPU's: a CUDA
+    call would need a synchronisation to be timed)."""
+    if device.type != "cpu":
+        return None
+    others = sorted((t, k.name) for k in found if k is not winner and (t := seconds.get(k.name)) is not None)
+    if not others or others[0][0] > SETTLE_WITHIN * seconds[winner.name]:
+        return None
+    return Settling((winner, next(k for k in found if k.name == others[0][1])))
+
+
+def _timed_call(fn: Fn, x: torch.Tensor, ql: Weight) -> tuple[torch.Tensor, float]:
+    """A step's call to a kernel being settled (a CPU's: no synchronisation to wait for), and its time."""
+    t0 = time.perf_counter()
+    y = fn(x, ql)
+    return y, time.perf_counter() - t0
 
 
 def _first_call(kernel: Kernel, x: torch.Tensor, ql: Weight) -> float | None:
@@ -513,14 +613,15 @@ def _time(fn: Fn, x: torch.Tensor, ql: Weight, reps: int = 3) -> float:
 CHOOSER = KernelChooser()
 
 
-def configure(policy: str = "fastest", only: str | None = None) -> KernelChooser:
-    """Sets this process's kernel policy (gpu_expert's --expert-kernels) and forgets past choices."""
+def configure(policy: str = "fastest", only: str | None = None, settle: bool = True) -> KernelChooser:
+    """Sets this process's kernel policy (gpu_expert's --expert-kernels) and forgets past choices.
+    `settle=False`: a bucket keeps the race's winner (every call of a shape then sums in one order)."""
     global CHOOSER
     if policy not in POLICIES:
         raise ValueError(f"--expert-kernels must be one of {', '.join(POLICIES)}, got {policy!r}")
     if only is not None and only not in {k.name for k in KERNELS}:
         raise ValueError(f"unknown kernel {only!r}: one of {', '.join(sorted({k.name for k in KERNELS}))}")
-    CHOOSER = KernelChooser(policy, only)
+    CHOOSER = KernelChooser(policy, only, settle=settle)
     return CHOOSER
 
 
@@ -557,12 +658,12 @@ def quantized_linear(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
     """x: (M, K) -> (M, N), applying the activation order part by part when ql has one."""
     x = x.contiguous()  # the packed kernels take row-major activations only
     if ql.perm is None:
-        return CHOOSER.pick(x, ql).fn(x, ql)
+        return CHOOSER.run(x, ql)
     parts = ql.perm.shape[0]
     rows = ql.out_features // parts
     outs = []
     for p in range(parts):
         part = ql.rows(p * rows, (p + 1) * rows)
         xp = x[:, ql.perm[p].long()]  # (M, K) in the order the part's groups were formed
-        outs.append(CHOOSER.pick(xp, part).fn(xp, part))
+        outs.append(CHOOSER.run(xp, part))
     return torch.cat(outs, dim=-1)
