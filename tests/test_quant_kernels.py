@@ -219,6 +219,7 @@ def settling_kernels(monkeypatch: pytest.MonkeyPatch, race: dict[str, float], st
     monkeypatch.setattr(kernels, "KERNELS", tuple(kernels.Kernel(n, QuantFormat.INT8, f) for n, f in fns.items()))
     monkeypatch.setattr(kernels, "_once", timed)
     monkeypatch.setattr(kernels, "_timed_call", step_call)
+    monkeypatch.setattr(kernels, "SETTLE_MIN_BYTES", 0)  # these weights are a few hundred bytes
     return calls
 
 
@@ -274,12 +275,25 @@ def test_dense_near_ties_settle_on_real_calls(monkeypatch: pytest.MonkeyPatch) -
     """The real dense kernels of this CPU, every runner-up counted as a near tie: the bucket settles on
     one of the two after their calls, and every call's result is the GEMM's."""
     monkeypatch.setattr(kernels, "SETTLE_WITHIN", float("inf"))
+    monkeypatch.setattr(kernels, "SETTLE_MIN_BYTES", 96 * 256 * 4)  # this weight, just
     w, x = weight(96, 256), torch.randn(16, 256)
     for _ in range(2 * kernels.SETTLE_CALLS + 1):
         torch.testing.assert_close(kernels.dense_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     (choice,) = kernels.chooser().table.values()
     assert choice.settling is None and len(choice.settled) == 2 and choice.kernel.name in choice.settled
     assert choice.settled[choice.kernel.name] == min(choice.settled.values())
+
+
+def test_a_small_weight_keeps_the_race_winner_from_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under SETTLE_MIN_BYTES a near tie is not settled: every call of the bucket runs one kernel."""
+    monkeypatch.setattr(kernels, "SETTLE_WITHIN", float("inf"))
+    w, x = weight(96, 256), torch.randn(16, 256)
+    assert w.numel() * 4 < kernels.SETTLE_MIN_BYTES
+    first = kernels.dense_linear(x, w)
+    for _ in range(2 * kernels.SETTLE_CALLS):
+        assert torch.equal(kernels.dense_linear(x, w), first)
+    (choice,) = kernels.chooser().table.values()
+    assert choice.settling is None and not choice.settled
 
 
 def test_a_single_kernel_can_be_forced() -> None:
