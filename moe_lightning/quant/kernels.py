@@ -368,7 +368,7 @@ def rows_bucket(m: int) -> int:
 
 @dataclass(slots=True)
 class Settling:
-    """The race's winner and a runner-up it timed within SETTLE_WITHIN of it, tried in turn on the calls
+    """The race's winner and a runner-up it timed within SETTLE_WITHIN of it, both tried on the calls
     a step makes until each has run SETTLE_CALLS of them. At decode's 16-32 rows per expert the fp32
     kernels come within a few percent of each other in the race, and which wins flipped from one start
     to the next (the other services starting beside it, the weight read once where a step streams
