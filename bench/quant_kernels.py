@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from moe_lightning.quant import kernels
-from moe_lightning.quant.kernels import Kernel, Weight
+from moe_lightning.quant import kernel_choice, kernels
+from moe_lightning.quant.kernel_choice import Kernel
+from moe_lightning.quant.kernels import Weight
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 
@@ -40,7 +41,8 @@ def pages_of(fmt: QuantFormat, weights: list[torch.Tensor], dtype: torch.dtype, 
 def race(found: list[tuple[str, Kernel]], pages: dict[QuantFormat, list[Weight]], x: torch.Tensor, rounds: int) -> dict:
     """{column: best seconds per call}, each kernel once through every page per round. Round 0 is not
     counted (first calls), except for a kernel that took 8x its format's best there: as in the
-    chooser's race (`_far_behind`), it keeps that time and runs no more (int4mm_cpu: ~0.5 s a call)."""
+    chooser's race (`_far_behind`, quant/kernel_choice.py), it keeps that time and runs no more
+    (int4mm_cpu: ~0.5 s a call)."""
     first: dict[str, float] = {}
     best: dict[str, float] = {}
     for r in range(rounds + 1):
@@ -49,11 +51,11 @@ def race(found: list[tuple[str, Kernel]], pages: dict[QuantFormat, list[Weight]]
                 continue  # far behind: its first time stands
             ws = pages[kernel.format]
             try:
-                kernels._sync(x.device)
+                kernel_choice.sync(x.device)
                 t0 = time.perf_counter()
                 for w in ws:
                     kernel.fn(x, w)
-                kernels._sync(x.device)
+                kernel_choice.sync(x.device)
             except (RuntimeError, NotImplementedError) as exc:  # a shape this kernel does not take
                 print(f"{column} unavailable: {str(exc).splitlines()[0]}")
                 found.remove((column, kernel))
@@ -66,7 +68,7 @@ def race(found: list[tuple[str, Kernel]], pages: dict[QuantFormat, list[Weight]]
         if not r:
             for column, kernel in found:
                 fastest = min(t for c, t in first.items() if c.split(":")[0] == str(kernel.format))
-                if first[column] <= kernels.PRUNE_BEHIND * fastest:
+                if first[column] <= kernel_choice.PRUNE_BEHIND * fastest:
                     best[column] = math.inf  # raced
     return {column: best[column] if column in best else first[column] for column in first}
 
@@ -114,7 +116,7 @@ def main() -> int:
         print(f"{rows:>4} " + " ".join(f"{row.get(name, math.nan) * 1e3:{width}.3f}" for name in names))
     x = torch.randn(1, k, device=device)
     dequant = {
-        str(fmt): kernels._time(lambda _, ql: ql.dequantize(dtype), x, ws[0]) * 1e3
+        str(fmt): kernel_choice.best_time(lambda _, ql: ql.dequantize(dtype), x, ws[0]) * 1e3
         for fmt, ws in pages.items()
         if fmt is not QuantFormat.NONE
     }

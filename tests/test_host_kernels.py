@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moe_lightning import native
-from moe_lightning.quant import host_kernels, kernels
+from moe_lightning.quant import host_kernels, kernel_choice, kernels
 from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
@@ -151,16 +151,28 @@ def test_shapes_a_kernel_does_not_take_raise_and_the_chooser_drops_it() -> None:
 
 @needs_native
 def test_native_kernels_race_by_policy_and_dtype() -> None:
-    fastest = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.INT4, CPU, torch.float32)}
-    exact = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT4, CPU, torch.float32)}
+    fastest = {
+        k.name for k in kernel_choice.KernelChooser(kernels.KERNELS).candidates(QuantFormat.INT4, CPU, torch.float32)
+    }
+    exact = {
+        k.name
+        for k in kernel_choice.KernelChooser(kernels.KERNELS, "exact").candidates(QuantFormat.INT4, CPU, torch.float32)
+    }
     assert {"int4_native_f32", "int4_native_i8"} <= fastest
     assert "int4_native_f32" in exact and "int4_native_i8" not in exact
     # in bf16 the dequantized weights are rounded to bf16 first, which the fp32 kernels do not do
-    in_bf16 = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT8, CPU, torch.bfloat16)}
+    in_bf16 = {
+        k.name
+        for k in kernel_choice.KernelChooser(kernels.KERNELS, "exact").candidates(QuantFormat.INT8, CPU, torch.bfloat16)
+    }
     assert in_bf16 == {"dequant_mm"}
-    dense = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.NONE, CPU, torch.float32)}
+    dense = {
+        k.name for k in kernel_choice.KernelChooser(kernels.KERNELS).candidates(QuantFormat.NONE, CPU, torch.float32)
+    }
     assert dense == {"weight_major", "matmul", "dense_native"}
-    dense_bf16 = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.NONE, CPU, torch.bfloat16)}
+    dense_bf16 = {
+        k.name for k in kernel_choice.KernelChooser(kernels.KERNELS).candidates(QuantFormat.NONE, CPU, torch.bfloat16)
+    }
     assert dense_bf16 == {"weight_major", "matmul"}
 
 
@@ -266,7 +278,7 @@ def test_dense_linear_races_below_the_threshold_and_equals_the_gemm(rows: int) -
     torch.testing.assert_close(got, x @ w.T, rtol=1e-5, atol=1e-5)
     raced = [r for r in kernels.chooser().report() if r["format"] == "none"]
     if rows < kernels.DENSE_RACE_BELOW:
-        assert [r["rows"] for r in raced] == [kernels.rows_bucket(rows)] and raced[0]["kernel"] in raced[0]["ms"]
+        assert [r["rows"] for r in raced] == [kernel_choice.rows_bucket(rows)] and raced[0]["kernel"] in raced[0]["ms"]
     else:
         assert raced == []  # BLAS's own x @ W^T, not raced
 
@@ -288,7 +300,9 @@ def test_without_the_extension_pytorch_kernels_run(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(host_kernels, "extension", lambda: None)
     w, x = operands(64, 256, 5)
     for scheme in (QuantScheme(QuantFormat.INT8), QuantScheme(QuantFormat.INT4, 32)):
-        names = {k.name for k in kernels.KernelChooser().candidates(scheme.format, CPU, torch.float32)}
+        names = {
+            k.name for k in kernel_choice.KernelChooser(kernels.KERNELS).candidates(scheme.format, CPU, torch.float32)
+        }
         assert names and not any("native" in name for name in names)
         ql = quantize(w, scheme)
         assert rel_error(ql.matmul(x), x @ ql.dequantize().T) <= INT8_ACTIVATIONS

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers.integrations.mxfp4 import FP4_VALUES, convert_moe_packed_tensors
 
-from moe_lightning.quant import kernels, mxfp4
+from moe_lightning.quant import kernel_choice, kernels, mxfp4
 from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.mxfp4 import dequantize_mxfp4, from_blocks, quantize_mxfp4, to_blocks
 from moe_lightning.quant.rtn import quantize
@@ -177,7 +177,7 @@ def test_rtn_quantize_makes_an_mxfp4_linear() -> None:
 
 
 # --- kernels -----------------------------------------------------------------------------------------
-def mxfp4_kernels(device: torch.device) -> list[kernels.Kernel]:
+def mxfp4_kernels(device: torch.device) -> list[kernel_choice.Kernel]:
     return [k for k in kernels.KERNELS if k.format is QuantFormat.MXFP4 and k.usable(device)]
 
 
@@ -205,7 +205,10 @@ def test_the_chooser_races_the_mxfp4_kernels_and_exact_keeps_the_exact_ones() ->
     ql = quantize(torch.randn(64, 128, generator=gen(12)), MX)
 
     def names(policy: str, dtype: torch.dtype) -> set[str]:
-        return {k.name for k in kernels.KernelChooser(policy).candidates(QuantFormat.MXFP4, CPU, dtype)}
+        return {
+            k.name
+            for k in kernel_choice.KernelChooser(kernels.KERNELS, policy).candidates(QuantFormat.MXFP4, CPU, dtype)
+        }
 
     # a kernel that is dequant_mm itself in x's dtype is not raced against it
     assert names("fastest", torch.float32) == {"dequant_mm", "mxfp4_dequant_mm_bf16"}

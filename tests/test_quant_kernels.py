@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from moe_lightning.quant import kernels
+from moe_lightning.quant import kernel_choice, kernels
 from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import pack_int4, quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme, parse_quantize
@@ -98,10 +98,18 @@ def test_an_act_order_permutation_is_applied_per_row_block() -> None:
 
 
 def test_exact_policy_keeps_only_kernels_in_the_weights_dtype() -> None:
-    fastest = {k.name for k in kernels.KernelChooser().candidates(QuantFormat.INT8, CPU, torch.float32)}
-    exact = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT8, CPU, torch.float32)}
+    fastest = {
+        k.name for k in kernel_choice.KernelChooser(kernels.KERNELS).candidates(QuantFormat.INT8, CPU, torch.float32)
+    }
+    exact = {
+        k.name
+        for k in kernel_choice.KernelChooser(kernels.KERNELS, "exact").candidates(QuantFormat.INT8, CPU, torch.float32)
+    }
     assert "int8mm_bf16" in fastest and "int8mm_bf16" not in exact and "dequant_mm" in exact
-    in_bf16 = {k.name for k in kernels.KernelChooser("exact").candidates(QuantFormat.INT8, CPU, torch.bfloat16)}
+    in_bf16 = {
+        k.name
+        for k in kernel_choice.KernelChooser(kernels.KERNELS, "exact").candidates(QuantFormat.INT8, CPU, torch.bfloat16)
+    }
     assert in_bf16 == {"dequant_mm"}  # the others round the fp32 scales to bf16: not the dequantized weights
     with pytest.raises(ValueError, match="--expert-kernels must be one of fastest, exact"):
         kernels.configure("quick")
@@ -122,8 +130,8 @@ def test_warm_up_chooses_every_bucket_once_and_prunes_losers() -> None:
         quarter = chooser.table.get((*key[:4], key[4] // 4, *key[5:]))
         for name in choice.pruned - (half.pruned if half else frozenset()):  # newly pruned: by the rule
             assert half is not None and quarter is not None
-            assert half.seconds[name] > kernels.PRUNE_BEHIND * min(half.seconds.values())
-            assert half.seconds[name] >= kernels.GROWS * quarter.seconds[name]
+            assert half.seconds[name] > kernel_choice.PRUNE_BEHIND * min(half.seconds.values())
+            assert half.seconds[name] >= kernel_choice.GROWS * quarter.seconds[name]
     x = torch.randn(3, 128)
     assert chooser.pick(x, ql) is chooser.table[(str(x.device), ql.format, ql.shape, 32, 4, torch.float32)].kernel
 
@@ -139,15 +147,17 @@ def test_a_kernel_whose_time_is_fixed_is_not_pruned(monkeypatch: pytest.MonkeyPa
     def growing(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
         return x @ ql.dequantize().T
 
-    def timed(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+    def timed(fn: kernel_choice.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
         fn(x, ql)
         return 0.02 if fn is fixed else 0.0005 * x.shape[0]
 
     ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
-    chooser = kernels.KernelChooser()
-    fake = (kernels.Kernel("fixed", QuantFormat.INT8, fixed), kernels.Kernel("growing", QuantFormat.INT8, growing))
-    monkeypatch.setattr(kernels, "KERNELS", fake)
-    monkeypatch.setattr(kernels, "_once", timed)
+    fake = (
+        kernel_choice.Kernel("fixed", QuantFormat.INT8, fixed),
+        kernel_choice.Kernel("growing", QuantFormat.INT8, growing),
+    )
+    chooser = kernel_choice.KernelChooser(fake)
+    monkeypatch.setattr(kernel_choice, "_once", timed)
     winners = {rows: chooser.pick(torch.randn(rows, 32), ql).name for rows in (1, 2, 4, 8, 16, 32, 64, 128)}
     assert winners == {
         1: "growing",
@@ -177,29 +187,30 @@ def test_a_kernel_far_behind_on_its_first_call_is_not_raced(monkeypatch: pytest.
         calls["fast"] += 1
         return x @ ql.dequantize().T
 
-    seconds = {slow: 0.05, fast: 0.05 / (4 * kernels.PRUNE_BEHIND)}
+    seconds = {slow: 0.05, fast: 0.05 / (4 * kernel_choice.PRUNE_BEHIND)}
 
-    def timed(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+    def timed(fn: kernel_choice.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
         fn(x, ql)
         return seconds[fn]
 
     ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
-    chooser = kernels.KernelChooser()
-    fake = (kernels.Kernel("slow", QuantFormat.INT8, slow), kernels.Kernel("fast", QuantFormat.INT8, fast))
-    monkeypatch.setattr(kernels, "KERNELS", fake)
-    monkeypatch.setattr(kernels, "_once", timed)
+    fake = (kernel_choice.Kernel("slow", QuantFormat.INT8, slow), kernel_choice.Kernel("fast", QuantFormat.INT8, fast))
+    chooser = kernel_choice.KernelChooser(fake)
+    monkeypatch.setattr(kernel_choice, "_once", timed)
     assert chooser.pick(torch.randn(4, 32), ql).name == "fast"
-    assert calls == {"slow": 1, "fast": 1 + kernels.RACE_ROUNDS}
+    assert calls == {"slow": 1, "fast": 1 + kernel_choice.RACE_ROUNDS}
     (choice,) = chooser.table.values()
     assert choice.seconds == {"slow": 0.05, "fast": seconds[fast]} and not choice.pruned
 
 
-def settling_kernels(monkeypatch: pytest.MonkeyPatch, race: dict[str, float], steady: dict[str, float]) -> dict:
-    """Two int8 kernels with given times: `race` in the race (evicted weight), `steady` on a step's calls;
-    the calls each makes are counted. Given, not measured: a loaded machine must not decide."""
+def settling_kernels(
+    monkeypatch: pytest.MonkeyPatch, race: dict[str, float], steady: dict[str, float]
+) -> tuple[kernel_choice.KernelChooser, dict]:
+    """A chooser over two int8 kernels with given times: `race` in the race (evicted weight), `steady` on
+    a step's calls; the calls each makes are counted. Given, not measured: a loaded machine must not decide."""
     calls = dict.fromkeys(race, 0)
 
-    def make(name: str) -> kernels.Fn:
+    def make(name: str) -> kernel_choice.Fn:
         def fn(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
             calls[name] += 1
             return x @ ql.dequantize().T
@@ -209,18 +220,19 @@ def settling_kernels(monkeypatch: pytest.MonkeyPatch, race: dict[str, float], st
     fns = {name: make(name) for name in race}
     by_fn = {fn: name for name, fn in fns.items()}
 
-    def timed(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
+    def timed(fn: kernel_choice.Fn, x: torch.Tensor, ql: QuantizedLinear) -> float:
         fn(x, ql)
         return race[by_fn[fn]]
 
-    def step_call(fn: kernels.Fn, x: torch.Tensor, ql: QuantizedLinear) -> tuple[torch.Tensor, float]:
+    def step_call(fn: kernel_choice.Fn, x: torch.Tensor, ql: QuantizedLinear) -> tuple[torch.Tensor, float]:
         return fn(x, ql), steady[by_fn[fn]]
 
-    monkeypatch.setattr(kernels, "KERNELS", tuple(kernels.Kernel(n, QuantFormat.INT8, f) for n, f in fns.items()))
-    monkeypatch.setattr(kernels, "_once", timed)
-    monkeypatch.setattr(kernels, "_timed_call", step_call)
-    monkeypatch.setattr(kernels, "SETTLE_MIN_BYTES", 0)  # these weights are a few hundred bytes
-    return calls
+    monkeypatch.setattr(kernel_choice, "_once", timed)
+    monkeypatch.setattr(kernel_choice, "_timed_call", step_call)
+    monkeypatch.setattr(kernel_choice, "SETTLE_MIN_BYTES", 0)  # these weights are a few hundred bytes
+    return kernel_choice.KernelChooser(
+        tuple(kernel_choice.Kernel(n, QuantFormat.INT8, f) for n, f in fns.items())
+    ), calls
 
 
 def test_a_near_tie_is_settled_on_the_calls(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -228,9 +240,10 @@ def test_a_near_tie_is_settled_on_the_calls(monkeypatch: pytest.MonkeyPatch) -> 
     random order after the race, the faster keeps the bucket, and its gauge and report say so."""
     from prometheus_client import REGISTRY
 
-    calls = settling_kernels(monkeypatch, race={"raced": 1.0, "steady": 1.05}, steady={"raced": 0.002, "steady": 0.001})
+    chooser, calls = settling_kernels(
+        monkeypatch, race={"raced": 1.0, "steady": 1.05}, steady={"raced": 0.002, "steady": 0.001}
+    )
     ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
-    chooser = kernels.KernelChooser()
     x = torch.randn(16, 32)
     want = x @ ql.dequantize().T
     torch.testing.assert_close(chooser.run(x, ql), want)  # the race, then the winner's call, uncounted
@@ -239,11 +252,14 @@ def test_a_near_tie_is_settled_on_the_calls(monkeypatch: pytest.MonkeyPatch) -> 
     assert [k.name for k in choice.settling.kernels] == ["raced", "steady"] and choice.settling.calls == [0, 0]
     before = dict(calls)
     order = []
-    for _ in range(2 * kernels.SETTLE_CALLS):
+    for _ in range(2 * kernel_choice.SETTLE_CALLS):
         torch.testing.assert_close(chooser.run(x, ql), want)
         order.append("raced" if calls["raced"] > before["raced"] + order.count("raced") else "steady")
-    assert {n: calls[n] - before[n] for n in calls} == {"raced": kernels.SETTLE_CALLS, "steady": kernels.SETTLE_CALLS}
-    assert order != ["raced", "steady"] * kernels.SETTLE_CALLS  # not in turns
+    assert {n: calls[n] - before[n] for n in calls} == {
+        "raced": kernel_choice.SETTLE_CALLS,
+        "steady": kernel_choice.SETTLE_CALLS,
+    }
+    assert order != ["raced", "steady"] * kernel_choice.SETTLE_CALLS  # not in turns
     assert choice.kernel.name == "steady" and choice.settling is None
     assert choice.settled == {"raced": pytest.approx(0.002), "steady": pytest.approx(0.001)}
     (row,) = chooser.report()
@@ -255,29 +271,30 @@ def test_a_near_tie_is_settled_on_the_calls(monkeypatch: pytest.MonkeyPatch) -> 
 
     assert gauge("steady") == pytest.approx(0.001) and gauge("raced") is None
     chooser.run(x, ql)
-    assert calls["steady"] == before["steady"] + kernels.SETTLE_CALLS + 1  # settled: the winner alone
+    assert calls["steady"] == before["steady"] + kernel_choice.SETTLE_CALLS + 1  # settled: the winner alone
 
 
 def test_a_clear_winner_is_not_settled(monkeypatch: pytest.MonkeyPatch) -> None:
     """A runner-up more than SETTLE_WITHIN behind in the race is not tried on the calls."""
-    calls = settling_kernels(monkeypatch, race={"best": 1.0, "behind": 1.2}, steady={"best": 0.002, "behind": 0.001})
+    chooser, calls = settling_kernels(
+        monkeypatch, race={"best": 1.0, "behind": 1.2}, steady={"best": 0.002, "behind": 0.001}
+    )
     ql = quantize(weight(16, 32), QuantScheme(QuantFormat.INT8))
-    chooser = kernels.KernelChooser()
     x = torch.randn(8, 32)
-    for _ in range(2 * kernels.SETTLE_CALLS + 1):
+    for _ in range(2 * kernel_choice.SETTLE_CALLS + 1):
         chooser.run(x, ql)
     (choice,) = chooser.table.values()
     assert choice.kernel.name == "best" and choice.settling is None and not choice.settled
-    assert calls["behind"] == 1 + kernels.RACE_ROUNDS  # in the race, none after it
+    assert calls["behind"] == 1 + kernel_choice.RACE_ROUNDS  # in the race, none after it
 
 
 def test_dense_near_ties_settle_on_real_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real dense kernels of this CPU, every runner-up counted as a near tie: the bucket settles on
     one of the two after their calls, and every call's result is the GEMM's."""
-    monkeypatch.setattr(kernels, "SETTLE_WITHIN", float("inf"))
-    monkeypatch.setattr(kernels, "SETTLE_MIN_BYTES", 96 * 256 * 4)  # this weight, just
+    monkeypatch.setattr(kernel_choice, "SETTLE_WITHIN", float("inf"))
+    monkeypatch.setattr(kernel_choice, "SETTLE_MIN_BYTES", 96 * 256 * 4)  # this weight, just
     w, x = weight(96, 256), torch.randn(16, 256)
-    for _ in range(2 * kernels.SETTLE_CALLS + 1):
+    for _ in range(2 * kernel_choice.SETTLE_CALLS + 1):
         torch.testing.assert_close(kernels.dense_linear(x, w), x @ w.T, rtol=1e-5, atol=1e-5)
     (choice,) = kernels.chooser().table.values()
     assert choice.settling is None and len(choice.settled) == 2 and choice.kernel.name in choice.settled
@@ -286,11 +303,11 @@ def test_dense_near_ties_settle_on_real_calls(monkeypatch: pytest.MonkeyPatch) -
 
 def test_a_small_weight_keeps_the_race_winner_from_the_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under SETTLE_MIN_BYTES a near tie is not settled: every call of the bucket runs one kernel."""
-    monkeypatch.setattr(kernels, "SETTLE_WITHIN", float("inf"))
+    monkeypatch.setattr(kernel_choice, "SETTLE_WITHIN", float("inf"))
     w, x = weight(96, 256), torch.randn(16, 256)
-    assert w.numel() * 4 < kernels.SETTLE_MIN_BYTES
+    assert w.numel() * 4 < kernel_choice.SETTLE_MIN_BYTES
     first = kernels.dense_linear(x, w)
-    for _ in range(2 * kernels.SETTLE_CALLS):
+    for _ in range(2 * kernel_choice.SETTLE_CALLS):
         assert torch.equal(kernels.dense_linear(x, w), first)
     (choice,) = kernels.chooser().table.values()
     assert choice.settling is None and not choice.settled
