@@ -51,7 +51,7 @@ def main() -> int:
     ran = policy_that_ran(run.policy(), resident, args.batch, None)
     est = estimate(spec, work, profile, ran, dtype="float32")
     dec = decode_totals(run)
-    rows = stage_accuracy.compare(est, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
+    rows = stage_accuracy.compare(est, dec.timings, dec.steps, spec.num_layers)
     decode_seconds = run.delta("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
     decode_tokens = sum(c.completion_tokens for c in run.done) - len(run.done)
     measured_tps = decode_tokens / decode_seconds if decode_seconds else float("nan")

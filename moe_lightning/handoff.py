@@ -3,8 +3,10 @@
 Expert -> attention, one message per (step, layer, micro-batch): a `HandoffHeader` and tensors
 q (T, H, Hd), k (T, K, Hd), v (T, K, Hd); at layer 0 also the micro-batch's sequences as one
 (3, B) int64 tensor (ids, new tokens, cached tokens before this step), which attention keeps for
-the later layers of the step. Attention -> expert: the same header and one tensor (T, H * Hd), or
-a non-zero status (a gRPC status code number) and the error text as a uint8 tensor.
+the later layers of the step. Attention -> expert: the same header, then the attention service's
+compute time for the message (u64 ns: what the HRM's attention row is measured by, where the expert
+side's wait shows only what its other micro-batches did not hide), and one tensor (T, H * Hd); or a
+non-zero status (a gRPC status code number) and the error text as a uint8 tensor.
 
 Finished sequences leave the same way (docs/design.md, "The hand-off message"): a step's release
 list goes ahead of its first hand-off as `ReleaseHandoff` messages (layer `RELEASE_LAYER`, one
@@ -32,6 +34,7 @@ from moe_lightning.spec import ModelSpec
 BYTES_PER_ELEMENT = 4  # slots are sized for fp32 activations; bf16/fp16 fit in the same slots
 MAX_ERROR_BYTES = 4096  # an error's text is cut to this (it still travels in the slot)
 _HEADER = struct.Struct("<QQIII")  # step, session, layer, micro-batch, status
+_BUSY = struct.Struct("<Q")  # after a reply's header: the attention service's compute for it, ns
 RELEASE_LAYER = 0xFFFFFFFF  # the header's layer of a release message (no layer has this index)
 _ALIGN = 64  # the channel aligns each tensor in a slot to this
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
@@ -135,6 +138,10 @@ class AttentionHandoff:
     header: HandoffHeader
     out: torch.Tensor | None = None  # (T, H * Hd); None with an error
     error: str = ""
+    busy_ns: int = 0  # the attention service's compute for this message (0 with an error)
+
+    def meta(self) -> bytes:
+        return self.header.pack() + _BUSY.pack(self.busy_ns)
 
     def tensors(self) -> list[torch.Tensor]:
         if self.out is not None:
@@ -152,7 +159,8 @@ class AttentionHandoff:
         header = HandoffHeader.unpack(meta)
         if header.status:
             return cls(header, None, bytes(tensors[0].numpy()).decode(errors="replace") if tensors else "")
-        return cls(header, tensors[0])
+        (busy,) = _BUSY.unpack_from(meta, _HEADER.size)
+        return cls(header, tensors[0], busy_ns=busy)
 
 
 def pipeline_window(num_micro_batches: int, out_slots: int, in_slots: int) -> int:

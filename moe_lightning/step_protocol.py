@@ -61,7 +61,10 @@ class StepTimings:
     pre_attention: int = 0  # device: norm, q/k/v projections, RoPE
     post_attention: int = 0  # device: output projection, router, experts (resident, streamed or on the host)
     head: int = 0  # final norm, LM head, sampling
-    attention_wait: int = 0  # host: waiting for cpu_attention's results (its compute plus two hand-offs)
+    # host: waiting for cpu_attention's results (its compute plus two hand-offs; with several micro-batches
+    # only what the device's work on the others did not hide)
+    attention_wait: int = 0
+    attention_busy: int = 0  # cpu_attention's compute for this step's hand-offs, as its replies report it
     handoff_send: int = 0  # host: putting q/k/v into the channel
     expert_wait: int = 0  # device: waiting for expert pages the copy engine had not delivered yet
     device_attention: int = 0  # device: attention over gpu_expert's own KV cache (attention placed there)

@@ -211,6 +211,8 @@ def test_twelve_micro_batches_through_two_slot_channels_are_exact(
         for i, t in zip(out.seq_ids, out.token_ids, strict=True):
             tokens[i].append(t)
         assert out.timings.attention_wait > 0 and out.timings.post_attention > 0
+        # cpu_attention's compute, as its replies report it: inside the step, as the service measured it
+        assert 0 < out.timings.attention_busy < out.timings.step
     assert [tokens[i] for i in range(len(prompts))] == [r.token_ids for r in want]
     assert pair.link.outstanding == 0
     if pair.device.type == "cuda":  # the hand-off channels are pinned, and the host rarely waits

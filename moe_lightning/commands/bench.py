@@ -187,7 +187,7 @@ def layer_error_of(decode: Any, predicted: Any, layers: int) -> float | None:
     """measured / predicted - 1 of a decode step's time per layer (None without decode steps)."""
     from moe_lightning.hrm import stage_accuracy
 
-    rows = stage_accuracy.compare(predicted, decode.timings, decode.steps, layers, cpu_attention=decode.cpu_attention)
+    rows = stage_accuracy.compare(predicted, decode.timings, decode.steps, layers)
     return rows["layer"].measured / rows["layer"].predicted - 1 if rows and rows["layer"].predicted else None
 
 
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> int:
     name = "(c) HRM roofline bound, decode"
     print(f"{name:34} {bound.tokens_per_second:8.1f} {decode_ratio:6.2f} {'of it':>13} {'>= 0.6':>7}")
     dec = ours["_decode"]
-    stages = stage_accuracy.compare(bound, dec.timings, dec.steps, spec.num_layers, cpu_attention=dec.cpu_attention)
+    stages = stage_accuracy.compare(bound, dec.timings, dec.steps, spec.num_layers)
     results["stages_per_layer"] = stage_accuracy.as_json(stages)
     link = f", behind a simulated {format_rate(args.link_bandwidth)} link" if args.link_bandwidth else ""
     print(f"HRM predicted vs measured, ms per layer of a decode step ({spec.num_layers} layers, ours{link}):")

@@ -11,8 +11,9 @@ expert pages (`expert_wait`: the host blocking on the copy thread on a CPU devic
 stream waiting on the copy's event on CUDA) lie inside `post_attention`. Host-computed experts
 (experts placed on the host) run inside `post_attention` too. `attention_wait` is the host
 waiting for cpu_attention's reply (its compute plus both hand-offs; with several micro-batches only
-the part the device's work on the others did not hide); `device_attention` is attention over
-gpu_expert's own KV cache. `head` is once per step; `step` is the whole step inside the runner.
+the part the device's work on the others did not hide), `attention_busy` cpu_attention's compute as
+its replies report it; `device_attention` is attention over gpu_expert's own KV cache. `head` is
+once per step; `step` is the whole step inside the runner.
 
 The rows, per layer of a decode step (measured: totals over `steps` decode steps / (steps x L)):
 
@@ -21,13 +22,15 @@ row         predicted (cost-model stage_seconds)                     measured (S
 =========== ======================================================== ====================================
 device      gpu_dense + gpu_experts + cpu_experts + link_experts_io  pre_attention + post_attention
                                                                      - expert_wait
-attention   cpu_attention + gpu_attention                            device_attention + cpu_attention's
-                                                                     decode busy time if the caller has
-                                                                     it, else attention_wait
+attention   cpu_attention + gpu_attention                            device_attention + attention_busy
 head        gpu_head (the model amortises it over the layers)        head
 expert_copy gpu_expert_copy + link_weights (the whole copy)          expert_wait (only the exposed part)
 layer       Estimate.layer_seconds                                   step
 =========== ======================================================== ====================================
+
+The attention row is compute on both sides, never the wait: with several micro-batches the wait is
+what the device's work on the others left exposed (near 0 where CGOPipe hides attention), and the
+planner, reading it as attention's time, once scaled the host's roofs up 40x and re-planned on that.
 
 So the device row is compute only, wherever the experts compute, and the copy is one row of its own
 on both sides: its prediction is the whole copy, its measurement what compute waited for (0 when the
@@ -86,33 +89,26 @@ def predicted_per_layer(est: Estimate) -> dict[str, float]:
     return out
 
 
-def measured_per_layer(
-    timings: StepTimings, steps: float, layers: int, cpu_attention: float | None = None
-) -> dict[str, float]:
+def measured_per_layer(timings: StepTimings, steps: float, layers: int) -> dict[str, float]:
     """Measured seconds per layer of a decode step, by row; {} without steps.
-
-    `timings`: gpu_expert's timings summed over `steps` decode steps (ns); `cpu_attention`: the
-    attention service's decode busy seconds over the same steps, where the caller has them."""
+    `timings`: gpu_expert's timings summed over `steps` decode steps (ns)."""
     n = steps * layers
     if n <= 0:
         return {}
     t = timings
-    attention = t.device_attention / 1e9 + (t.attention_wait / 1e9 if cpu_attention is None else cpu_attention)
     return {
         "device": (t.pre_attention + max(0, t.post_attention - t.expert_wait)) / 1e9 / n,
-        "attention": attention / n,
+        "attention": (t.device_attention + t.attention_busy) / 1e9 / n,
         "head": t.head / 1e9 / n,
         "expert_copy": t.expert_wait / 1e9 / n,
         "layer": t.step / 1e9 / n,
     }
 
 
-def compare(
-    est: Estimate, timings: StepTimings, steps: float, layers: int, cpu_attention: float | None = None
-) -> dict[str, Row]:
+def compare(est: Estimate, timings: StepTimings, steps: float, layers: int) -> dict[str, Row]:
     """Predicted vs measured per layer of a decode step, one Row per name in ROWS; {} without steps.
     `est` should be the estimate at the policy that ran (its batch and micro-batch)."""
-    measured = measured_per_layer(timings, steps, layers, cpu_attention)
+    measured = measured_per_layer(timings, steps, layers)
     if not measured:
         return {}
     predicted = predicted_per_layer(est)

@@ -170,7 +170,7 @@ class AttentionWorker:
         if reply is None:
             return channel
         try:
-            self.output.send(reply.header.pack(), reply.tensors(), timeout=30.0)
+            self.output.send(reply.meta(), reply.tensors(), timeout=30.0)
             HANDOFFS.labels("out").inc()
             HANDOFF_WORK.labels("out").inc(self.output.last_work_ns / 1e9)
         except (PeerDiedError, ChannelClosedError, ChannelTimeoutError) as exc:
@@ -231,10 +231,9 @@ class AttentionWorker:
         except Exception as exc:  # a bug (or torch) raising something else: this hand-off fails, not the loop
             self.log.exception("attention_handoff_crashed")
             return self._error(h, key, grpc.StatusCode.INTERNAL, f"internal error in attention: {exc!r}")
-        BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(
-            (time.perf_counter_ns() - t0) / 1e9
-        )
-        return AttentionHandoff(h, out)
+        busy = time.perf_counter_ns() - t0
+        BUSY.labels("prefill_attention" if not mb.meta.is_decode else "decode_attention").inc(busy / 1e9)
+        return AttentionHandoff(h, out, busy_ns=busy)
 
     def _error(
         self, header: HandoffHeader, key: tuple[int, int], code: grpc.StatusCode, message: str

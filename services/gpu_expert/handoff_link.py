@@ -159,8 +159,10 @@ class HandoffLink:
             raise
 
     # ---- in -------------------------------------------------------------------------------------
-    def receive(self, step: int, layer: int, micro_batch: int) -> torch.Tensor:
-        """The attention result of (step, layer, micro-batch) on the device: (T, H * Hd)."""
+    def receive(self, step: int, layer: int, micro_batch: int) -> tuple[torch.Tensor, int]:
+        """The attention result of (step, layer, micro-batch) on the device, (T, H * Hd), and the
+        attention service's compute for it in ns (the HRM's attention row: the wait here shows only
+        what this side's other micro-batches did not hide)."""
         assert self.input is not None
         self._release_held()
         msg = AttentionHandoff.decode(*self.input.recv(timeout=self.timeout))
@@ -175,7 +177,7 @@ class HandoffLink:
         _check(msg, (step, layer, micro_batch))
         assert msg.out is not None
         if not self.cuda:
-            return msg.out  # a view of the slot, valid until done_with_input
+            return msg.out, msg.busy_ns  # a view of the slot, valid until done_with_input
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self._h2d):
             out = torch.empty(msg.out.shape, dtype=msg.out.dtype, device=self.device)
@@ -185,7 +187,7 @@ class HandoffLink:
         compute.wait_event(ready)
         out.record_stream(compute)
         self._held = ready
-        return out
+        return out, msg.busy_ns
 
     def done_with_input(self) -> None:
         """The last result is no longer read from its slot (CPU: post-attention has run on it)."""

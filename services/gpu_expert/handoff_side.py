@@ -68,8 +68,9 @@ class LinkHandoff:
     def receive(self, step: int, layer: int, m: int, like: torch.Tensor, timings: StepTimings) -> torch.Tensor:
         """The attention result of (step, layer, m); `like` is the micro-batch's hidden state."""
         h0 = time.perf_counter_ns()
-        attn = self.link.receive(step, layer, m)
+        attn, busy = self.link.receive(step, layer, m)
         timings.attention_wait += time.perf_counter_ns() - h0
+        timings.attention_busy += busy
         return attn
 
     def done_with_input(self) -> None:

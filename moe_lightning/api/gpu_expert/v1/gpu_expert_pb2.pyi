@@ -119,7 +119,7 @@ class StepRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ..., expert_groups: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns")
+    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns", "attention_busy_ns")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PRE_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
     POST_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class StepTimings(_message.Message):
     STEP_NS_FIELD_NUMBER: _ClassVar[int]
     HANDLER_NS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_NS_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
     kind: StepKind
     pre_attention_ns: int
     post_attention_ns: int
@@ -142,7 +143,8 @@ class StepTimings(_message.Message):
     step_ns: int
     handler_ns: int
     collectives_ns: int
-    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ...) -> None: ...
+    attention_busy_ns: int
+    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ..., attention_busy_ns: _Optional[int] = ...) -> None: ...
 
 class RankStep(_message.Message):
     __slots__ = ("rank", "bytes_streamed", "expert_wait_ns", "collectives_ns", "step_ns")
