@@ -64,13 +64,13 @@ class StepTimings:
     # host: waiting for cpu_attention's results (its compute plus two hand-offs; with several micro-batches
     # only what the device's work on the others did not hide)
     attention_wait: int = 0
-    attention_busy: int = 0  # cpu_attention's compute for this step's hand-offs, as its replies report it
     handoff_send: int = 0  # host: putting q/k/v into the channel
     expert_wait: int = 0  # device: waiting for expert pages the copy engine had not delivered yet
     device_attention: int = 0  # device: attention over gpu_expert's own KV cache (attention placed there)
     step: int = 0  # the whole step inside the runner
     handler: int = 0  # the step plus its protobuf conversion, inside the RPC handler
     collectives: int = 0  # tensor-parallel ranks: rank 0 in gathers, scatters and all-reduces
+    attention_busy: int = 0  # cpu_attention's compute for this step's hand-offs, as its replies report it
 
     def stages(self) -> dict[str, int]:
         """Stage name -> nanoseconds (every field but the kind)."""

@@ -210,7 +210,7 @@ class Planner:
             for mu, n_ub in zip(sizes["mus"], sizes["n_ubs"], strict=True)
             for g in self.expert_groups
         ]
-        return max(estimates, key=lambda e: e.tokens_per_second)  # the first of the fastest
+        return max(estimates, key=self._served)  # the first of the fastest, at the batch that runs
 
     def _estimate(self, policy: Policy) -> Estimate:
         return estimate(
@@ -238,7 +238,7 @@ class Planner:
                     continue
                 est = self._fewest_micro_batches(att, exp, cap, found, free=searches == [{}])
                 self.alternatives[f"{att}/{exp}"] = round(est.tokens_per_second, 2)
-                if best is None or est.tokens_per_second > best.tokens_per_second:
+                if best is None or self._served(est) > self._served(best):
                     best = est
         if best is None:
             if searches != [{}]:

@@ -61,7 +61,7 @@ def test_planner_plans_with_the_attention_services_kv_dtype() -> None:
     assert per_seq["bfloat16"] == pytest.approx(per_seq["float32"] / 2)
     assert per_seq["float32"] == 2 * spec.kv_size * 4 * spec.num_layers * 96  # 64 + 32 tokens
     p = plans["bfloat16"]  # predictions after a step use the same dtype
-    timings = StepTimings(StepKind.DECODE, pre_attention=10**6, post_attention=10**7, attention_wait=10**6)
+    timings = StepTimings(StepKind.DECODE, pre_attention=10**6, post_attention=10**7, attention_busy=10**6)
     p.observe_step(p.policy.batch, p.policy.micro_batch_size, timings)
     assert p.estimate.kv_host_bytes / p.policy.batch == per_seq["bfloat16"]
 

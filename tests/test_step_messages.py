@@ -24,11 +24,12 @@ def test_a_plan_round_trips(placement: Placement, kind: StepKind) -> None:
 
 
 def test_timings_and_tokens_round_trip() -> None:
-    timings = StepTimings(StepKind.PREFILL, *range(1, 10))
+    timings = StepTimings(StepKind.PREFILL, *range(1, 12))  # every stage, each its own value
     lp = TokenLogprobs(4, -0.5, [4, 2], [-0.5, -1.25])
     out = StepOutput([7, 9], [4, 8], timings, {9: lp})
     back = step_output_from_pb(step_output_to_pb(out))
-    assert back == out and back.timings.stages()["handler"] == 9 and back.timings.kind is StepKind.PREFILL
+    assert back == out and back.timings.kind is StepKind.PREFILL
+    assert back.timings.stages()["handler"] == 9 and back.timings.stages()["attention_busy"] == 11
 
 
 def test_unset_enums_are_refused() -> None:
