@@ -209,24 +209,20 @@ class DecodeTotals:
 
     steps: float  # decode steps the orchestrator ran
     timings: StepTimings  # gpu_expert's timings summed over them (the orchestrator's per-stage counters)
-    cpu_attention: float  # cpu_attention's decode busy seconds
 
     def seconds(self) -> dict[str, float]:
-        """Stage -> seconds (the JSON's decode_stage_seconds)."""
+        """Stage -> seconds (the JSON's decode_stage_seconds); "cpu_attention" is the attention
+        service's compute in these steps, as its replies reported it (attention_busy)."""
         out = {stage: ns / 1e9 for stage, ns in self.timings.stages().items()}
-        out["cpu_attention"] = self.cpu_attention
+        out["cpu_attention"] = self.timings.attention_busy / 1e9
         return out
 
 
 def decode_totals(run: StackRun) -> DecodeTotals:
-    """The batch's decode steps, from the orchestrator's and cpu_attention's metrics around it."""
+    """The batch's decode steps, from the orchestrator's metrics around it."""
     d = run.delta
     timings = StepTimings(StepKind.DECODE)
     for stage in timings.stages():
         key = f'moe_lightning_stage_seconds_total{{kind="decode",stage="{stage}"}}'
         setattr(timings, stage, round(d("orchestrator", key) * 1e9))
-    return DecodeTotals(
-        d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'),
-        timings,
-        d("cpu_attention", 'moe_lightning_stage_busy_seconds_total{stage="decode_attention"}'),
-    )
+    return DecodeTotals(d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'), timings)
