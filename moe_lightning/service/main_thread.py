@@ -24,13 +24,18 @@ class ServiceStoppingError(RuntimeError):
 
 
 class MainThreadWork:
-    """`run(fn)` from any thread returns fn() as run by `serve(stopped)`, the main thread's loop until
-    `stopped` is set (directly where no loop serves yet, or when called on the loop's thread). Work
-    handed over once the loop ends fails with ServiceStoppingError rather than waiting for ever."""
+    """`run(fn)` from any thread returns fn() as run by `serve()`, the main thread's loop until
+    `close()` (directly where no loop serves yet, or when called on the loop's thread). Work handed
+    over once `close()` was called fails with ServiceStoppingError rather than waiting for ever.
+
+    The loop blocks in a queue get with no timeout and `close()` wakes it: CPython 3.11's
+    SimpleQueue.get(timeout=...) waits for ever when a signal handler runs past its deadline (it
+    retries with a negative timeout, which means none), and SIGTERM is how a service is stopped
+    (CI: a service that had logged service_stopped never exited)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # a hand-over and the loop's end: none slips in between
+        self._queue: queue.SimpleQueue[tuple[Callable[[], object], Future[object]] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a hand-over and close(): none slips in between
         self._closed = False
         self._serving = False
         self._thread: threading.Thread | None = None
@@ -47,23 +52,24 @@ class MainThreadWork:
             return fn()
         return future.result()  # type: ignore[return-value]
 
-    def serve(self, stopped: threading.Event, poll_seconds: float = 0.5) -> None:
+    def serve(self) -> None:
+        """Runs the work handed over until close(); returns at once if it was already called."""
         with self._lock:
             self._serving, self._thread = True, threading.current_thread()
-        while not stopped.is_set():
-            try:
-                fn, future = self._queue.get(timeout=poll_seconds)
-            except queue.Empty:
-                continue
-            self._execute(fn, future)
+        while (item := self._queue.get()) is not None:
+            fn, future = item
+            if self._closed:  # handed over before close(), after the service's clean-up: not run
+                future.set_exception(ServiceStoppingError("the service stopped before this work ran"))
+            else:
+                self._execute(fn, future)
+
+    def close(self) -> None:
+        """Ends serve(); what was handed over and not yet run fails with ServiceStoppingError. Idempotent."""
         with self._lock:
-            self._closed = True
-        while True:
-            try:
-                _, future = self._queue.get_nowait()
-            except queue.Empty:
+            if self._closed:
                 return
-            future.set_exception(ServiceStoppingError("the service stopped before this work ran"))
+            self._closed = True
+        self._queue.put(None)  # after every hand-over: run() puts only while not closed, under the lock
 
     @staticmethod
     def _execute(fn: Callable[[], object], future: Future[object]) -> None:

@@ -111,7 +111,6 @@ class ServiceRuntime(ServiceHooks):
         self.address = address
         self.port, self.metrics_port = bind(self.server, address, server_credentials, metrics_port, metrics_host)
         self._stopping = threading.Event()
-        self._stopped = threading.Event()
         self.main_thread = MainThreadWork()  # what handlers hand to the main thread (main_thread.py)
         self.set_serving(False)
 
@@ -137,20 +136,22 @@ class ServiceRuntime(ServiceHooks):
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self.log.info("service_stopping", grace_seconds=self.grace_seconds)
-        self.health.enter_graceful_shutdown()
-        SERVING.set(0)
-        for fn in self._before_drain:
-            _safe(fn, self.log)
-        self.server.stop(self.grace_seconds).wait()
-        for fn in reversed(self._cleanups):
-            _safe(fn, self.log)
-        self.log.info("service_stopped")
-        self._stopped.set()
+        try:
+            self.log.info("service_stopping", grace_seconds=self.grace_seconds)
+            self.health.enter_graceful_shutdown()
+            SERVING.set(0)
+            for fn in self._before_drain:
+                _safe(fn, self.log)
+            self.server.stop(self.grace_seconds).wait()
+            for fn in reversed(self._cleanups):
+                _safe(fn, self.log)
+            self.log.info("service_stopped")
+        finally:  # whatever failed above, the main thread returns from wait() and the process ends
+            self.main_thread.close()
 
     def wait(self) -> None:
         """Runs the work handed to the main thread until stop() has finished."""
-        self.main_thread.serve(self._stopped)
+        self.main_thread.serve()
 
 
 def _safe(fn: Callable[[], None], log: Any) -> None:
