@@ -98,17 +98,19 @@ def experts_forward(
     flat_ids = ids.reshape(-1)  # (T * A,)
     order = torch.argsort(flat_ids, stable=True)  # (T * A,) assignments grouped by expert
     counts = expert_token_counts(flat_ids, len(experts))  # (E,)
-    flat_weights = weights.reshape(-1)
+    # each assignment's token and weight in that order, once: an expert's are a slice of them (a
+    # step's decode runs ~E small experts a layer, where every op's fixed cost shows)
+    tokens = order // top_k  # (T * A,)
+    sorted_weights = weights.reshape(-1)[order, None].float()  # (T * A, 1)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, D)
     start = 0
     for e, n in enumerate(counts.tolist()):
         if n == 0:
             continue
-        assignment = order[start : start + n]  # (n,)
-        start += n
-        token = assignment // top_k  # (n,)
+        token = tokens[start : start + n]  # (n,)
         y = expert_ffn(experts[e], x[token], act)  # (n, D)
-        out.index_add_(0, token, y.float() * flat_weights[assignment, None].float())
+        out.index_add_(0, token, y.float() * sorted_weights[start : start + n])
+        start += n
     return out.to(x.dtype), counts
 
 
