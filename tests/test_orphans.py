@@ -206,6 +206,9 @@ def test_kill_9_of_up_leaves_no_service_running(tiny_model: Path, tmp_path: Path
         left = _wait_gone(pids, 20)
         assert left == [], f"still running after up was killed: {left}\n{_left_behind(left, tmp_path / 'logs')}"
         print(f"every service gone {time.monotonic() - t0:.1f} s after kill -9 of up")
+        # each ended on its own, not by exit_process's watchdog (which would hide a hang at exit)
+        stalled = [log.name for log in (tmp_path / "logs").glob("**/*.log") if "exit_stalled" in log.read_text()]
+        assert stalled == [], f"ended by the exit watchdog: {stalled}\n{_left_behind([], tmp_path / 'logs')}"
         # they got SIGTERM, so they cleaned up as at any stop: no segment of theirs is left
         deadline = time.monotonic() + 5
         while list_segments(up.run_id) and time.monotonic() < deadline:
