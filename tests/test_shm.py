@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -182,3 +183,35 @@ def test_reserved_slots_publish_in_order_and_carry_any_shape() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_signal_to_the_waiting_thread_does_not_fail_the_receive() -> None:
+    """SIGTERM goes to the main thread, which waits on channels during a step; the semaphore wait it
+    interrupts used to surface as posix_ipc.SignalError and fail the hand-off under way."""
+    run = f"s{os.getpid()}"
+    a, proc, b_name = _start_echo(run)
+    b = TensorChannel.attach(b_name)
+    got: list[object] = []
+    old = signal.signal(signal.SIGUSR1, lambda *_: got.append("handler ran"))
+    try:
+
+        def receive() -> None:
+            try:
+                got.append(b.recv(timeout=10)[0])
+            except Exception as exc:
+                got.append(exc)
+
+        t = threading.Thread(target=receive)
+        t.start()
+        time.sleep(0.5)  # past the spin: waiting in the semaphore
+        signal.pthread_kill(t.ident, signal.SIGUSR1)
+        time.sleep(0.3)
+        a.send(b"after the signal", [torch.ones(2)])
+        t.join(10)
+        assert got == ["handler ran", b"echo after the signal"]
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+        a.send(b"stop", [])
+        proc.wait(10)
+        b.close()
+        a.close()

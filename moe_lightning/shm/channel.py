@@ -258,6 +258,8 @@ class TensorChannel:
                 return
             except posix_ipc.BusyError:
                 pass
+            except posix_ipc.SignalError:  # a signal reached this thread (SIGTERM goes to the main one,
+                pass  # which runs the steps): its handler runs, and a hand-off under way is not lost to it
             if self._get(self._peer_closed):
                 raise ChannelClosedError(f"channel {self.name} was closed by its peer")
             if not self.peer_alive():
