@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +33,26 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
     assert not stale, f"regenerate with `make proto`: {stale}"
     committed = sorted(p.relative_to(ROOT) for p in (ROOT / "moe_lightning" / "api").rglob("*_pb2*.py*"))
     assert committed == generated
+
+
+def test_the_package_asks_for_what_the_generated_code_checks() -> None:
+    """The generated code refuses runtimes older than its stamps at import; pyproject's floors are those
+    stamps, and its grpcio-tools pin is the protoc that made them (so `make proto` and this file's
+    first test regenerate the same bytes on a fresh machine, whatever gRPC released since)."""
+    api = ROOT / "moe_lightning" / "api"
+
+    def stamps(pattern: str, glob: str) -> set[str]:
+        return {m[1] for p in api.rglob(glob) if (m := re.search(pattern, p.read_text()))}
+
+    grpc = stamps(r"GRPC_GENERATED_VERSION = '([\d.]+)'", "*_pb2_grpc.py")
+    protobuf = stamps(r"# Protobuf Python Version: ([\d.]+)", "*_pb2.py")
+    assert len(grpc) == 1 and len(protobuf) == 1, (grpc, protobuf)  # one protoc made them all
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"] + project["optional-dependencies"]["dev"]
+    (grpc_version,), (protobuf_version,) = grpc, protobuf
+    assert f"grpcio>={grpc_version}" in deps
+    assert f"protobuf>={protobuf_version}" in deps
+    assert f"grpcio-tools=={grpc_version}" in deps
 
 
 def test_proto_conventions() -> None:
