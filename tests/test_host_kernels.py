@@ -7,6 +7,7 @@ the chooser without the extension (PyTorch's kernels alone)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -337,11 +338,31 @@ def build_variant(directory: Path, name: str, flags: list[str]) -> ModuleType:
     )
 
 
+# the instruction sets of other CPUs, as flags after -march=native
+VARIANTS = {
+    "avx2": ["-mno-avx512f", "-mno-avxvnni"],
+    "plain": ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma", "-mno-clflushopt"],
+}
+
+
+def has_avx2() -> bool:
+    return native.cpu_isa() == "avx2" or native.cpu_isa().startswith("avx512")
+
+
 @pytest.fixture(scope="module")
-def avx2_build(tmp_path_factory: pytest.TempPathFactory) -> ModuleType:
-    if native.cpu_isa() not in {"avx2"} and not native.cpu_isa().startswith("avx512"):
+def variant_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModuleType]:
+    """The variants this CPU can build, compiled at once (one compiler a core, ~30 s each)."""
+    names = [name for name in VARIANTS if name != "avx2" or has_avx2()]
+    with ThreadPoolExecutor(len(names)) as pool:
+        builds = {n: pool.submit(build_variant, tmp_path_factory.mktemp(n), n, VARIANTS[n]) for n in names}
+        return {name: build.result() for name, build in builds.items()}
+
+
+@pytest.fixture(scope="module")
+def avx2_build(variant_builds: dict[str, ModuleType]) -> ModuleType:
+    if "avx2" not in variant_builds:
         pytest.skip("this CPU has no AVX2")
-    return build_variant(tmp_path_factory.mktemp("avx2"), "avx2", ["-mno-avx512f", "-mno-avxvnni"])
+    return variant_builds["avx2"]
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -364,10 +385,8 @@ def test_the_avx2_build_picks_each_columns_first_maximum(avx2_build: ModuleType)
     check_argmax_columns(avx2_build)
 
 
-def test_a_build_without_vectors_raises(tmp_path: Path) -> None:
-    plain = build_variant(
-        tmp_path, "plain", ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma", "-mno-clflushopt"]
-    )
+def test_a_build_without_vectors_raises(variant_builds: dict[str, ModuleType]) -> None:
+    plain = variant_builds["plain"]
     assert plain.isa == "none"
     check_evict_keeps_the_bytes(plain)  # by plain clflush, the one every x86-64 CPU has
     check_argmax_columns(plain)  # plain C++: every build has it
