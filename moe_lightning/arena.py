@@ -12,8 +12,6 @@ host memory.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +33,6 @@ from moe_lightning.checkpoint import CheckpointReader, load_layer, skip_extra_la
 from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
-from moe_lightning.safetensors_files import INDEX_FILE
 from moe_lightning.spec import ModelSpec
 from moe_lightning.tensor_parallel import SOLO, Shard, ffn_slice, shard_layer
 from moe_lightning.torch_dtypes import DTYPES
@@ -58,23 +55,6 @@ DENSE_FIELDS = (
 )
 
 PAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}
-
-
-def checkpoint_key(model_dir: str | Path, dtype: str, scheme: QuantScheme | None = None, ranks: int = 1) -> str:
-    """Identifies a checkpoint + target dtype, expert format and ranks cheaply: config, index, and
-    each file's header/size/mtime."""
-    root = Path(model_dir)
-    split = f":ranks{ranks}" if ranks > 1 else ""
-    h = hashlib.sha256(f"layout{LAYOUT_VERSION}:{dtype}:{(scheme or QuantScheme()).key()}{split}".encode())
-    for name in ("config.json", INDEX_FILE):
-        if (root / name).is_file():
-            h.update((root / name).read_bytes())
-    for f in sorted(root.glob("*.safetensors")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(min(st.st_size, 1 << 20)))
-    return h.hexdigest()[:24]
 
 
 def fill_arena(
@@ -250,18 +230,3 @@ def weights_from_arena(
     if shard.leads:
         lm_head = on_device(get("lm_head")) if "lm_head" in layout.pages else embed
     return ModelWeights(embed=embed, layers=layers, final_norm=on_device(get("final_norm")), lm_head=lm_head)
-
-
-def layout_to_json(layout: ArenaLayout) -> str:
-    return json.dumps(
-        {
-            "total_bytes": layout.total_bytes,
-            "pages": [[p.name, p.offset, p.nbytes, p.dtype, list(p.shape)] for p in layout.pages.values()],
-        }
-    )
-
-
-def layout_from_json(text: str) -> ArenaLayout:
-    obj = json.loads(text)
-    pages = {n: Page(n, o, b, d, tuple(s)) for n, o, b, d, s in obj["pages"]}
-    return ArenaLayout(pages, obj["total_bytes"])

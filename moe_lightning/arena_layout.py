@@ -4,11 +4,15 @@ layouts without importing torch."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from moe_lightning.quant.scheme import COMPONENT_ALIGN, QuantFormat, QuantScheme, scheme_of
+from moe_lightning.safetensors_names import INDEX_FILE
 from moe_lightning.spec import ModelSpec
 
 PAGE_ALIGN = 4096
@@ -174,3 +178,35 @@ def expert_page_names(layer: int, expert: int, rank: int | None = None) -> tuple
     adds `.qweight`, `.scales`, ...)."""
     prefix = expert_prefix(layer, expert, rank)
     return f"{prefix}.w13", f"{prefix}.w2"
+
+
+def checkpoint_key(model_dir: str | Path, dtype: str, scheme: QuantScheme | None = None, ranks: int = 1) -> str:
+    """Identifies a checkpoint + target dtype, expert format and ranks cheaply: config, index, and
+    each file's header/size/mtime."""
+    root = Path(model_dir)
+    split = f":ranks{ranks}" if ranks > 1 else ""
+    h = hashlib.sha256(f"layout{LAYOUT_VERSION}:{dtype}:{(scheme or QuantScheme()).key()}{split}".encode())
+    for name in ("config.json", INDEX_FILE):
+        if (root / name).is_file():
+            h.update((root / name).read_bytes())
+    for f in sorted(root.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(min(st.st_size, 1 << 20)))
+    return h.hexdigest()[:24]
+
+
+def layout_to_json(layout: ArenaLayout) -> str:
+    return json.dumps(
+        {
+            "total_bytes": layout.total_bytes,
+            "pages": [[p.name, p.offset, p.nbytes, p.dtype, list(p.shape)] for p in layout.pages.values()],
+        }
+    )
+
+
+def layout_from_json(text: str) -> ArenaLayout:
+    obj = json.loads(text)
+    pages = {n: Page(n, o, b, d, tuple(s)) for n, o, b, d, s in obj["pages"]}
+    return ArenaLayout(pages, obj["total_bytes"])

@@ -12,9 +12,7 @@ from safetensors import safe_open
 
 from moe_lightning.checkpoint_error import CheckpointError
 from moe_lightning.safetensors_header import TensorEntry, read_safetensors_header
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+from moe_lightning.safetensors_names import INDEX_FILE, SINGLE_FILE
 
 
 class SafetensorsFiles:

@@ -200,9 +200,10 @@ class Segment:
             self._mm = mmap.mmap(shm.fd, shm.size)
         finally:
             shm.close_fd()
-        import torch  # here, not at the top: the launcher lists and sweeps segments without torch
-
-        self._bytes: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8) if self.size else None
+        # the tensor over the bytes is made at first use: the launcher lists and sweeps segments, and the
+        # weight store fills its arena from its copy, through the mapping alone, without torch
+        self._bytes: torch.Tensor | None = None
+        self._open = self.size > 0
         self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     @classmethod
@@ -224,8 +225,12 @@ class Segment:
 
     def bytes(self) -> torch.Tensor:
         """(size,) uint8 tensor over the whole segment."""
-        if self._bytes is None:
+        if not self._open:
             raise ValueError(f"segment {self.name} is closed")
+        if self._bytes is None:
+            import torch
+
+            self._bytes = torch.frombuffer(self._mm, dtype=torch.uint8)
         return self._bytes
 
     def tensor(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
@@ -252,6 +257,7 @@ class Segment:
         return t
 
     def close(self) -> None:
+        self._open = False
         self._bytes = None
         self._views.clear()
         try:

@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import structlog
-import torch
 from prometheus_client import Gauge
 
 from moe_lightning.api.weight_store.v1 import weight_store_pb2, weight_store_pb2_grpc
@@ -88,6 +87,14 @@ def _start_explained(
         raise
 
 
+def _device() -> str:
+    """Where `--dtype auto` assumes the experts run, when the store is started alone (the launcher
+    passes the dtype it resolved for gpu_expert's device, and the store then needs no torch)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _start(config: WeightStoreConfig, servicer: WeightStoreServicer, runtime: ServiceRuntime) -> dict[str, Any]:
     """Fills the arena (or adopts a predecessor's); the fields of the `serving` line."""
     c = config
@@ -95,7 +102,7 @@ def _start(config: WeightStoreConfig, servicer: WeightStoreServicer, runtime: Se
     tokenizer = TextTokenizer.from_model_dir(c.model)
     if tokenizer is not None:
         tokenizer.check_fits(spec.vocab_size, c.model)
-    dtype = resolve_dtype(c.dtype, spec.dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = c.dtype if c.dtype != "auto" else resolve_dtype(c.dtype, spec.dtype, _device())
     cache_dir = None if c.no_cache else c.cache_dir or default_cache_dir()
     # the launcher asked these before it started anything (config.checks.check_stack); alone, here
     scheme = resolve_expert_scheme(spec, c.model, c.quantize, c.quantize_group_size, c.tensor_parallel)

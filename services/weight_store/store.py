@@ -18,7 +18,7 @@ import structlog
 from prometheus_client import Gauge
 from tqdm import tqdm
 
-from moe_lightning.arena import ArenaLayout, checkpoint_key, fill_arena, layout_from_json, layout_to_json
+from moe_lightning.arena_layout import ArenaLayout, checkpoint_key, layout_from_json, layout_to_json
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.shm.segment import (
     SHM_DIR,
@@ -140,6 +140,10 @@ class WeightArena:
             report = LoadReport(time.perf_counter() - t0, True, key)
             self.log.info("arena_mapped_from_copy", seconds=round(report.seconds, 3))
         else:
+            # here, not at the top: a store serving from its copy never imports torch (~1.3 s of CPU at
+            # every start, beside the other services' imports of it on the same cores)
+            from moe_lightning.arena import fill_arena
+
             fill_arena(self.segment.bytes(), self.layout, self.model_dir, self.spec, progress)
             report = LoadReport(time.perf_counter() - t0, False, key)
             self.log.info("arena_converted", model_dir=str(self.model_dir), seconds=round(report.seconds, 3))
