@@ -1,29 +1,38 @@
 """The native host GEMMs (moe_lightning/native/expert_gemm.cpp through quant/host_kernels.py): each
 equal to the GEMM on the dequantized weight (exactly the fp32 ones, within the int8 activations' rounding
 the others) at every tile edge (rows and weight rows that are no multiple of the tiles), group sizes
-32/64/128/whole rows; the AVX2 build and the build without vectors (which raises) on this same CPU; and
-the chooser without the extension (PyTorch's kernels alone)."""
+32/64/128/whole rows; and the chooser without the extension (PyTorch's kernels alone). The builds for
+other CPUs' instruction sets: test_host_kernel_variants.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 import torch
+from host_kernel_checks import (
+    EXACT,
+    INT4,
+    INT8,
+    INT8_ACTIVATIONS,
+    SHAPES,
+    check_argmax_columns,
+    check_every_kernel,
+    check_evict_keeps_the_bytes,
+    check_long_rows,
+    check_rounded_activations,
+    operands,
+    rel_error,
+)
 
 from moe_lightning import native
 from moe_lightning.quant import host_kernels, kernel_choice, kernels
-from moe_lightning.quant.kernels import QuantizedLinear
 from moe_lightning.quant.rtn import quantize
 from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 
 CPU = torch.device("cpu")
 ROWS = [1, 3, 5, 16, 33]  # the tiles hold 4-6 rows (AVX-512) or 1-3 (AVX2): edges of every kind
-SHAPES = [(96, 256), (37, 384), (200, 1024)]  # weight rows no multiple of the tiles' 3-4 either
-GROUPS = [32, 64, 128, -1]
 
 needs_native = pytest.mark.skipif(not host_kernels.available(), reason="the expert GEMM extension is not built here")
 
@@ -33,44 +42,6 @@ def fresh_chooser() -> Iterator[None]:
     kernels.configure()
     yield
     kernels.configure()
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
-
-
-def operands(n: int, k: int, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, k, generator=g) * 0.02, torch.randn(rows, k, generator=g)
-
-
-Int8Kernel = Callable[[ModuleType, torch.Tensor, QuantizedLinear], torch.Tensor]
-INT8: dict[str, Int8Kernel] = {
-    "int8_f32": lambda ext, x, q: ext.int8_f32(x, q.qweight, q.scales),
-    "int8_i8": lambda ext, x, q: ext.int8_i8(x, q.qweight, q.scales),
-}
-INT4: dict[str, Int8Kernel] = {
-    "int4_f32": lambda ext, x, q: ext.int4_f32(x, q.qweight, q.scales, q.zeros),
-    "int4_i8": lambda ext, x, q: ext.int4_i8(x, q.qweight, q.scales, q.zeros),
-}
-EXACT = 1e-5  # fp32 activations: the order of the sums alone
-INT8_ACTIVATIONS = 1.5e-2  # ~0.7 % of the largest output at these shapes, measured; 2x margin
-
-
-def check_every_kernel(ext: ModuleType, n: int, k: int, rows: int) -> None:
-    w, x = operands(n, k, rows, seed=rows)
-    assert rel_error(ext.dense_f32(x, w), x @ w.T) <= EXACT
-    q8 = quantize(w, QuantScheme(QuantFormat.INT8))
-    want = x @ q8.dequantize().T
-    for name, fn in INT8.items():
-        tol = EXACT if name.endswith("f32") else INT8_ACTIVATIONS
-        assert rel_error(fn(ext, x, q8), want) <= tol, (name, n, k, rows)
-    for group in GROUPS:
-        q4 = quantize(w, QuantScheme(QuantFormat.INT4, group))
-        want = x @ q4.dequantize().T
-        for name, fn in INT4.items():
-            tol = EXACT if name.endswith("f32") else INT8_ACTIVATIONS
-            assert rel_error(fn(ext, x, q4), want) <= tol, (name, group, n, k, rows)
 
 
 @needs_native
@@ -95,36 +66,6 @@ def test_int8_activations_cost_less_than_a_percent_of_the_output() -> None:
         want = x @ q.dequantize().T
         rms = float((fn(ext, x, q) - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
         assert rms < 9e-3, (fmt, rms)
-
-
-def rounded_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the i8 kernels see it: each (row, 128 columns) scaled by 127 / max|x|, rounded half to even
-    (nearbyint's default mode), and scaled back; a block of zeros stays zeros."""
-    blocks = x.reshape(x.shape[0], -1, 128)
-    top = blocks.abs().amax(-1, keepdim=True)
-    c127 = torch.full_like(top, 127.0)  # tensor / tensor: a scalar divisor is a multiply by its reciprocal
-    inv = torch.where(top > 0, c127 / top, torch.zeros_like(top))
-    scale = torch.where(top > 0, top / c127, torch.ones_like(top))
-    return (torch.round(blocks * inv) * scale).reshape(x.shape)
-
-
-def check_rounded_activations(ext: ModuleType) -> None:
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(40, 4096, generator=g) * 0.02
-    x = torch.randn(64, 4096, generator=g) * 3
-    x[3, 128:256] = 0.0
-    x[7, :5] = 0.0
-    # the last 16 rows: every value x * (127 / 3) a hair from an odd k + 1/2, their blocks' max 3. Rounded
-    # as the product's fp32 value (k + 1/2 exactly) they go to the even neighbour, k + 1; with the
-    # multiply fused into the rounding's add, about half would go to k
-    odd = torch.randint(-63, 62, (16, 4096), generator=g) * 2 + 1
-    inv = torch.tensor(127.0) / torch.tensor(3.0)
-    x[48:] = ((odd + 0.5).double() / inv.double()).float()
-    x[48:, ::128] = 3.0
-    for fmt, group, fn in ((QuantFormat.INT8, 128, INT8["int8_i8"]), (QuantFormat.INT4, 32, INT4["int4_i8"])):
-        q = quantize(w, QuantScheme(fmt, group))
-        want = (rounded_activations(x).double() @ q.dequantize().double().T).float()
-        assert rel_error(fn(ext, x, q), want) <= 2e-6, fmt  # one activation off by one step: ~1e-4
 
 
 @needs_native
@@ -177,17 +118,6 @@ def test_native_kernels_race_by_policy_and_dtype() -> None:
     assert dense_bf16 == {"weight_major", "matmul"}
 
 
-def check_long_rows(ext: ModuleType) -> None:
-    """The fp32-activation GEMMs take K in chunks of 1024 columns once x has more rows than one tile:
-    each tile's sums carried across chunks, the last one ragged (K no multiple of the vectors either)."""
-    for n, k in ((37, 2500), (16, 2048), (9, 1040)):
-        for rows in (1, 7, 33):
-            w, x = operands(n, k, rows, seed=k + rows)
-            assert rel_error(ext.dense_f32(x, w), x @ w.T) <= EXACT, (n, k, rows)
-            q8 = quantize(w, QuantScheme(QuantFormat.INT8))
-            assert rel_error(ext.int8_f32(x, q8.qweight, q8.scales), x @ q8.dequantize().T) <= EXACT, (n, k, rows)
-
-
 @needs_native
 def test_fp32_gemms_over_rows_longer_than_a_chunk() -> None:
     ext = host_kernels.extension()
@@ -195,49 +125,11 @@ def test_fp32_gemms_over_rows_longer_than_a_chunk() -> None:
     check_long_rows(ext)
 
 
-def check_evict_keeps_the_bytes(ext: ModuleType) -> None:
-    """Eviction writes lines back and drops them: every value reads the same after it, at any dtype,
-    length and start (a view that begins and ends inside a cache line)."""
-    g = torch.Generator().manual_seed(0)
-    raw = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=g)
-    for t in (raw, raw[3:1003], torch.randn(37, 129, generator=g), torch.randn(1), raw.view(torch.int8)[:64]):
-        before = t.clone()
-        ext.evict(t)
-        assert torch.equal(t, before)
-    ext.evict(torch.empty(0))
-    with pytest.raises(RuntimeError, match="contiguous"):
-        ext.evict(torch.randn(8, 8).t())
-
-
 @needs_native
 def test_evict_keeps_the_bytes() -> None:
     ext = host_kernels.extension()
     assert ext is not None
     check_evict_keeps_the_bytes(ext)
-
-
-def check_argmax_columns(ext: ModuleType) -> None:
-    """Each column's first maximum, as torch.argmax(dim=0) picks it: at row counts under, at and over a
-    thread's run (256), with the maximum repeated in one run and across runs (the first wins), and NaN
-    (the first NaN wins over any number)."""
-    g = torch.Generator().manual_seed(0)
-    for rows in (1, 2, 255, 256, 257, 1000, 32000):
-        for cols in (1, 3, 16, 257):
-            t = torch.randn(rows, cols, generator=g)
-            if rows > 1:
-                t[rows - 1, 0] = t[0, 0] = 100.0  # the first row and the last: different runs
-            if rows > 600:
-                t[500, cols - 1] = t[510, cols - 1] = 100.0  # within a run
-            assert torch.equal(ext.argmax_columns(t), t.argmax(dim=0)), (rows, cols)
-    t = torch.randn(1000, 4, generator=g)
-    t[700, 1] = t[900, 1] = t[300, 2] = float("nan")
-    t[0, 2] = float("inf")
-    got = ext.argmax_columns(t)
-    assert torch.equal(got, t.argmax(dim=0)) and got[1] == 700 and got[2] == 300
-    with pytest.raises(RuntimeError, match="contiguous"):
-        ext.argmax_columns(torch.randn(8, 4).T)
-    with pytest.raises(RuntimeError, match="R > 0"):
-        ext.argmax_columns(torch.randn(0, 4))
 
 
 @needs_native
@@ -322,77 +214,6 @@ def test_a_failed_build_is_no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(cpp_extension, "load", fail)
     assert native.load_extension.__wrapped__(native.EXPERT_SOURCE.name) is None
-
-
-def build_variant(directory: Path, name: str, flags: list[str]) -> ModuleType:
-    """expert_gemm.cpp built with more flags after -march=native: the instruction sets of other CPUs."""
-    from torch.utils import cpp_extension
-
-    return cpp_extension.load(
-        name=f"moe_lightning_expert_gemm_{name}",
-        sources=[str(native.EXPERT_SOURCE)],
-        extra_cflags=[*native.FLAGS, *flags],
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        verbose=False,
-    )
-
-
-# the instruction sets of other CPUs, as flags after -march=native
-VARIANTS = {
-    "avx2": ["-mno-avx512f", "-mno-avxvnni"],
-    "plain": ["-mno-avx512f", "-mno-avx2", "-mno-avxvnni", "-mno-fma", "-mno-clflushopt"],
-}
-
-
-def has_avx2() -> bool:
-    return native.cpu_isa() == "avx2" or native.cpu_isa().startswith("avx512")
-
-
-@pytest.fixture(scope="module")
-def variant_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModuleType]:
-    """The variants this CPU can build, compiled at once (one compiler a core, ~30 s each)."""
-    names = [name for name in VARIANTS if name != "avx2" or has_avx2()]
-    with ThreadPoolExecutor(len(names)) as pool:
-        builds = {n: pool.submit(build_variant, tmp_path_factory.mktemp(n), n, VARIANTS[n]) for n in names}
-        return {name: build.result() for name, build in builds.items()}
-
-
-@pytest.fixture(scope="module")
-def avx2_build(variant_builds: dict[str, ModuleType]) -> ModuleType:
-    if "avx2" not in variant_builds:
-        pytest.skip("this CPU has no AVX2")
-    return variant_builds["avx2"]
-
-
-@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("rows", [1, 4, 33])
-def test_the_avx2_build_equals_the_dequantized_gemm(avx2_build: ModuleType, shape: tuple[int, int], rows: int) -> None:
-    """What a machine with AVX2 alone runs (256-bit vectors, pmaddubsw where VNNI is missing)."""
-    assert avx2_build.isa == "avx2"
-    check_every_kernel(avx2_build, *shape, rows)
-
-
-def test_the_avx2_build_rounds_activations_as_documented(avx2_build: ModuleType) -> None:
-    check_rounded_activations(avx2_build)
-
-
-def test_the_avx2_build_over_rows_longer_than_a_chunk(avx2_build: ModuleType) -> None:
-    check_long_rows(avx2_build)
-
-
-def test_the_avx2_build_picks_each_columns_first_maximum(avx2_build: ModuleType) -> None:
-    check_argmax_columns(avx2_build)
-
-
-def test_a_build_without_vectors_raises(variant_builds: dict[str, ModuleType]) -> None:
-    plain = variant_builds["plain"]
-    assert plain.isa == "none"
-    check_evict_keeps_the_bytes(plain)  # by plain clflush, the one every x86-64 CPU has
-    check_argmax_columns(plain)  # plain C++: every build has it
-    w, x = operands(16, 128, 2)
-    with pytest.raises(RuntimeError, match="without AVX2/AVX-512"):
-        plain.dense_f32(x, w)
 
 
 @needs_native
