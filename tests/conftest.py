@@ -6,7 +6,6 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +34,14 @@ os.environ["MOE_LIGHTNING_NATIVE_DIR"] = str(_CACHE_ROOT / "native")  # the nati
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     """The native kernels built once, before any service starts (each would otherwise wait on the
-    first one's build); a machine that cannot build them runs the PyTorch path, as users' do. Both at
-    once: each build is one compiler on one core for ~35 s. Not for --collect-only, which runs nothing
-    (the GPU check's dry run collects its CUDA tests: a minute of builds for nothing)."""
+    first one's build), both at once; a machine that cannot build them runs the PyTorch path, as
+    users' do. Not for --collect-only, which runs nothing (the GPU check's dry run collects its CUDA
+    tests: a minute of builds for nothing)."""
     if session.config.option.collectonly:
         return
-    from moe_lightning.native import decode_kernel, expert_kernel
+    from moe_lightning.native import build_all
 
-    with ThreadPoolExecutor(2) as pool:
-        for build in [pool.submit(decode_kernel), pool.submit(expert_kernel)]:
-            build.result()
+    build_all()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
