@@ -53,8 +53,8 @@ from bench.gpucheck.formats import DRY_RUN_FORMATS, FORMATS, run_formats  # noqa
 from bench.gpucheck.optional import OptionalPhase, run_optional  # noqa: E402
 from bench.gpucheck.outputs import MAX_DEPTH, MAX_FILES, out_dir_problems, write_archive  # noqa: E402
 from bench.gpucheck.parallel import run_tensor_parallel  # noqa: E402
-from bench.gpucheck.predict import hrm_prediction, prediction_table  # noqa: E402
-from bench.gpucheck.preflight import CUDA_TESTS, PREFLIGHT_KV, preflight_facts, preflight_sizes  # noqa: E402
+from bench.gpucheck.predict import hrm_prediction, pinned_flags, prediction_table, profile_for  # noqa: E402
+from bench.gpucheck.preflight import CUDA_TESTS, PREFLIGHT_KV, preflight_facts, preflight_sizes, run_preflight  # noqa: E402
 from bench.gpucheck.processes import PhaseRunner  # noqa: E402
 from bench.gpucheck.report import predicted_vs_measured, ratios, summary_lines  # noqa: E402
 from moe_lightning.config.units import format_size  # noqa: E402
@@ -66,6 +66,7 @@ PRESET = "mixtral-8x7b-4l"
 # counts (so the budget rule gives the same residency plan), tiny widths.
 TOY = {**PRESETS["tiny"], "num_hidden_layers": 4, "num_local_experts": 8}
 SCRIPT_SECONDS = 360  # the lease rule: 6 minutes of script, so a rerun fits in the 15 of a lease
+FIRST_MEASUREMENT_SECONDS = 180  # ours' numbers saved by then, a kill after it still brings them back
 
 
 class GpuCheck(PhaseRunner):
@@ -73,6 +74,7 @@ class GpuCheck(PhaseRunner):
         a = self.args
         self.report["limits"] = {
             "script_seconds": SCRIPT_SECONDS,
+            "first_measurement_seconds": FIRST_MEASUREMENT_SECONDS,
             "deadline_seconds": a.deadline,
             "out_files": MAX_FILES,
             "out_depth": MAX_DEPTH,
@@ -125,18 +127,24 @@ class GpuCheck(PhaseRunner):
         }
         n = self.report["hrm"]["batch"]
         need = shm_needed(spec, budget, n, a.gen_len, a.dtype)
-        problem = self.check_room("the weight arena + KV cache", "/dev/shm", need)
+        problem = self.check_room("the weight arena + KV cache", "/dev/shm", need) if self.uses_checkpoint() else None
         if problem:
             return self.fail(
                 f"{problem}. The weight store keeps its arena in /dev/shm: give the container more "
                 "(docker run --shm-size=32g, or mount -o remount,size=32G /dev/shm), or lower --batch-cap"
             )
-        if not (model_dir / "gpu_check.built").is_file():  # the checkpoint and the weight store's copy of it
+        if self.uses_checkpoint() and not (model_dir / "gpu_check.built").is_file():  # it and the store's copy
             problem = self.check_room("the checkpoint", str(self.work), 2 * checkpoint_bytes + (1 << 30))
             if problem:
                 return self.fail(f"{problem}; point --work-dir at a larger disk")
         self.workload(spec, n)
         return spec, model_dir, preset, budget
+
+    def uses_checkpoint(self) -> bool:
+        """Whether a phase that runs uses the big checkpoint (ours, offload, the formats on it): a rerun
+        that skips them builds nothing and needs no room for it."""
+        a = self.args
+        return not {"ours", "offload"} <= a.skip or (a.formats_on == "checkpoint" and "formats" not in a.skip)
 
     def workload(self, spec: ModelSpec, n: int) -> None:
         """The prompts every system gets (bench's own mtbench prompts for N), recorded with a digest."""
@@ -149,23 +157,29 @@ class GpuCheck(PhaseRunner):
         """The budget rule and the HRM's pick for this model in `dtype` (recorded in the report)."""
         a = self.args
         spec = ModelSpec.from_hf_config(mixtral_config(preset, "bfloat16"))
-        budget = device_budget(spec, dtype, a.resident_fraction)
+        # capped: the budget bounds all ours allocates on the GPU (gpu_expert --cap-device-memory), as the
+        # offload baseline's total is bounded, so both hold their activations within the same bytes
+        budget = device_budget(spec, dtype, a.resident_fraction, capped=True)
         log(f"budget, ours ({dtype}): {describe_budget(budget)}")
-        offload = device_budget(spec, "bfloat16", a.resident_fraction)  # the checkpoint's dtype
+        offload = device_budget(spec, "bfloat16", a.resident_fraction, capped=True)  # the checkpoint's dtype
         self.report["budget"] = {
-            "rule": f"smallest budget at which gpu_expert's plan keeps >= {a.resident_fraction:.0%} of the experts",
+            "rule": f"smallest budget at which gpu_expert's plan keeps >= {a.resident_fraction:.0%} of the experts,"
+            " with room for its activations: all it allocates on the GPU (--cap-device-memory)",
             "ours": {"dtype": dtype, **asdict(budget), "human": format_size(budget.device_memory)},
             "offload": {
                 "dtype": "bfloat16",
                 **asdict(offload),
                 "human": format_size(offload.device_memory),
-                "weights_bytes": offload.device_memory - offload.ring_bytes,  # accelerate's placement
+                # accelerate's weight placement: what ours' weights get, less the room for the layer it copies in
+                "weights_bytes": offload.device_memory - offload.ring_bytes - offload.reserve_bytes,
                 "total_bytes": offload.device_memory,  # everything it allocates on the GPU
             },
         }
+        gpu = (self.report.get("environment") or {}).get("gpu") or {}
+        profile, why = profile_for(a.profile, gpu.get("name"))
         t0 = time.monotonic()
-        hrm = hrm_prediction(spec, budget, dtype, a.batch_cap, a.gen_len, a.profile)
-        self.report["hrm"] = {**hrm, "table": prediction_table(hrm)}
+        hrm = hrm_prediction(spec, budget, dtype, a.batch_cap, a.gen_len, profile)
+        self.report["hrm"] = {**hrm, "profile_chosen": why, "table": prediction_table(hrm)}
         self.record("hrm", ok=True, seconds=round(time.monotonic() - t0, 1))
         log("\n    ".join(["the HRM's pick and prediction:", *self.report["hrm"]["table"]]))
         return spec, budget
@@ -179,13 +193,15 @@ class GpuCheck(PhaseRunner):
     def main_comparison(self, spec: ModelSpec, model_dir: Path, preset: Any, budget: Budget) -> None:
         a = self.args
         toy_dir = self.work / "toy"
-        # the checkpoint is built while the preflight looks for faults of the stack on this machine
-        builder = None if a.dry_run else self.build(model_dir, preset, self.timeout(150, 150))
+        # the checkpoint is built while the preflight looks for faults of the stack on this machine; a
+        # rerun that skips what uses it (ours, offload, formats on it) builds nothing (12 GB, ~a minute)
+        uses = self.uses_checkpoint()
+        builder = None if a.dry_run or not uses else self.build(model_dir, preset, self.timeout(150, 150))
         toy = self.finish(self.build(toy_dir, TOY, self.timeout(60, 200)))
         dtype = a.dtype
         if toy and a.preflight and "preflight" not in a.skip:
-            dtype = self.preflight(toy_dir) or a.dtype  # a failed preflight never skips ours
-        built = toy if a.dry_run else self.finish(builder)
+            dtype = run_preflight(self, toy_dir, TOY) or a.dtype  # a failed preflight never skips ours
+        built = toy if a.dry_run else uses and self.finish(builder)
         if dtype != a.dtype:  # the fallback: our stack works in it on the toy model, not in a.dtype
             spec, budget = self.plan(preset, dtype)
             need = shm_needed(spec, budget, self.report["hrm"]["batch"], a.gen_len, dtype)
@@ -195,19 +211,23 @@ class GpuCheck(PhaseRunner):
             self.workload(spec, self.report["hrm"]["batch"])
         hrm = self.report["hrm"]
         bench = None
-        if not built:
+        if not uses:
+            for name in ("ours", "offload"):
+                self.record(name, ok=None, skipped="--skip")
+        elif not built:
             self.report["ours_error"] = "no checkpoint: see phases.build-*"
             for name in ("ours", "offload"):
                 self.record(name, ok=None, skipped=self.report["ours_error"])
         elif "ours" in a.skip:
             self.record("ours", ok=None, skipped="--skip")
         else:
-            extra = ("--micro-batch-size", str(hrm["micro_batch"]))  # the policy the HRM predicted for
             timeout = self.timeout(240, 0 if "offload" in a.skip else 80)  # the offload phase's least
             n = hrm["batch"]
-            bench = self.bench("ours", model_dir, budget.device_memory, dtype, n, a.gen_len, timeout, True, extra, True)
+            bench = self.bench(
+                "ours", model_dir, budget.device_memory, dtype, n, a.gen_len, timeout, True, pinned_flags(hrm), True
+            )
         self.report["ours_bench"] = bench
-        if built and "offload" not in a.skip:
+        if uses and built and "offload" not in a.skip:
             self.report["offload"] = self.offload(model_dir, hrm["batch"], self.timeout(120, 5))
         self.save()
 
@@ -218,6 +238,9 @@ class GpuCheck(PhaseRunner):
         argv = [str(REPO / "bench" / "gpu_check.py"), "_offload", "--model", str(model_dir)]
         argv += ["--max-memory", str(b["weights_bytes"]), "--total-memory", str(b["total_bytes"])]
         argv += ["--num-prompts", str(n), "--gen-len", str(a.gen_len), "--json", str(result)]
+        # its batch search starts near where the HRM's bound says it fits, one halving above it (each
+        # out-of-memory attempt costs a failed prefill; from 1,024 it took five)
+        argv += ["--start-batch", str(min(n, 2 * self.report["hrm"]["offload"]["batch"]))]
         # its load, out-of-memory halving and a few chunks of its batch: later chunks only repeat them
         argv += ["--seconds", str(max(10.0, min(75.0, timeout - 20)))]
         argv += ["--dtype", "float32" if a.dry_run else "bfloat16"]  # bf16 matmul is emulated on small CPUs
@@ -226,28 +249,6 @@ class GpuCheck(PhaseRunner):
         offload = json.loads(result.read_text())
         offload["same_prompts"] = offload.pop("prompts_sha256") == self.report["workload"]["prompts_sha256"]
         return offload
-
-    def preflight(self, toy_dir: Path) -> str | None:
-        """The bench on the toy model through the paths a first GPU run breaks (8 micro-batches: more
-        than the channel slots; hot-expert residency every 2 decode steps; host syncs counted); the
-        first dtype of the requested and the fallback one it works in, or None."""
-        a = self.args
-        toy = ModelSpec.from_hf_config(mixtral_config(TOY, "bfloat16"))
-        n, gen = preflight_sizes(a.dry_run)
-        for dtype in [a.dtype] + ([a.fallback_dtype] if a.fallback_dtype not in ("none", a.dtype) else []):
-            budget = device_budget(toy, dtype, a.resident_fraction)
-            # ours only: its baseline (b) runs in the `ours` phase; here it would cost device time for nothing
-            flags = ("--micro-batches", "8", "--residency-interval", "2", "--count-syncs", "--skip-overlap-off")
-            name = f"preflight-{dtype}"
-            result = self.bench(name, toy_dir, budget.device_memory, dtype, n, gen, self.timeout(90, 200), True, flags)
-            if result is None:
-                continue
-            self.report.setdefault("preflight", {})[name] = preflight_facts(result)
-            if dtype != a.dtype:
-                self.report["dtype_fallback"] = f"our stack failed in {a.dtype} on the toy model; ours runs in {dtype}"
-                log(f"WARNING: {self.report['dtype_fallback']}")
-            return dtype
-        return None
 
     # ---- the optional phases ---------------------------------------------------------------------
     def optional_phases(self, model_dir: Path) -> list[OptionalPhase]:
@@ -324,10 +325,14 @@ class GpuCheck(PhaseRunner):
 
 def predict_only(a: argparse.Namespace) -> int:
     """The prediction the docs' table shows, for the check's model and budget, without a GPU."""
+    import torch
+
     spec = ModelSpec.from_hf_config(mixtral_config(TOY if a.dry_run else PRESET, "bfloat16"))
-    budget = device_budget(spec, a.dtype, a.resident_fraction)
+    budget = device_budget(spec, a.dtype, a.resident_fraction, capped=True)
+    profile, why = profile_for(a.profile, torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    print(f"profile: {profile.name} ({why})")
     print(describe_budget(budget))
-    print("\n".join(prediction_table(hrm_prediction(spec, budget, a.dtype, a.batch_cap, a.gen_len, a.profile))))
+    print("\n".join(prediction_table(hrm_prediction(spec, budget, a.dtype, a.batch_cap, a.gen_len, profile))))
     return 0
 
 

@@ -52,9 +52,7 @@ def main() -> int:
     est = estimate(spec, work, profile, ran, dtype="float32")
     dec = decode_totals(run)
     rows = stage_accuracy.compare(est, dec.timings, dec.steps, spec.num_layers)
-    decode_seconds = run.delta("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
-    decode_tokens = sum(c.completion_tokens for c in run.done) - len(run.done)
-    measured_tps = decode_tokens / decode_seconds if decode_seconds else float("nan")
+    measured_tps = dec.tokens_per_second or float("nan")  # decode rows over their time, every step kind
     print(
         f"profile: {profile.name} ({profile.source}): matmul {profile.gpu_flops / 1e9:.0f} GFLOP/s, expert "
         f"weights {profile.gpu_bandwidth / 1e9:.2f} GB/s, attention KV {profile.cpu_bandwidth / 1e9:.2f} GB/s, "

@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from moe_lightning.benchmark import random_prompts, run_batch
+from moe_lightning.benchmark import decode_totals, random_prompts, run_batch
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.demo_model import write_demo_model
 from moe_lightning.engine import InProcessEngine
@@ -42,10 +42,9 @@ def in_process(model: Path, batch: list[list[int]], gen: int) -> dict[str, float
 def stack(model: Path, batch: list[list[int]], gen: int, run_id: str, threads: int) -> dict[str, float]:
     run = run_batch(model, batch, gen, run_id, threads)
     done, wall, delta = run.done, run.wall_seconds, run.delta
-    steps = delta("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}')
-    step_s = delta("orchestrator", 'moe_lightning_step_seconds_sum{kind="decode"}')
+    decode = decode_totals(run)  # every step that decoded, a mixed one at its decode share
+    steps, step_s = decode.steps, decode.seconds
     generated = sum(d.completion_tokens for d in done)
-    decode_tokens = generated - len(done)
     control = delta("orchestrator", "moe_lightning_control_plane_seconds_total")
     all_steps = steps + delta("orchestrator", 'moe_lightning_step_seconds_count{kind="prefill"}')
     wait = delta("gpu_expert", "moe_lightning_shm_wait_seconds_total")
@@ -55,7 +54,7 @@ def stack(model: Path, batch: list[list[int]], gen: int, run_id: str, threads: i
     )
     round_trips = delta("cpu_attention", 'moe_lightning_handoffs_total{direction="in"}')
     return {
-        "decode_tokens_per_second": decode_tokens / step_s,
+        "decode_tokens_per_second": decode.tokens_per_second,
         "decode_step_seconds": step_s / steps,
         "generated_tokens_per_second_end_to_end": generated / wall,
         "control_plane_ms_per_step": 1e3 * control / all_steps,

@@ -9,7 +9,7 @@ import re
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from moe_lightning.launcher import Stack
 from moe_lightning.private_paths import private_dir
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import StepKind, StepTimings
+from moe_lightning.validation import MAX_BATCH_PROMPTS
 
 SERVICES = ("orchestrator", "gpu_expert", "cpu_attention")
 KV_BLOCK_SIZE = 16  # cpu_attention's --block-size default: the unit the orchestrator reserves KV in
@@ -117,8 +118,12 @@ def run_batch(
         with GenerationClient(s.api_address, timeout=3600) as c:
             c.batch_generate([Prompt(token_ids=batch[0][:8], max_new_tokens=2, ignore_eos=True)])  # warm-up
             before = {n: scrape(ep[n]["metrics"]) for n in SERVICES}
+            prompts = [Prompt(token_ids=p, max_new_tokens=gen, ignore_eos=True) for p in batch]
+            # every prompt in flight at once, in calls of the most one takes: the batch is the whole set
+            # (a BatchGenerate takes at most MAX_BATCH_PROMPTS; the queue holds the batch and two calls)
+            calls = -(-len(prompts) // MAX_BATCH_PROMPTS)
             t0 = time.perf_counter()
-            done = c.batch_generate([Prompt(token_ids=p, max_new_tokens=gen, ignore_eos=True) for p in batch])
+            done = c.batch_generate_all(prompts, chunk_size=MAX_BATCH_PROMPTS, in_flight=calls)
             wall = time.perf_counter() - t0
             after = {n: scrape(ep[n]["metrics"]) for n in SERVICES}
     finally:
@@ -205,12 +210,20 @@ def policy_that_ran(policy: dict[str, str], resident_experts: float, sequences: 
 
 @dataclass
 class DecodeTotals:
-    """A batch's decode steps as the HRM comparison (moe_lightning/hrm/stage_accuracy.py) reads them."""
+    """A batch's decoding as the HRM comparison (moe_lightning/hrm/stage_accuracy.py) and decode tok/s
+    read it: every step that decoded, whatever its kind (docs/cgopipe-and-benchmarks.md, "Decode time")."""
 
-    steps: float  # decode steps the orchestrator ran
-    timings: StepTimings  # gpu_expert's timings summed over them (the orchestrator's per-stage counters)
+    steps: float  # steps that decoded: decode steps and mixed ones
+    timings: StepTimings  # gpu_expert's timings over them, a mixed step's scaled by its decode share
+    tokens: float = 0.0  # decode rows (a token each), every step kind
+    seconds: float = 0.0  # the orchestrator's step wall time charged to decoding, every step kind
+    by_kind: dict[str, dict[str, float]] = field(default_factory=dict)  # kind -> steps, tokens, seconds
 
-    def seconds(self) -> dict[str, float]:
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def seconds_by_stage(self) -> dict[str, float]:
         """Stage -> seconds (the JSON's decode_stage_seconds); "cpu_attention" is the attention
         service's compute in these steps, as its replies reported it (attention_busy)."""
         out = {stage: ns / 1e9 for stage, ns in self.timings.stages().items()}
@@ -218,11 +231,29 @@ class DecodeTotals:
         return out
 
 
+DECODING_KINDS = (StepKind.DECODE, StepKind.MIXED)
+
+
 def decode_totals(run: StackRun) -> DecodeTotals:
-    """The batch's decode steps, from the orchestrator's metrics around it."""
+    """The batch's decoding, from the orchestrator's metrics around it: decode steps whole, mixed steps
+    at the share of their time charged to their decode rows (StepTimings.decode / step)."""
     d = run.delta
     timings = StepTimings(StepKind.DECODE)
-    for stage in timings.stages():
-        key = f'moe_lightning_stage_seconds_total{{kind="decode",stage="{stage}"}}'
-        setattr(timings, stage, round(d("orchestrator", key) * 1e9))
-    return DecodeTotals(d("orchestrator", 'moe_lightning_step_seconds_count{kind="decode"}'), timings)
+    totals = DecodeTotals(0.0, timings)
+    for kind in DECODING_KINDS:
+
+        def stage(name: str, kind: StepKind = kind) -> float:
+            return d("orchestrator", f'moe_lightning_stage_seconds_total{{kind="{kind}",stage="{name}"}}')
+
+        step = stage("step")
+        share = 1.0 if kind is StepKind.DECODE else (stage("decode") / step if step else 0.0)
+        for name in timings.stages():
+            timings.add(name, round(stage(name) * share * 1e9))
+        steps = d("orchestrator", f'moe_lightning_step_seconds_count{{kind="{kind}"}}')
+        tokens = d("orchestrator", f'moe_lightning_decode_tokens_total{{kind="{kind}"}}')
+        seconds = d("orchestrator", f'moe_lightning_decode_seconds_total{{kind="{kind}"}}')
+        totals.steps += steps
+        totals.tokens += tokens
+        totals.seconds += seconds
+        totals.by_kind[kind.value] = {"steps": steps, "tokens": tokens, "seconds": seconds, "share": share}
+    return totals

@@ -155,7 +155,7 @@ class InProcessEngine:
                 on_logits(step, [s.index for s in active], logits)
             samplers = [s.sampler for s in active]
             processed = process_logits(logits, samplers, self.spec.eos_token_ids)  # penalties, bias, min_tokens
-            next_ids = sample(processed, [p.params for p in samplers], [p.next_generator() for p in samplers]).tolist()
+            next_ids = sample(processed, [p.params for p in samplers], [p.next_key() for p in samplers]).tolist()
             for s, tok in zip(active, next_ids, strict=True):
                 s.sampler.feed(len(s.request.prompt_ids) + len(s.output.token_ids), [tok])
                 _, reason = s.output.append(tok)  # no stream: the text is read at the end

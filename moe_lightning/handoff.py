@@ -1,9 +1,11 @@
 """The per-layer hand-off protocol between the expert service and the attention service.
 
 Expert -> attention, one message per (step, layer, micro-batch): a `HandoffHeader` and tensors
-q (T, H, Hd), k (T, K, Hd), v (T, K, Hd); at layer 0 also the micro-batch's sequences as one
-(3, B) int64 tensor (ids, new tokens, cached tokens before this step), which attention keeps for
-the later layers of the step. Attention -> expert: the same header, then the attention service's
+q (T, H, Hd), k (T, K, Hd), v (T, K, Hd), with MLA q and the latent row (T, 1, C + R) once, which
+the receiver takes as both k and v; at layer 0 also the micro-batch's sequences as one (3, B) int64
+tensor (ids, new tokens, cached tokens before this step), which attention keeps for the later
+layers of the step. The tensors' count and dtypes say which: floating q/k/v or q/latent, then the
+table when there is one. Attention -> expert: the same header, then the attention service's
 compute time for the message (u64 ns: what the HRM's attention row is measured by, where the expert
 side's wait shows only what its other micro-batches did not hide), and one tensor (T, H * Hd); or a
 non-zero status (a gRPC status code number) and the error text as a uint8 tensor.
@@ -31,7 +33,6 @@ from moe_lightning.service.limits import DEFAULT_MAX_TOKENS as DEFAULT_MAX_TOKEN
 from moe_lightning.service.limits import DEFAULT_SLOTS as DEFAULT_SLOTS
 from moe_lightning.spec import ModelSpec
 
-BYTES_PER_ELEMENT = 4  # slots are sized for fp32 activations; bf16/fp16 fit in the same slots
 MAX_ERROR_BYTES = 4096  # an error's text is cut to this (it still travels in the slot)
 _HEADER = struct.Struct("<QQIII")  # step, session, layer, micro-batch, status
 _BUSY = struct.Struct("<Q")  # after a reply's header: the attention service's compute for it, ns
@@ -86,23 +87,48 @@ class SequenceBatch:
 
 @dataclass(slots=True)
 class QKVHandoff:
+    """`v is k` (MLA: the latent row is both, stages/pre_attention.py): it travels once."""
+
     header: HandoffHeader
     q: torch.Tensor  # (T, H, Hd)
     k: torch.Tensor  # (T, K, Hd)
     v: torch.Tensor  # (T, K, Hd)
     batch: SequenceBatch | None = None  # layer 0 only
 
+    @property
+    def shared_kv(self) -> bool:
+        return self.v is self.k
+
     def tensors(self) -> list[torch.Tensor]:
+        kv = [self.k] if self.shared_kv else [self.k, self.v]
         extra = [] if self.batch is None else [self.batch.to_tensor()]
-        return [self.q, self.k, self.v, *extra]
+        return [self.q, *kv, *extra]
 
     @classmethod
     def decode(cls, meta: bytes, tensors: list[torch.Tensor]) -> QKVHandoff:
         header = HandoffHeader.unpack(meta)
-        if len(tensors) not in (3, 4):
-            raise ValueError(f"a q/k/v hand-off carries 3 or 4 tensors, got {len(tensors)}")
-        batch = SequenceBatch.from_tensor(tensors[3]) if len(tensors) == 4 else None
-        return cls(header, tensors[0], tensors[1], tensors[2], batch)
+        table = bool(tensors) and tensors[-1].dtype == torch.int64  # the sequence table goes last
+        acts = tensors[:-1] if table else tensors
+        if len(acts) not in (2, 3) or not all(t.is_floating_point() for t in acts):
+            got = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in tensors) or "none"
+            raise ValueError(
+                "a q/k/v hand-off carries q, k and v (or q and one latent for both), then at most the "
+                f"(3, B) int64 sequence table; got {got}"
+            )
+        if table and (tensors[-1].dim() != 2 or tensors[-1].shape[0] != 3):
+            raise ValueError(f"a hand-off's sequence table is (3, B) int64, got {tuple(tensors[-1].shape)}")
+        batch = SequenceBatch.from_tensor(tensors[-1]) if table else None
+        q, k = acts[0], acts[1]
+        return cls(header, q, k, acts[2] if len(acts) == 3 else k, batch)
+
+    def check(self, spec: ModelSpec) -> None:
+        """ValueError unless q is (T, H, Hd), k and v (T, K, Hd), and k is v exactly for MLA."""
+        t, h, k, hd = self.q.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        mla = spec.attention == "mla"
+        shapes = [tuple(self.q.shape), tuple(self.k.shape), tuple(self.v.shape)]
+        if shapes != [(t, h, hd), (t, k, hd), (t, k, hd)] or self.shared_kv != mla:
+            want = f"q ({t}, {h}, {hd}) and " + (f"one latent ({t}, 1, {hd})" if mla else f"k, v ({t}, {k}, {hd})")
+            raise ValueError(f"the hand-off does not fit the model: {want} expected, got {shapes}")
 
 
 @dataclass(slots=True)
@@ -169,15 +195,23 @@ def pipeline_window(num_micro_batches: int, out_slots: int, in_slots: int) -> in
     return max(1, min(num_micro_batches, out_slots, in_slots))
 
 
-def handoff_slot_bytes(spec: ModelSpec, max_tokens: int, kind: str) -> int:
-    """Slot size for one message of up to `max_tokens` tokens; kind is "qkv" or "attn"."""
+def attention_width(spec: ModelSpec) -> int:
+    """Values per token of attention's result: H * Hd, with MLA the attended latents H * C."""
+    return spec.num_heads * (spec.kv_lora_rank if spec.attention == "mla" else spec.head_dim)
+
+
+def handoff_slot_bytes(spec: ModelSpec, max_tokens: int, kind: str, dtype: torch.dtype = torch.float32) -> int:
+    """Slot size for one message of up to `max_tokens` tokens; kind is "qkv" or "attn". `dtype`: the
+    activations' (the weights' dtype, which both workers read off the manifest); float32, the widest,
+    for a caller that does not know it. K/V count once with MLA (the latent is both)."""
+    size = dtype.itemsize
     align = 4 * _ALIGN  # up to four tensors, each aligned
     if kind == "qkv":
-        per_token = (spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim * BYTES_PER_ELEMENT
+        per_token = (spec.num_heads + spec.kv_tensors * spec.num_kv_heads) * spec.head_dim * size
         per_token += 3 * 8  # the layer-0 sequence table: at most one sequence per token
         extra = 0
     elif kind == "attn":
-        per_token = spec.num_heads * spec.head_dim * BYTES_PER_ELEMENT
+        per_token = attention_width(spec) * size
         extra = MAX_ERROR_BYTES
     else:
         raise ValueError(f"kind must be 'qkv' or 'attn', got {kind!r}")

@@ -1,12 +1,16 @@
 """Head-side sampling: greedy, temperature, top-k, top-p, reproducible per request by seed; the
 controls applied to the logits first (penalties, logit bias, min_tokens, a grammar's token mask)
-are logits_processors.py's, and the prompt's log-probabilities prompt_logprobs.py's (docs/openai.md)."""
+are logits_processors.py's, and the prompt's log-probabilities prompt_logprobs.py's (docs/openai.md).
+
+A step samples all its rows at once and reads the device once: the tokens (`sample`), and once more
+the log-probabilities (`sampled_logprobs`), whatever the batch (issue 53; host_syncs.py counts it)."""
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -31,15 +35,6 @@ class TokenLogprobs:
     logprob: float
     top_token_ids: list[int]
     top_logprobs: list[float]
-
-
-def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
-    """logits: (V,) raw, fp32."""
-    import torch
-
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = torch.topk(lp, min(top, lp.shape[-1]))
-    return TokenLogprobs(token, float(lp[token]), ids.tolist(), values.tolist())
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,15 +107,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        if self.greedy:
-            return None
-        import torch
-
-        gen = torch.Generator(device=device)
-        gen.manual_seed(self.seed if self.seed is not None else secrets.randbits(63))
-        return gen
-
     def with_seed(self) -> SamplingParams:
         """These parameters with a seed fixed: a drawn one when none was asked for, so a sequence that
         is preempted and re-prefilled on another step resumes the same stream (greedy needs none)."""
@@ -145,14 +131,12 @@ def draw_seed(seed: int, draw: int) -> int:
 class SequenceSampler:
     """One sequence's sampling parameters and random stream, where the head keeps them.
 
-    Each draw reseeds the generator from (seed, draw index): a sequence preempted and re-prefilled
-    (docs/kv-cache.md) is given the draws it had made and continues its stream exactly, while one
-    generator object per sequence keeps the per-token cost to a reseed. With penalties it also keeps
-    the sequence's tokens as the steps feed them (prompt, then output): a re-prefill feeds them all
-    again, so the state rebuilds itself after a preemption."""
+    Each draw's randomness comes from (seed, draw index) alone (`next_key`): a sequence preempted and
+    re-prefilled (docs/kv-cache.md) is given the draws it had made and continues its stream exactly.
+    With penalties it also keeps the sequence's tokens as the steps feed them (prompt, then output): a
+    re-prefill feeds them all again, so the state rebuilds itself after a preemption."""
 
     params: SamplingParams
-    generator: torch.Generator | None
     seed: int
     draws: int = 0  # draws made so far: the index of the next
     prompt_len: int = 0  # the sequence's prompt, in tokens (0: not sent)
@@ -163,13 +147,9 @@ class SequenceSampler:
     def start(
         cls, params: SamplingParams, draws: int = 0, device: torch.device | str = "cpu", prompt_len: int = 0
     ) -> SequenceSampler:
+        """`device` is unused, kept for the callers: a draw keeps no state on a device (its key is enough)."""
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        generator = None
-        if not params.greedy:
-            import torch
-
-            generator = torch.Generator(device=device)
-        return cls(params, generator, seed, draws, prompt_len, [] if params.penalized else None)
+        return cls(params, seed, draws, prompt_len, [] if params.penalized else None)
 
     def resume(self, draws: int) -> None:
         """The next chunk of a prompt that spans steps: the stream is back at `draws` (a chunk short of
@@ -193,29 +173,11 @@ class SequenceSampler:
         """The generated tokens so far (with history kept and the sampler complete)."""
         return [] if self.tokens is None else self.tokens[self.prompt_len :]
 
-    def next_generator(self) -> torch.Generator | None:
-        """The generator for the next draw (None when greedy), seeded for it."""
-        if self.generator is not None:
-            self.generator.manual_seed(draw_seed(self.seed, self.draws))
+    def next_key(self) -> int | None:
+        """The key of the next draw, `draw_seed(seed, draw index)` (None when greedy), for `sample`."""
+        key = None if self.params.greedy else draw_seed(self.seed, self.draws)
         self.draws += 1
-        return self.generator
-
-
-def _filter(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    import torch
-
-    # logits: (V,) fp32, already divided by temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token once the mass before it already reaches top_p; the most likely always stays
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+        return key
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -238,22 +200,173 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """logits: (B, V) -> next token ids (B,) on the CPU."""
+# A draw is the exponential race: the token maximising p / q, q ~ Exp(1) drawn for every token, which
+# picks token i with probability p_i, taken in log space (x - log q, x the filtered logits / T) so no
+# softmax is needed. q comes from a counter-based stream computed on the device for all rows at once:
+# token t of the draw keyed k (`SequenceSampler.next_key`) gets u from splitmix64's output
+# `draw_seed(k, t)`, so a row's draw depends on (seed, draw index) and its logits alone, never on the
+# batch, a step count or a generator's state (the same integers on a CPU and a GPU), and costs no launch
+# per row: one torch.Generator per row, reseeded per draw, would cost an exponential_ launch each.
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as int64: torch's integers are signed
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_U_BITS = 23  # (n + 0.5) / 2^23 is exact in fp32 and never 0 or 1, so q is finite and > 0
+_CPU_BLOCK = 1 << 17  # elements a CPU samples at once: int64 temporaries in cache, 4x faster at 256 x 32000
+
+
+def _xor_shift(z: torch.Tensor, s: int) -> None:
+    # z ^= z >>> s: torch's >> is arithmetic, so the ones it shifts into a negative z are masked off
+    z ^= (z >> s).bitwise_and_((1 << (64 - s)) - 1)
+
+
+def race_noise(keys: torch.Tensor, ids: torch.Tensor, *, stepped: bool = False) -> torch.Tensor:
+    """keys: (R,) int64 draw keys, ids: (R, N) or (1, N) int64 token ids -> (R, N) fp32 log q, q ~ Exp(1)
+    with u = ((draw_seed(key, id) >> 40) + 0.5) / 2^23, q = -log u. Products wrap modulo 2^64 on
+    every device, as splitmix64's do (tests/test_batched_sampling.py checks it against `draw_seed`).
+    stepped: `ids` is already (ids + 1) * golden ratio, splitmix64's steps (`sample` makes them once)."""
+    z = keys[:, None] + (ids if stepped else ids * _GOLDEN + _GOLDEN)  # the state after id + 1 steps
+    _xor_shift(z, 30)
+    z *= _MIX1
+    _xor_shift(z, 27)
+    z *= _MIX2
+    _xor_shift(z, 31)
+    u = (z >> (63 - _U_BITS)).bitwise_and_((1 << _U_BITS) - 1).float().add_(0.5).mul_(2.0**-_U_BITS)
+    return u.log_().neg_().log_()
+
+
+def _race(x: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, stepped: bool) -> torch.Tensor:
+    """x: (R, N) fp32 log-weights (-inf: excluded); ids: (R, N) their token ids, or `stepped`: (1, N) the
+    steps of 0..N-1 (race_noise's) -> (R,) the tokens drawn."""
     import torch
 
-    logits = logits.float()
-    out = greedy_tokens(logits).cpu()  # (B,)
-    for b, (p, gen) in enumerate(zip(params, generators, strict=True)):
-        if p.greedy:
-            continue
+    pos = torch.sub(x, race_noise(keys, ids, stepped=stepped)).argmax(dim=-1)
+    return pos if stepped else ids.gather(1, pos[:, None]).squeeze(1)
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Per-row parameters built on the host, on `device` without the host waiting: a copy from pageable
+    memory would make torch synchronise the stream, one from pinned memory is queued."""
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _rows(logits: torch.Tensor, index: torch.Tensor, host: Sequence[int], lo: int, hi: int) -> torch.Tensor:
+    """logits' rows host[lo:hi] (index: the same on the device): a view where they are consecutive, as
+    when every row asks, else a copy."""
+    first = host[lo]
+    if all(host[i] == first + i - lo for i in range(lo, hi)):
+        return logits[first : first + hi - lo]
+    return logits.index_select(0, index[lo:hi])
+
+
+@contextmanager
+def _one_thread(device: torch.device) -> Iterator[None]:
+    """On a CPU, torch on one intra-op thread: the blocks of rows are too small to split, and a pool
+    that waits for its other thread on a shared host's scheduler made sampling 2-5x slower (a 2-core
+    VM, as hrm/host_issue.py found); one thread samples faster than the row-by-row code did on two."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int | None]) -> torch.Tensor:
+    """logits: (B, V) -> next token ids (B,) on the CPU. keys: each row's draw key (`next_key`; None
+    for a greedy row, and a non-greedy row without one draws a random one). On a device, a constant
+    number of launches and one copy to the host, the result's, whatever the batch and its rows ask."""
+    import torch
+
+    drawn = [b for b, p in enumerate(params) if not p.greedy]
+    if not drawn:
+        return greedy_tokens(logits).cpu()
+    vocab = logits.shape[-1]
+
+    def kind(b: int) -> int:  # 0: top-p, 1: top-p and top-k, 2: top-k, 3: temperature alone
+        p, cut = params[b], 0 < params[b].top_k < vocab
+        return (1 if cut else 0) if p.top_p < 1.0 else 2 if cut else 3
+
+    # rows of a kind side by side, so that the top-k rows (kinds 1, 2) and the top-p rows (0, 1) are
+    # slices, each filter one launch over its slice
+    drawn.sort(key=kind)
+    n = [sum(kind(b) == k for b in drawn) for k in range(4)]
+    ints = torch.tensor(
+        [[b, secrets.randbits(63) if keys[b] is None else keys[b], min(params[b].top_k or vocab, vocab)] for b in drawn]
+    )
+    floats = torch.tensor([[params[b].temperature, params[b].top_p] for b in drawn], dtype=torch.float64)
+    dev = _on(torch.cat([ints, floats.view(torch.int64)], dim=1), logits.device)  # one copy: (S, 5)
+    rows, key, top_k = dev[:, 0], dev[:, 1], dev[:, 2:3]
+    temperature, top_p = (dev[:, c : c + 1].view(torch.float64).float() for c in (3, 4))
+    temperature.clamp_min_(torch.finfo(torch.float32).tiny)  # a temperature below fp32's range is not 0
+    steps = torch.arange(vocab, device=logits.device)[None].mul_(_GOLDEN).add_(_GOLDEN)  # race_noise's
+    cut_lo, nucleus_hi = n[0], n[0] + n[1]
+    cut_hi = nucleus_hi + n[2]
+
+    def draw(lo: int, hi: int) -> torch.Tensor:  # the drawn rows lo..hi, all top-p ones or none
+        x = _rows(logits, rows, drawn, lo, hi).float()
         # shift first: with a tiny temperature, logits / T overflows to +inf and softmax gives NaN;
-        # shifted logits are <= 0, so they can only underflow to -inf (the argmax stays at 0)
-        row = _filter((logits[b] - logits[b].max()) / p.temperature, p)
-        probs = torch.softmax(row, dim=-1)
-        out[b] = torch.multinomial(probs, 1, generator=gen).item()
+        # shifted logits are <= 0, so they can only underflow to -inf (the maximum stays at 0)
+        x = (x - x.amax(dim=-1, keepdim=True)).div_(temperature[lo:hi])
+        c_lo, c_hi = max(lo, cut_lo), min(hi, cut_hi)
+        if c_lo < c_hi:
+            # each row's k-th value from one topk to the largest k asked; ties with it stay, as in
+            # vLLM's apply_top_k_top_p, and the top-p rows then sort rows of mostly -inf (5x faster)
+            cut = x[c_lo - lo : c_hi - lo]
+            k_max = max(params[b].top_k for b in drawn[c_lo:c_hi])
+            cut.masked_fill_(cut < cut.topk(k_max, dim=-1).values.gather(1, top_k[c_lo:c_hi] - 1), float("-inf"))
+        if lo >= nucleus_hi:
+            return _race(x, key[lo:hi], steps, stepped=True)
+        # vLLM's top-p mask on the sorted logits: a token goes once the mass before it already
+        # reaches top_p, so the most likely always stays; the race runs in the sorted order
+        srt, order = x.sort(dim=-1, descending=True)
+        probs = srt.softmax(dim=-1)
+        srt.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= top_p[lo:hi], float("-inf"))
+        return _race(srt, key[lo:hi], order, stepped=False)
+
+    # on a device each part is one launch of each operation; on a CPU a few rows at a time keep the
+    # temporaries in cache (a 32 MB buffer is fresh pages on every call)
+    block = max(1, _CPU_BLOCK // vocab) if logits.device.type == "cpu" else len(drawn)
+    parts = ((0, nucleus_hi), (nucleus_hi, len(drawn)))
+    with _one_thread(logits.device):
+        picked = [draw(i, min(i + block, hi)) for lo, hi in parts for i in range(lo, hi, block)]
+    tokens = picked[0] if len(picked) == 1 else torch.cat(picked)
+    if len(drawn) == len(params):
+        return torch.empty_like(tokens).index_copy_(0, rows, tokens).cpu()
+    return greedy_tokens(logits).index_copy(0, rows, tokens).cpu()
+
+
+def sampled_logprobs(logits: torch.Tensor, asked: Sequence[tuple[int, int, int]]) -> list[TokenLogprobs]:
+    """logits: (B, V) raw; asked: (row, its sampled token, how many top) -> each one's TokenLogprobs,
+    log_softmax of the raw fp32 logits: one log_softmax, topk and gather over the rows that ask (the
+    top padded to the most asked) and one copy to the host, whatever the batch."""
+    import torch
+
+    if not asked:
+        return []
+    vocab = logits.shape[-1]
+    index = _on(torch.tensor([(row, token) for row, token, _ in asked]), logits.device)  # (R, 2)
+    rows = [row for row, _, _ in asked]
+    top = min(max(t for _, _, t in asked), vocab)
+
+    def part(lo: int, hi: int) -> torch.Tensor:  # (hi - lo, 1 + 2 top): the token's, the top values, their ids
+        lp = torch.log_softmax(_rows(logits, index[:, 0], rows, lo, hi).float(), dim=-1)
+        cols = [lp.gather(1, index[lo:hi, 1:]), *(lp.topk(top, dim=-1) if top else ())]
+        return torch.cat([c.double() for c in cols], dim=1)  # fp64 holds fp32 values and ids < 2^53 exactly
+
+    block = max(1, _CPU_BLOCK // vocab) if logits.device.type == "cpu" else len(asked)  # as `sample`'s
+    with _one_thread(logits.device):
+        host = torch.cat([part(i, min(i + block, len(asked))) for i in range(0, len(asked), block)]).tolist()
+    out = []
+    for (_, token, k), row in zip(asked, host, strict=True):
+        k = min(k, vocab)
+        out.append(TokenLogprobs(token, row[0], [int(i) for i in row[1 + top : 1 + top + k]], row[1 : 1 + k]))
     return out

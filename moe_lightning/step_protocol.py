@@ -42,6 +42,9 @@ class StepPlan:
     # groups of micro-batches whose layer FFN runs at once, each expert read once a group (0: once per
     # micro-batch; docs/cgopipe-and-benchmarks.md "Experts once per group")
     expert_groups: int = 0
+    # sequences that decode (a row each): the leading micro-batches hold them, a mixed step's prompt
+    # chunks follow (the share of a mixed step's time charged to decoding reads it: hrm/decode_share.py)
+    decodes: int = 0
 
     @property
     def num_sequences(self) -> int:
@@ -71,6 +74,12 @@ class StepTimings:
     handler: int = 0  # the step plus its protobuf conversion, inside the RPC handler
     collectives: int = 0  # tensor-parallel ranks: rank 0 in gathers, scatters and all-reduces
     attention_busy: int = 0  # cpu_attention's compute for this step's hand-offs, as its replies report it
+    link_busy: int = (
+        0  # the copy link busy with expert pages, counted as copies end (a prefetch lands in the next step)
+    )
+    # of `step`, what its decode rows are charged with: all of a decode step, a mixed step's decode share
+    # (hrm/decode_share.py), none of a prefill. Not a stage of its own: it is part of `step`.
+    decode: int = 0
 
     def stages(self) -> dict[str, int]:
         """Stage name -> nanoseconds (every field but the kind)."""

@@ -418,11 +418,11 @@ class Batcher:
             mbs[-1].append(w)
             tokens += len(w.token_ids)
         kind = StepKind.MIXED if decode and prefill else StepKind.PREFILL if prefill else StepKind.DECODE
-        return ScheduledStep(self._plan(mbs, kind), seqs, len(decode))
+        return ScheduledStep(self._plan(mbs, kind, len(decode)), seqs, len(decode))
 
-    def _plan(self, mbs: list[list[SequenceWork]], kind: StepKind) -> StepPlan:
+    def _plan(self, mbs: list[list[SequenceWork]], kind: StepKind, decodes: int) -> StepPlan:
         release, self._release_next = self._release_next, []
-        return StepPlan(next(self._step_ids), mbs, kind, release, self.placement, self.config.expert_groups)
+        return StepPlan(next(self._step_ids), mbs, kind, release, self.placement, self.config.expert_groups, decodes)
 
 
 def _merge_prompt_logprobs(seq: Sequence, chunk: PromptLogprobs) -> None:

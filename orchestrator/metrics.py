@@ -1,6 +1,6 @@
 """The orchestrator's Prometheus series (vLLM's set, plus per-stage and control-plane time)."""
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, Info
 
 from moe_lightning.service.metrics import KV_USAGE  # noqa: F401  (re-exported: blocks reserved)
 from moe_lightning.step_protocol import StepTimings
@@ -30,6 +30,15 @@ STEP_SECONDS = Histogram(
     "moe_lightning_step_seconds", "Wall time of one step seen by the orchestrator", ["kind"], buckets=_LATENCY
 )
 STAGE_SECONDS = Counter("moe_lightning_stage_seconds_total", "Time per stage reported by gpu_expert", ["stage", "kind"])
+# Decode as its own rate, whatever the step schedule: a decode step's rows and wall time, and a mixed
+# step's decode rows with the share of its wall time they are charged (StepTimings.decode / step,
+# hrm/decode_share.py). decode tok/s = sum over kinds of tokens / sum of seconds.
+DECODE_TOKENS = Counter("moe_lightning_decode_tokens_total", "Tokens decoded (a row per decoding sequence)", ["kind"])
+DECODE_SECONDS = Counter(
+    "moe_lightning_decode_seconds_total",
+    "Step wall time charged to decoding: all of a decode step, a mixed step's decode share",
+    ["kind"],
+)
 CONTROL_OVERHEAD = Counter(
     "moe_lightning_control_plane_seconds_total",
     "Step wall time at the orchestrator minus the step time inside gpu_expert",
@@ -49,6 +58,10 @@ MICRO_BATCH_IN_FORCE = Gauge("moe_lightning_micro_batch_size", "Micro-batch size
 EXPERT_GROUPS_IN_FORCE = Gauge(
     "moe_lightning_expert_groups", "Groups of micro-batches whose layer FFN runs at once (0: once per micro-batch)"
 )
+PREFILL_BUDGET_IN_FORCE = Gauge(
+    "moe_lightning_prefill_budget_tokens", "Prompt tokens a mixed step takes on beside its decodes (--prefill-budget)"
+)
+STEP_SCHEDULE_IN_FORCE = Info("moe_lightning_step_schedule", "The step schedule in force (--step-schedule)")
 MAX_QUEUE = Gauge("moe_lightning_max_queue_requests", "Requests that may wait before RESOURCE_EXHAUSTED (--max-queue)")
 # The public API's calls in their handlers, and its bound (--max-concurrent-rpcs): one more is refused at
 # once, RESOURCE_EXHAUSTED, counted here by reason as well as in moe_lightning_rpc_handled_total
@@ -78,6 +91,8 @@ def publish_config(config: SchedulerConfig) -> None:
     MICRO_BATCH_IN_FORCE.set(config.micro_batch_size or config.max_batch_size)  # 0: one micro-batch, the whole batch
     MAX_QUEUE.set(config.max_queue)
     EXPERT_GROUPS_IN_FORCE.set(config.expert_groups)
+    PREFILL_BUDGET_IN_FORCE.set(config.prefill_budget or config.max_prefill_tokens)  # 0: a micro-batch's most
+    STEP_SCHEDULE_IN_FORCE.info({"schedule": config.step_schedule})
 
 
 def observe_step(decodes: int, wall: float, timings: StepTimings) -> None:
@@ -90,3 +105,6 @@ def observe_step(decodes: int, wall: float, timings: StepTimings) -> None:
     CONTROL_OVERHEAD.inc(max(0.0, wall - timings.step / 1e9))
     if decodes:
         DECODE_BATCH.observe(decodes)
+        DECODE_TOKENS.labels(kind).inc(decodes)
+        share = timings.decode / timings.step if timings.step else 1.0
+        DECODE_SECONDS.labels(kind).inc(wall * min(1.0, share))

@@ -87,10 +87,22 @@ def best_resident(
         return estimate(spec, work, hw, replace(base, resident_experts=i), dtype, headroom, kv_dtype, quant)
 
     top = est if j == est.policy.resident_experts else at(j)
-    diff0 = low.resource_seconds["gpu"] - low.resource_seconds["cpu"]
-    diff1 = top.resource_seconds["gpu"] - top.resource_seconds["cpu"]
-    cross = j * diff0 / (diff0 - diff1) if diff0 < 0 < diff1 else (0 if diff0 >= 0 else j)
-    inner = {min(j, max(0, i)) for i in (math.floor(cross), math.ceil(cross))} - {0, j}
+
+    def crossing(diff0: float, diff1: float) -> float:
+        return j * diff0 / (diff0 - diff1) if diff0 < 0 < diff1 else (0 if diff0 >= 0 else j)
+
+    cpu0, cpu1 = low.resource_seconds["cpu"], top.resource_seconds["cpu"]
+    if hw.shared_host_device:  # the host's issue time adds to the device's compute: one line
+        corners = [crossing(low.resource_seconds["gpu"] - cpu0, top.resource_seconds["gpu"] - cpu1)]
+    else:  # the device's time is max(compute, issue): the host's line meets the first; compute passes issue
+        issue, c0, c1 = low.issue_seconds, low.gpu_compute_seconds, top.gpu_compute_seconds
+        cross = crossing(c0 - cpu0, c1 - cpu1)
+        corners = (
+            [min(cross, crossing(issue - cpu0, issue - cpu1)), crossing(c0 - issue, c1 - issue)]
+            if issue > 0
+            else [cross]
+        )
+    inner = {min(j, max(0, i)) for c in corners for i in (math.floor(c), math.ceil(c))} - {0, j}
     best = max([low, top, *(at(i) for i in sorted(inner))], key=lambda x: x.tokens_per_second)
     return best if best.tokens_per_second >= est.tokens_per_second else est
 

@@ -11,46 +11,25 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from runner_pair import arena_of, wired
 
 import services.cpu_attention.worker as worker_module
-from moe_lightning.arena import ArenaLayout, fill_arena, weights_from_arena
-from moe_lightning.handoff import handoff_slot_bytes
+from moe_lightning.arena import weights_from_arena
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ServiceError, status_for
-from moe_lightning.shm.channel import TensorChannel
-from moe_lightning.shm.segment import list_segments, segment_name
-from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import SequenceWork, StepKind, StepPlan
 from services.cpu_attention.worker import AttentionWorker
-from services.gpu_expert.handoff_link import HandoffLink
-from services.gpu_expert.pager import ExpertPager
-from services.gpu_expert.residency import plan_residency
 from services.gpu_expert.runner import ExpertRunner
 
 
 @pytest.fixture()
 def pair(tiny_model: Path) -> Iterator[tuple[ExpertRunner, AttentionWorker]]:
-    spec = ModelSpec.from_pretrained(tiny_model)
-    layout = ArenaLayout.for_spec(spec, "float32")
-    arena = torch.empty(layout.total_bytes, dtype=torch.uint8)
-    fill_arena(arena, layout, tiny_model, spec, progress=False)
+    spec, arena, layout = arena_of(tiny_model)
     device = torch.device("cpu")
     weights = weights_from_arena(arena, layout, spec, device, experts_on_host=True)
     run = f"attnfault{os.getpid()}"
-    worker = AttentionWorker(spec, 256, 4, run, handoff_slot_bytes(spec, 256, "attn"), slots=2)
-    worker.start()
-    out = TensorChannel.create(segment_name(run, "gpu_expert", "qkv"), 2, handoff_slot_bytes(spec, 256, "qkv"))
-    expert_bytes = sum(t.numel() * 4 for t in (weights.layers[0].experts[0].w13, weights.layers[0].experts[0].w2))
-    residency = plan_residency(spec.num_layers, spec.num_experts, expert_bytes, 0, spec.num_experts * expert_bytes)
-    pager = ExpertPager(weights, residency, device, lookahead=False)
-    runner = ExpertRunner(spec, weights, device, HandoffLink(out, device), pager, overlap=False)
-    runner.connect(worker.output.name, session=3)
-    worker.connect(out.name, session=3)
-    yield runner, worker
-    pager.close()
-    runner.link.close()
-    worker.stop()
-    assert list_segments(run) == []
+    with wired(spec, weights, device, run, spec.num_experts, lookahead=False, overlap=False) as wired_pair:
+        yield wired_pair
 
 
 def _prefill(step: int, first_seq: int) -> StepPlan:

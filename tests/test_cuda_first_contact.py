@@ -1,6 +1,6 @@
 """Defects of the CUDA path found by reading, before it ever ran (issue 26, item 2), each tested where
 a CPU can show it: a rank's device always names its GPU, the host's quantized kernels are raced only
-when experts compute there, int8/int4 dequantize a whole linear at once on CUDA (and the HRM models
+when experts compute there, int8/int4 dequantize in few large blocks on CUDA (and the HRM models
 that scratch), and a benchmark's KV cache is sized from its workload, not a fixed 4 GiB."""
 
 from __future__ import annotations
@@ -97,12 +97,15 @@ def test_the_stack_tells_gpu_expert_the_experts_placement(tmp_path: Path) -> Non
     assert build_parser().parse_args(stack._args("gpu_expert")).experts_placement == "cpu"
 
 
-# --- 3. dequantize-then-GEMM: a whole linear at once on CUDA -----------------------------------------
-def test_cuda_dequantizes_a_whole_linear_and_a_cpu_keeps_its_blocks() -> None:
-    for n, k in (MIXTRAL_W13, MIXTRAL_W2):
-        assert kernels.dequant_block_rows(n, k, "cuda") == n
+# --- 3. dequantize-then-GEMM: blocks of 64 Mi weights on CUDA (issue 53: not a whole LM head) ------
+def test_cuda_dequantizes_in_blocks_of_256_mib_of_float32_and_a_cpu_keeps_its_blocks() -> None:
+    cuda = [math.ceil(n / kernels.dequant_block_rows(n, k, "cuda")) for n, k in (MIXTRAL_W13, MIXTRAL_W2)]
+    assert cuda == [2, 1]  # a few launches per expert call, not the CPU's 43 blocks of 4-5 kernels
     blocks = [math.ceil(n / kernels.dequant_block_rows(n, k, "cpu")) for n, k in (MIXTRAL_W13, MIXTRAL_W2)]
-    assert blocks == [28, 15]  # 43 blocks of 4-5 kernels each per expert call: what CUDA no longer runs
+    assert blocks == [28, 15]
+    for n, k, want in ((129280, 7168, 14), (201088, 2880, 9)):  # DeepSeek-V3's and GPT-OSS-120B's LM heads
+        rows = kernels.dequant_block_rows(n, k, "cuda")
+        assert math.ceil(n / rows) == want and rows * k * 4 <= 256 << 20
     assert kernels.dequant_block_rows(96, 256, "cpu") == 96  # a small linear is one block anywhere
 
 

@@ -45,7 +45,13 @@ def test_dry_run_runs_every_phase_within_the_lease_limits(tmp_path: Path) -> Non
     report = json.loads((out / REPORT_NAME).read_text())
     assert report["status"] == "ok" and report["dry_run"]
     limits = report["limits"]
-    assert limits == {"script_seconds": 360, "deadline_seconds": 300.0, "out_files": MAX_FILES, "out_depth": MAX_DEPTH}
+    assert limits == {
+        "script_seconds": 360,
+        "first_measurement_seconds": 180,
+        "deadline_seconds": 300.0,
+        "out_files": MAX_FILES,
+        "out_depth": MAX_DEPTH,
+    }
     assert report["elapsed_seconds"] <= limits["deadline_seconds"] and wall <= limits["deadline_seconds"] + 30
     assert report["outputs"]["problems"] == [] and report["outputs"]["archive"]["left_out"] == []
 
@@ -57,23 +63,45 @@ def test_dry_run_runs_every_phase_within_the_lease_limits(tmp_path: Path) -> Non
     assert first_summary < r.stderr.index("cuda-tests: started") < r.stderr.rindex("] summary (also in")
     assert report["summary"] and "ours / overlap_off" in r.stderr
 
-    # the HRM's pick is what ran, and its prediction sits next to the measurement
+    # the HRM's pick is what ran, in the configuration its prediction is of (the GPU run's: alternating
+    # steps, its micro-batch, expert groups and prefill budget), at a size where admission takes steps
     hrm = report["hrm"]
-    assert 1 <= hrm["batch"] <= hrm["batch_cap"] == 4 and hrm["table"]
+    assert 1 <= hrm["batch"] <= hrm["batch_cap"] == 256 and hrm["table"]
+    assert hrm["profile"] == "h200" and "no GPU" in hrm["profile_chosen"]  # auto: the GPU's name picks it
     assert report["workload"]["prompts"] == hrm["batch"]
-    ours = report["ours_bench"]["ours"]
+    bench = report["ours_bench"]
+    ours, off = bench["ours"], bench["overlap_off"]
     assert ours["micro_batches"] == hrm["micro_batches"] and ours["generated_tokens_per_second"] > 0
-    assert report["ours_bench"]["overlap_off"]["generated_tokens_per_second"] > 0
+    assert off["generated_tokens_per_second"] > 0
+    assert hrm["config"]["step_schedule"] == "alternating"
+    for run in (ours, off):
+        assert {k: run["in_force"][k] for k in hrm["config"]} == hrm["config"]
+        assert run["steps"]["prefill"] >= 3 and run["steps"]["mixed"] == 0  # admission took several steps
+        assert run["steps"]["decode"] == 3 and run["decode"]["by_kind"]["decode"]["tokens"] == hrm["batch"] * 3
     pvm = report["predicted_vs_measured"]
+    assert pvm["configuration"]["same"] is True
     assert pvm["ours_decode_tokens_per_second"]["predicted"] == hrm["ours"]["decode_tokens_per_second"]
     assert pvm["ours_decode_tokens_per_second"]["measured"] == ours["decode_tokens_per_second"]
     assert pvm["ours_over_overlap_off_decode"]["predicted"] == hrm["ratios"]["ours_over_overlap_off"]
-    assert set(report["ratios"]) == {"ours_over_overlap_off", "ours_over_offload"}
-    assert {r["target"] for r in report["ratios"].values()} == {3.0, 10.0}
+    # decode against decode (the targets' and the HRM's), end to end beside it
+    ratios = report["ratios"]
+    assert set(ratios) == {"ours_over_overlap_off", "ours_over_offload"}
+    assert {r["target"] for r in ratios.values()} == {3.0, 10.0}
+    b = ratios["ours_over_overlap_off"]
+    assert b["value"] == ours["decode_tokens_per_second"] / off["decode_tokens_per_second"]
+    assert b["end_to_end"] == ours["generated_tokens_per_second"] / off["generated_tokens_per_second"]
+    # bench's JSON was written after each run, not only at the end: ours' numbers arrived before (b) ran
+    saved = phases["ours"]["runs_saved"]
+    assert list(saved) == ["ours", "overlap_off"] and saved["ours"] < saved["overlap_off"], saved
+    assert saved["ours"] <= limits["first_measurement_seconds"] and "ours' numbers saved" in r.stderr
 
     offload = report["offload"]
     assert offload["same_prompts"] and offload["prompts_run"] == hrm["batch"]
-    assert offload["generated_tokens"] == hrm["batch"] * 4
+    assert offload["generated_tokens"] == hrm["batch"] * 4 and offload["decode_tokens_per_second"] > 0
+    assert offload["start_batch"] == min(hrm["batch"], 2 * hrm["offload"]["batch"])
+    assert (
+        ratios["ours_over_offload"]["value"] == ours["decode_tokens_per_second"] / offload["decode_tokens_per_second"]
+    )
 
     # the optional phases' numbers
     runs = report["formats"]  # experts streamed, each format at a quarter of its own pages
@@ -83,7 +111,7 @@ def test_dry_run_runs_every_phase_within_the_lease_limits(tmp_path: Path) -> Non
     assert [r["rank"] for r in ranks["per_rank"]["ranks"]] == [0, 1] and ranks["decode_tokens_per_second"] > 0
     pipeline = report["preflight"]["preflight-float32"]
     assert pipeline["micro_batches"] == 8 and pipeline["residency_changes"] >= 1
-    assert pipeline["cuda_syncs_per_decode_step"] is None  # counted on CUDA only
+    assert pipeline["host_syncs_per_decode_step"] > 0  # on a CPU, the reads that would be syncs on CUDA
     assert report["device-attention"]["policy"]["attention"] == "gpu"
     assert report["environment"]["import_errors"] == []
     budget = report["budget"]["ours"]
@@ -177,3 +205,36 @@ def test_predict_only_prints_the_hrm_pick_for_the_check_without_a_gpu() -> None:
     assert r.returncode == 0, r.stderr[-2000:]
     assert "HRM pick on h200: N=1024 in 32 micro-batches of 32" in r.stdout  # docs/cgopipe-and-benchmarks.md
     assert "binds: link" in r.stdout and "ours / (b) = " in r.stdout and "ours / offload >= " in r.stdout
+    assert "runs as: alternating steps" in r.stdout
+
+
+def test_the_prediction_is_made_on_the_preset_of_the_gpu_it_runs_on() -> None:
+    """A plain lease is an H100, one asked for an H200: each gets its own preset's prediction."""
+    from bench.gpucheck.predict import profile_for
+
+    assert profile_for("auto", "NVIDIA H100 80GB HBM3")[0].name == "h100"
+    assert profile_for("auto", "NVIDIA H200")[0].name == "h200"
+    assert profile_for("auto", None)[0].name == "h200" and "no GPU" in profile_for("auto", None)[1]
+    assert profile_for("h100", "NVIDIA H200")[0].name == "h100"  # given wins
+
+
+def test_a_layer_an_out_of_memory_pass_stranded_is_sent_back() -> None:
+    """accelerate copies an offloaded module's weights in before its forward and drops them after; a pass
+    that ran out of memory never ran the after, so that layer stayed on the GPU and the smaller retries
+    failed too. The baseline sends such weights back before retrying (here on the CPU: the same hooks)."""
+    import torch
+    from accelerate import cpu_offload
+
+    from bench.gpucheck.offload import _restore_offloaded
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    want = model(x)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    first = model[0]
+    assert first.weight.device.type == "meta"  # offloaded between passes
+    first._hf_hook.pre_forward(first, x)  # a pass began: the layer's weights copied in...
+    assert first.weight.device.type == "cpu"  # ... and, the pass failing there, never dropped
+    assert _restore_offloaded(model) == 1
+    assert first.weight.device.type == "meta" and _restore_offloaded(model) == 0
+    torch.testing.assert_close(model(x), want)  # the next pass copies it in again, as before

@@ -55,4 +55,10 @@ def test_bf16_stack_gives_transformers_bf16_tokens(
     # (--expected-prompt/gen-len; docs/hrm.md, "The KV rule")
     assert planned["kv_admission"] == "need" and planned["kv_cache_tokens"] == meta.kv_cache_tokens
     assert planned["kv_cache_sequences"] > meta.kv_cache_tokens // (77 + 64)
+    # a 16-bit q over its own cache attends in sdpa's 16-bit kernel: the native fp32 one is neither built
+    # nor loaded (a bf16 GPU run's start once paid 20-40 s of the GPU check's preflight compiling it)
+    attention = [json.loads(x) for x in (stack.config.log_dir / "cpu_attention.log").read_text().splitlines()]
+    native = next(x for x in attention if x.get("event") == "native_kernels")
+    assert native["decode_attention"] == "pytorch" and "sdpa" in native["reason"], native
+    assert next(x for x in attention if x.get("event") == "serving")["decode_attention"] == "pytorch"
     assert stack.leaked_segments() == []

@@ -232,3 +232,14 @@ def test_metadata_rejects_inconsistent_batches() -> None:
         AttentionMetadata(q_lens=(3,), ctx_lens=(9,), block_tables=((0, 1),), block_size=4)
     with pytest.raises(ValueError, match="q_len"):
         AttentionMetadata(q_lens=(0,), ctx_lens=(2,), block_tables=((0,),), block_size=4)
+
+
+def test_the_native_decode_kernel_is_wanted_only_where_attention_runs_in_fp32() -> None:
+    """cpu_attention builds the native kernel only for what attends in fp32 (services/cpu_attention/server.py)."""
+    from moe_lightning.stages.attention import attends_in_fp32
+
+    bf16, fp16, fp32, int8 = torch.bfloat16, torch.float16, torch.float32, torch.int8
+    assert not attends_in_fp32(bf16, bf16, False, "cpu")  # sdpa's bf16 kernel, transformers' rounding
+    assert attends_in_fp32(fp32, fp32, False, "cpu") and attends_in_fp32(fp32, bf16, False, "cpu")
+    assert attends_in_fp32(bf16, int8, False, "cpu") and attends_in_fp32(bf16, bf16, True, "cpu")  # int8, sinks
+    assert attends_in_fp32(fp16, fp16, False, "cpu") and not attends_in_fp32(fp16, fp16, False, "cuda")

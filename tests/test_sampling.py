@@ -4,17 +4,28 @@ import pytest
 import torch
 
 from moe_lightning.quant import host_kernels
-from moe_lightning.sampling import SamplingParams, greedy_tokens, sample
+from moe_lightning.sampling import SamplingParams, SequenceSampler, draw_seed, greedy_tokens, sample
 
 LOGITS = torch.tensor([[0.1, 2.0, 1.9, -1.0, 0.5], [3.0, 0.0, 0.0, 0.0, 2.9]])
+
+
+def keys(seed: int, n: int) -> list[int]:
+    """The keys of a stream's first n draws, as SequenceSampler.next_key gives them."""
+    return [draw_seed(seed, i) for i in range(n)]
 
 
 def test_greedy_and_degenerate_filters_pick_the_argmax() -> None:
     greedy = SamplingParams()
     assert sample(LOGITS, [greedy, greedy], [None, None]).tolist() == [1, 0]
-    for p in (SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=5.0, top_p=1e-6, seed=1)):
-        for _ in range(20):
-            assert sample(LOGITS, [p, p], [p.make_generator(), p.make_generator()]).tolist() == [1, 0]
+    degenerate = (
+        SamplingParams(temperature=1.0, top_k=1),
+        SamplingParams(temperature=5.0, top_p=1e-6, seed=1),
+        SamplingParams(temperature=1e-300, seed=1),  # below fp32's range: no NaN, the maximum
+        SamplingParams(temperature=1e-30, top_k=3, top_p=0.5, seed=1),
+    )
+    for p in degenerate:
+        for k in keys(7, 20):
+            assert sample(LOGITS, [p, p], [k, k]).tolist() == [1, 0]
 
 
 def greedy_cases() -> list[torch.Tensor]:
@@ -67,8 +78,8 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ() -> None:
     logits = torch.randn(1, 1000, generator=torch.Generator().manual_seed(0))
 
     def draw(params: SamplingParams) -> list[int]:
-        gen = params.make_generator()
-        return [int(sample(logits, [params], [gen])[0]) for _ in range(30)]
+        s = SequenceSampler.start(params)
+        return [int(sample(logits, [params], [s.next_key()])[0]) for _ in range(30)]
 
     assert draw(p) == draw(p)
     assert draw(p) != draw(SamplingParams(temperature=1.5, seed=4321))
@@ -77,20 +88,17 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ() -> None:
 def test_top_k_and_top_p_restrict_the_support() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     pk = SamplingParams(temperature=1.0, top_k=2, seed=0)
-    gk = pk.make_generator()
-    assert {int(sample(logits, [pk], [gk])[0]) for _ in range(300)} == {0, 1}
+    assert set(sample(logits.expand(300, -1), [pk] * 300, keys(0, 300)).tolist()) == {0, 1}
     pp = SamplingParams(temperature=1.0, top_p=0.85, seed=0)  # 0.5 + 0.3 < 0.85 -> token 2 also kept
-    gp = pp.make_generator()
-    assert {int(sample(logits, [pp], [gp])[0]) for _ in range(500)} == {0, 1, 2}
+    assert set(sample(logits.expand(500, -1), [pp] * 500, keys(0, 500)).tolist()) == {0, 1, 2}
 
 
 def test_temperature_changes_the_distribution() -> None:
     logits = torch.tensor([[1.0, 0.0]])
     cold, hot = SamplingParams(temperature=0.2, seed=0), SamplingParams(temperature=5.0, seed=0)
-    gc, gh = cold.make_generator(), hot.make_generator()
     n = 2000
-    cold_zero = sum(int(sample(logits, [cold], [gc])[0] == 0) for _ in range(n)) / n
-    hot_zero = sum(int(sample(logits, [hot], [gh])[0] == 0) for _ in range(n)) / n
+    cold_zero = (sample(logits.expand(n, -1), [cold] * n, keys(0, n)) == 0).float().mean().item()
+    hot_zero = (sample(logits.expand(n, -1), [hot] * n, keys(1, n)) == 0).float().mean().item()
     assert cold_zero > 0.97  # sigmoid(5) = 0.993
     assert 0.5 < hot_zero < 0.61  # sigmoid(0.2) = 0.55
 

@@ -1,5 +1,7 @@
 """The device budget: the smallest --device-memory at which gpu_expert's own residency plan keeps a
-given share of the experts resident, and the room the stack needs in /dev/shm."""
+given share of the experts resident, and the room the stack needs in /dev/shm. Capped (the main
+comparison's runs: gpu_expert --cap-device-memory), the budget bounds everything ours allocates on the
+device, as the offload baseline's total is bounded, so it also holds the activations' room."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from moe_lightning.spec import ModelSpec
 # default 8192 tokens per hand-off).
 HANDOFF_SLOTS, HANDOFF_TOKENS = 4, 8192
 CHECK_PROMPTS, CHECK_GEN = 64, 32  # the check's default workload (gpu_check.py --num-prompts, --gen-len)
+MAX_PREFILL_TOKENS = 8192  # the orchestrator's --max-prefill-tokens default, which the check's stacks run with
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,15 +28,18 @@ class Budget:
     total_experts: int
     ring_bytes: int  # the streaming buffers
     arena_bytes: int  # the whole weight arena in /dev/shm
+    reserve_bytes: int = 0  # capped: the activations' and workspace's room within device_memory
 
     @property
     def resident_fraction(self) -> float:
         return self.resident_experts / self.total_experts
 
 
-def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budget:
+def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float, capped: bool = False) -> Budget:
     """The smallest budget at which gpu_expert's own residency plan keeps at least `resident_fraction`
-    of the experts on the device, besides the dense weights and its streaming buffers.
+    of the experts on the device, besides the dense weights and its streaming buffers; `capped`: the
+    budget holds everything gpu_expert allocates (--cap-device-memory), so the room it keeps back for
+    activations (at the hand-off's most tokens) and workspace is added.
 
     Sizes are computed as gpu_expert computes them (the arena layout), and the plan is gpu_expert's
     `plan_residency`, so the rule follows the ring's sizing as it changes. The plan only moves at
@@ -42,6 +48,8 @@ def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budg
     """
     from moe_lightning.arena import ArenaLayout, expert_page_names
     from moe_lightning.config.checks import DeviceBudgetError
+    from moe_lightning.hrm.sizes import DTYPE_BYTES
+    from services.gpu_expert.memory import capped_reserve
     from services.gpu_expert.residency import plan_residency
 
     layout = ArenaLayout.for_spec(spec, dtype)
@@ -50,6 +58,7 @@ def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budg
     total = spec.total_experts
     dense = layout.total_bytes - total * expert
     target = round(resident_fraction * total)
+    reserve = capped_reserve(spec, HANDOFF_TOKENS, int(DTYPE_BYTES[dtype])) if capped else 0
     for slots in range(total + 1):  # at slots == total everything fits, so this always returns
         try:
             plan = plan_residency(
@@ -60,9 +69,8 @@ def device_budget(spec: ModelSpec, dtype: str, resident_fraction: float) -> Budg
         resident = sum(len(r) for r in plan.resident)
         if resident >= target:
             ring = plan.device_bytes - dense - resident * expert
-            return Budget(
-                dense + slots * expert + expert // 2, dense, expert, resident, total, ring, layout.total_bytes
-            )
+            weights = dense + slots * expert + expert // 2
+            return Budget(weights + reserve, dense, expert, resident, total, ring, layout.total_bytes, reserve)
     raise AssertionError("unreachable: the whole model fits at slots == total")
 
 
@@ -79,8 +87,10 @@ def shm_needed(
 ) -> int:
     """Bytes one stack keeps in /dev/shm (the stacks of a bench run one after the other)."""
     from moe_lightning.handoff import handoff_slot_bytes
+    from moe_lightning.torch_dtypes import DTYPES
 
-    channels = HANDOFF_SLOTS * sum(handoff_slot_bytes(spec, HANDOFF_TOKENS, kind) for kind in ("qkv", "attn"))
+    act = DTYPES[kv_dtype]  # the arena's dtype, which gpu_expert computes in
+    channels = HANDOFF_SLOTS * sum(handoff_slot_bytes(spec, HANDOFF_TOKENS, kind, act) for kind in ("qkv", "attn"))
     kv = kv_needed(spec, prompts, gen, kv_dtype)
     return budget.arena_bytes + kv + channels + (256 << 20)  # + slack for small segments
 
@@ -105,9 +115,10 @@ def layers_that_fit(
 
 def describe_budget(b: Budget) -> str:
     size = format_size
+    reserve = f" + {size(b.reserve_bytes)} for activations and workspace (capped)" if b.reserve_bytes else ""
     return (
         f"--device-memory {b.device_memory} ({size(b.device_memory)}) = dense {size(b.dense_bytes)}"
         f" + ring {size(b.ring_bytes)} ({b.ring_bytes // b.expert_bytes} experts)"
         f" + {b.resident_experts} of {b.total_experts} experts resident ({b.resident_fraction:.0%},"
-        f" {size(b.resident_experts * b.expert_bytes)}) + {size(b.expert_bytes // 2)} margin"
+        f" {size(b.resident_experts * b.expert_bytes)}) + {size(b.expert_bytes // 2)} margin{reserve}"
     )

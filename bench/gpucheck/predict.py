@@ -12,14 +12,36 @@ from dataclasses import asdict
 from statistics import mean
 from typing import Any
 
-from bench.gpucheck.budget import HANDOFF_TOKENS, Budget
+from bench.gpucheck.budget import HANDOFF_TOKENS, MAX_PREFILL_TOKENS, Budget
 from moe_lightning.hrm.costmodel import Estimate, estimate
-from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.hardware import PRESETS, HardwareProfile, load_profile
 from moe_lightning.hrm.layercost import DTYPE_BYTES, Workload, weight_bytes
 from moe_lightning.hrm.optimizer import optimize
+from moe_lightning.hrm.prefill_budget import prefill_budget
 from moe_lightning.spec import ModelSpec
 
 MS = 1e3
+# The step schedule the main comparison runs and the cost model predicts: a step prefills or decodes,
+# so its decode steps are the decode steps the prediction is of (a mixed step's prompt tokens ride in a
+# decode pass the decode prediction does not see), and admission takes a batch's prompt tokens over
+# max-prefill-tokens steps (~10 for 1,024 MT-Bench prompts) where a mixed budget of a few hundred
+# took hundreds (issue 53).
+STEP_SCHEDULE = "alternating"
+# GPU name (as torch reports it) -> the preset the prediction is made on; the first that matches
+GPU_PRESETS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100-40g"), ("L4", "l4"), ("T4", "t4"))
+
+
+def profile_for(name_or_path: str, gpu_name: str | None) -> tuple[HardwareProfile, str]:
+    """The HRM's profile for the check: `auto` picks the preset of the GPU the check runs on (a plain
+    lease is an H100, one asked for an H200: the same prediction for both would be wrong for one), h200
+    where the name matches none; else the preset or file given. Returns it and why it was chosen."""
+    if name_or_path != "auto":
+        return load_profile(name_or_path), "given"
+    for marker, preset in GPU_PRESETS:
+        if gpu_name and marker in gpu_name and preset in PRESETS:
+            return PRESETS[preset], f"from the GPU's name, {gpu_name!r}"
+    why = f"no preset matches {gpu_name!r}" if gpu_name else "no GPU (a dry run or --predict-only)"
+    return PRESETS["h200"], f"{why}: h200"
 
 
 def _workload(n: int, gen_len: int) -> tuple[Workload, list[int]]:
@@ -36,6 +58,8 @@ def _layer(e: Estimate) -> dict[str, float]:
         "expert_bytes": e.link_bytes.get("link_weights", 0.0),
         "link_s": r["link"],
         "gpu_s": r["gpu"],
+        "gpu_compute_s": e.gpu_compute_seconds,  # the device's own work; gpu_s is at least the host's issue
+        "host_issue_s": e.issue_seconds,
         "cpu_s": r["cpu"],
         "layer_s": e.layer_seconds,
     }
@@ -58,7 +82,7 @@ def offload_bound(
     layer = w["layer_dense"] + w["layer_experts"]
     embed = spec.vocab_size * spec.hidden_size * b
     modules = [embed, *([layer] * spec.num_layers), spec.hidden_size * b, w["embed_head"] - embed]
-    room, placed = budget.device_memory - budget.ring_bytes - layer, 0.0
+    room, placed = budget.device_memory - budget.ring_bytes - budget.reserve_bytes - layer, 0.0
     for m in modules:  # in order, stopping at the first that does not fit (accelerate moves on)
         if placed + m > room:
             break
@@ -106,6 +130,13 @@ def hrm_prediction(
     policy = pick.policy
     work, lengths = _workload(policy.batch, gen_len)  # the prompts that will run: bench's first N
     ours = estimate(spec, work, hw, policy, dtype, kv_dtype=dtype, overlap=True)
+    config = {  # what the main comparison's runs are pinned to, and bench reports back as in force
+        "step_schedule": STEP_SCHEDULE,
+        "batch": policy.batch,
+        "micro_batch_size": policy.micro_batch_size,
+        "expert_groups": policy.expert_groups,
+        "prefill_budget": prefill_budget(ours, MAX_PREFILL_TOKENS),
+    }
     off = estimate(spec, work, hw, policy, dtype, kv_dtype=dtype, overlap=False)
     offload = offload_bound(spec, budget, dtype, policy.batch, max(lengths), gen_len, hw)
     layers = spec.num_layers
@@ -117,6 +148,7 @@ def hrm_prediction(
         "batch": policy.batch,
         "micro_batch": policy.micro_batch_size,
         "micro_batches": policy.num_micro_batches,
+        "config": config,
         "workload": {"average_prompt_tokens": work.prompt_len, "gen_len": gen_len},
         "binding": ours.binding,
         "ours": {**_layer(ours), "decode_tokens_per_second": ours.tokens_per_second},
@@ -136,11 +168,15 @@ def prediction_table(p: dict[str, Any]) -> list[str]:
     """The prediction as the docs' table shows it (per layer of a decode step, then per step)."""
     o, b, off = p["ours"], p["overlap_off"], p["offload"]
     gb = 1e9
+    c = p["config"]
     return [
         f"HRM pick on {p['profile']}: N={p['batch']} in {p['micro_batches']} micro-batches of {p['micro_batch']}"
         f" (cap {p['batch_cap']}), {p['policy']['resident_experts']} experts resident; binds: {p['binding']}",
+        f"runs as: {c['step_schedule']} steps, micro-batches of {c['micro_batch_size']}, expert groups"
+        f" {c['expert_groups'] or 'none'}, prefill budget {c['prefill_budget']}",
         f"per layer: {o['expert_bytes'] / gb:.2f} GB of experts over the link = {o['link_s'] * MS:.1f} ms;"
-        f" GPU {o['gpu_s'] * MS:.2f} ms; CPU {o['cpu_s'] * MS:.2f} ms",
+        f" GPU {o['gpu_s'] * MS:.2f} ms (compute {o['gpu_compute_s'] * MS:.2f}, host issue"
+        f" {o['host_issue_s'] * MS:.2f} for {p['micro_batches']} micro-batches); CPU {o['cpu_s'] * MS:.2f} ms",
         f"per step: {p['link_bytes_per_step'] / gb:.2f} GB over the link",
         f"ours (CGOPipe): layer {o['layer_s'] * MS:.1f} ms, {o['decode_tokens_per_second']:.0f} decode tok/s",
         f"(b) overlap off: layer {b['layer_s'] * MS:.1f} ms, {b['decode_tokens_per_second']:.0f} decode tok/s;"
@@ -152,3 +188,13 @@ def prediction_table(p: dict[str, Any]) -> list[str]:
         f" decode tok/s; ours / offload >= "
         f"{p['ratios']['ours_over_offload']:.1f}",
     ]
+
+
+def pinned_flags(hrm: dict[str, Any]) -> tuple[str, ...]:
+    """bench's flags for the configuration the HRM's prediction is of (its schedule, micro-batch, expert
+    groups and prefill budget: bench reports back what was in force, the report compares the two) and
+    for ours' total GPU memory within the budget, as offload's."""
+    c = hrm["config"]
+    flags = ("--step-schedule", c["step_schedule"], "--micro-batch-size", str(c["micro_batch_size"]))
+    flags += ("--expert-groups", str(c["expert_groups"]), "--prefill-budget", str(c["prefill_budget"]))
+    return (*flags, "--cap-device-memory")

@@ -92,6 +92,8 @@ class Phase:
     fail_fast: bool = False  # stop at a service thread's death instead of waiting for the timeout
     ended: float | None = None  # set by a watcher thread: a phase in the background ends unobserved
     suspects: dict[Path, float] = field(default_factory=dict)  # service log -> when a dead thread showed
+    results: Path | None = None  # a JSON the phase rewrites as it goes (bench's, after every run)
+    seen: float = 0.0  # that file's last modification looked at
 
     def watch(self) -> None:
         self.proc.wait()
@@ -116,6 +118,9 @@ class PhaseRunner:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.deadline
+        # seconds into the whole script (gpu_check.sh exports when it began: its wheel install comes first)
+        began = os.environ.get("GPU_CHECK_STARTED")
+        self.script_offset = max(0.0, time.time() - float(began)) if began else 0.0
         self.env = {
             **os.environ,
             # the services are started as `python -m services.<name>`: the repository must be importable
@@ -124,7 +129,7 @@ class PhaseRunner:
             "PYTHONUNBUFFERED": "1",  # a phase cut off still shows how far it got
         }
         self.running: list[Phase] = []
-        self.report: dict[str, Any] = {"status": "running", "dry_run": args.dry_run, "phases": {}}
+        self.report: dict[str, Any] = {"status": "running", "dry_run": args.dry_run, "phases": {}, "partial": {}}
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -201,6 +206,7 @@ class PhaseRunner:
                 except Exception as exc:  # only a shortcut: the timeout still bounds the phase
                     log(f"{phase.name}: cannot watch the services ({exc}); waiting for the phase or its timeout")
                     phase.fail_fast = False
+            self.fold_results(phase)
             if reason:
                 log(f"{phase.name}: {reason}: stopping it")
                 self.stop(phase, grace=min(30.0, max(5.0, self.left())))  # its clean-up, not the next phase's time
@@ -208,6 +214,7 @@ class PhaseRunner:
             time.sleep(0.5)
         self.running.remove(phase)
         phase.proc.wait()
+        self.fold_results(phase)
         rc, seconds = phase.proc.returncode, (phase.ended or time.monotonic()) - phase.started
         ok = rc == 0 and reason is None
         self.keep_tails(phase)
@@ -220,6 +227,29 @@ class PhaseRunner:
             log(f"{phase.name}: FAILED (rc {rc}{f', {reason}' if reason else ''}) after {seconds:.1f} s; last lines:")
             sys.stderr.write("".join(f"    {line}\n" for line in tail))
         return ok
+
+    def fold_results(self, phase: Phase) -> None:
+        """A phase's results as they are written (bench rewrites its JSON after every run): each run's
+        arrival is recorded (seconds into the script) and the partial numbers saved in the report at
+        once, so a phase stopped by its timeout, or a check cut short, keeps what was measured."""
+        try:
+            mtime = phase.results.stat().st_mtime if phase.results is not None else 0.0
+        except FileNotFoundError:
+            return
+        if not mtime or mtime == phase.seen:
+            return
+        phase.seen = mtime
+        try:
+            data = json.loads(phase.results.read_text())  # type: ignore[union-attr]
+        except (OSError, ValueError):
+            return  # (bench replaces it whole: a failed read is a race with the next version)
+        at = round(time.monotonic() - self.t0 + self.script_offset, 1)  # seconds into the script
+        saved = self.report["phases"].setdefault(phase.name, {}).setdefault("runs_saved", {})
+        for run, numbers in data.items():  # a run's numbers: ours, overlap_off, ... (not the ratios)
+            if isinstance(numbers, dict) and "generated_tokens_per_second" in numbers and run not in saved:
+                saved[run] = at
+        self.report["partial"][phase.name] = data
+        self.save()
 
     def keep_tails(self, phase: Phase) -> None:
         """The last lines of the phase's log and of its services' logs, for the archive."""
@@ -305,5 +335,11 @@ class PhaseRunner:
         phase = self.start(
             name, [str(SCRIPT), "_bench", *device, "--", *args], timeout, stack=True, fail_fast=fail_fast
         )
+        if phase is not None:
+            phase.results = result
         ok = self.finish(phase)
-        return json.loads(result.read_text()) if ok and result.is_file() else None
+        # what it wrote before a failure or its timeout stopped it counts too (bench saves after every run)
+        data = self.report["partial"].pop(name, None)
+        if data is not None and not ok:
+            self.record(name, partial=sorted(self.report["phases"][name].get("runs_saved", {})))
+        return data

@@ -1,6 +1,7 @@
-"""The GPU check's conclusions: the ratios against the issues' targets (end to end, as bench reports
-them), the HRM's prediction next to what was measured, and the summary that is printed and stored
-in the report the moment the main comparison ends (and again at the end of the run)."""
+"""The GPU check's conclusions: the ratios against the issues' targets (decode against decode, as the
+HRM predicts them, and end to end against end to end beside them), the HRM's prediction next to what
+was measured (and the configuration each is of), and the summary that is printed and stored in the
+report the moment the main comparison ends (and again at the end of the run)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from moe_lightning.config.units import format_size
 
 TARGETS = {"ours_over_overlap_off": 3.0, "ours_over_offload": 10.0}  # issue 5
+CONFIG_KEYS = ("step_schedule", "batch", "micro_batch_size", "expert_groups", "prefill_budget")
 
 
 def _pair(predicted: float | None, measured: float | None) -> dict[str, float | None]:
@@ -16,36 +18,59 @@ def _pair(predicted: float | None, measured: float | None) -> dict[str, float | 
     return {"predicted": predicted, "measured": measured, "measured_over_predicted": ratio}
 
 
+def _ours_bench(report: dict[str, Any]) -> dict[str, Any]:
+    """bench's numbers for the main comparison: the finished phase's, else what it saved before it was
+    stopped (bench writes its JSON after every run)."""
+    return report.get("ours_bench") or (report.get("partial") or {}).get("ours") or {}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def ratios(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Today's ratios: generated tokens per second end to end, ours over each baseline."""
-    bench, offload = report.get("ours_bench"), report.get("offload")
-    values: dict[str, float] = {}
-    if bench and bench.get("overlap_off"):
-        ours = bench["ours"]["generated_tokens_per_second"]
-        values["ours_over_overlap_off"] = ours / bench["overlap_off"]["generated_tokens_per_second"]
-        if offload:
-            values["ours_over_offload"] = ours / offload["generated_tokens_per_second"]
-    return {k: {"value": v, "target": TARGETS[k], "met": v >= TARGETS[k]} for k, v in values.items()}
+    """Ours over each baseline: decode tok/s over decode tok/s (the value the target and the HRM's
+    prediction are of) and generated tok/s end to end over the same (beside it)."""
+    bench, offload = _ours_bench(report), report.get("offload")
+    ours = bench.get("ours")
+    out: dict[str, dict[str, Any]] = {}
+    for key, other in (("ours_over_overlap_off", bench.get("overlap_off")), ("ours_over_offload", offload)):
+        if not (ours and other):
+            continue
+        value = _ratio(ours["decode_tokens_per_second"], other.get("decode_tokens_per_second"))
+        e2e = _ratio(ours["generated_tokens_per_second"], other["generated_tokens_per_second"])
+        met = value >= TARGETS[key] if value is not None else None
+        out[key] = {"value": value, "end_to_end": e2e, "target": TARGETS[key], "met": met}
+    return out
 
 
 def predicted_vs_measured(report: dict[str, Any]) -> dict[str, Any]:
     """The HRM's numbers (computed before the runs) beside the measured ones. Decode tokens per
     second and per-layer times are what the cost model predicts; a layer's measured time is the
-    decode step's, N / (decode tok/s * L), as the model relates them."""
-    hrm, bench, offload = report.get("hrm"), report.get("ours_bench") or {}, report.get("offload")
+    decode step's, N / (decode tok/s * L), as the model relates them. `configuration`: what the
+    prediction is of and what ran (bench's report of the orchestrator's settings in force)."""
+    hrm, bench, offload = report.get("hrm"), _ours_bench(report), report.get("offload")
     if not hrm or "model" not in report:
         return {}
     layers = report["model"]["layers"]
     measured = {k: (bench.get(k) or {}).get("decode_tokens_per_second") for k in ("ours", "overlap_off")}
     out: dict[str, Any] = {}
+    ran = {k: (bench.get(k) or {}).get("in_force") for k in ("ours", "overlap_off")}
+    out["configuration"] = {
+        "predicted": hrm.get("config"),
+        **{f"ran_{k}": v for k, v in ran.items() if v},
+        "same": all(v and {c: v.get(c) for c in CONFIG_KEYS} == hrm.get("config") for v in ran.values() if v)
+        if any(ran.values())
+        else None,
+    }
     for key in ("ours", "overlap_off"):
         tps = measured[key]
         out[f"{key}_decode_tokens_per_second"] = _pair(hrm[key]["decode_tokens_per_second"], tps)
         layer = hrm["batch"] / (tps * layers) if tps else None
         out[f"{key}_layer_seconds"] = _pair(hrm[key]["layer_s"], layer)
-    both = all(measured.values())
-    ratio = measured["ours"] / measured["overlap_off"] if both else None  # type: ignore[operator]
-    out["ours_over_overlap_off_decode"] = _pair(hrm["ratios"]["ours_over_overlap_off"], ratio)
+    out["ours_over_overlap_off_decode"] = _pair(
+        hrm["ratios"]["ours_over_overlap_off"], _ratio(measured["ours"], measured["overlap_off"])
+    )
     ours_bytes = (bench.get("ours") or {}).get("expert_bytes_per_step")
     out["expert_bytes_per_step"] = {  # measured: bench's average over every step, prefill included
         **_pair(hrm["expert_bytes_per_step"], ours_bytes),
@@ -55,7 +80,7 @@ def predicted_vs_measured(report: dict[str, Any]) -> dict[str, Any]:
         out["offload_batch"] = _pair(hrm["offload"]["batch"], offload["batch_size"])
         out["ours_over_offload"] = {
             "predicted_at_least": hrm["ratios"]["ours_over_offload"],  # decode, offload at its bound
-            "measured": (report.get("ratios", {}).get("ours_over_offload") or {}).get("value"),
+            "measured_decode": (report.get("ratios", {}).get("ours_over_offload") or {}).get("value"),
         }
     if "hrm_layer_error" in bench:  # bench's own prediction: the calibrated profile of this machine
         out["bench_calibrated_layer_error"] = bench["hrm_layer_error"]
@@ -64,7 +89,7 @@ def predicted_vs_measured(report: dict[str, Any]) -> dict[str, Any]:
 
 def summary_lines(report: dict[str, Any]) -> list[str]:
     """A few lines that say what the run found; the JSON holds the rest."""
-    bench, offload, hrm = report.get("ours_bench") or {}, report.get("offload"), report.get("hrm") or {}
+    bench, offload, hrm = _ours_bench(report), report.get("offload"), report.get("hrm") or {}
     lines = []
     budget = (report.get("budget") or {}).get("ours")
     if budget:
@@ -83,7 +108,8 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
 
     def row(label: str, run: dict[str, Any] | None, predicted: str, note: str = "") -> str:
         e2e = f"{run['generated_tokens_per_second']:9.1f}" if run else f"{'-':>9}"
-        dec = f"{run['decode_tokens_per_second']:9.1f}" if run and "decode_tokens_per_second" in run else f"{'':>9}"
+        decode = (run or {}).get("decode_tokens_per_second")
+        dec = f"{decode:9.1f}" if decode is not None else f"{'':>9}"
         return f"{label:26} {e2e} {dec} {predicted:>17}  {note}".rstrip()
 
     def pred(key: str) -> str:
@@ -104,15 +130,18 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
     lines.append(row("accelerate offload", offload, bound, note))
     pvm = report.get("predicted_vs_measured") or {}
     for name, r in (report.get("ratios") or {}).items():
-        line = f"ours / {name.removeprefix('ours_over_')}: {r['value']:.2f} (target >= {r['target']:g}: "
-        line += f"{'met' if r['met'] else 'NOT met'})"
-        if name == "ours_over_overlap_off" and pvm.get("ours_over_overlap_off_decode"):
-            d = pvm["ours_over_overlap_off_decode"]
-            measured = f"{d['measured']:.2f}" if d["measured"] else "-"
-            line += f"; decode: HRM predicted {d['predicted']:.2f}, measured {measured}"
+        value = f"{r['value']:.2f}" if r["value"] is not None else "-"
+        line = f"ours / {name.removeprefix('ours_over_')}, decode: {value} (target >= {r['target']:g}: "
+        e2e = f"{r['end_to_end']:.2f}" if r["end_to_end"] is not None else "-"
+        line += f"{'met' if r['met'] else 'NOT met'}); end to end {e2e}"
+        if name == "ours_over_overlap_off" and hrm:
+            line += f"; HRM predicted {hrm['ratios']['ours_over_overlap_off']:.2f} (decode)"
         if name == "ours_over_offload" and hrm:
             line += f"; HRM: at least {hrm['ratios']['ours_over_offload']:.1f} (decode)"
         lines.append(line)
+    config = pvm.get("configuration") or {}
+    if config.get("same") is False:
+        lines.append(f"WARNING: the runs' configuration differs from the prediction's: {config}")
     streamed = pvm.get("expert_bytes_per_step")
     if streamed and streamed["measured"] is not None:
         lines.append(
@@ -120,6 +149,13 @@ def summary_lines(report: dict[str, Any]) -> list[str]:
             f" {streamed['measured'] / 1e9:.2f} GB (all steps)"
         )
     phases = report.get("phases", {})
+    saved = (phases.get("ours") or {}).get("runs_saved") or {}
+    if "ours" in saved:
+        goal = (report.get("limits") or {}).get("first_measurement_seconds")
+        lines.append(
+            f"ours' numbers saved {saved['ours']:.0f} s into the script (goal <= {goal} s)"
+            + (f", (b)'s at {saved['overlap_off']:.0f} s" if "overlap_off" in saved else "")
+        )
     bad = [
         f"{n} {'skipped' if p.get('skipped') else 'interrupted' if p.get('stopped') == 'interrupted' else 'FAILED'}"
         for n, p in phases.items()

@@ -92,6 +92,7 @@ def _offload_main(argv: list[str]) -> int:
     p.add_argument("--dtype", required=True)
     p.add_argument("--seconds", type=float, default=float("inf"), help="start no chunk that would end later")
     p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--start-batch", type=int, default=None, help="the batch to try first (halved on OOM)")
     a = p.parse_args(argv)
     spec = ModelSpec.from_pretrained(a.model)
     prompts = bench_prompts(a.model, spec.vocab_size, a.num_prompts)
@@ -103,6 +104,7 @@ def _offload_main(argv: list[str]) -> int:
         getattr(torch, a.dtype),
         total_memory_bytes=a.total_memory,
         deadline=started + a.seconds,
+        start_batch=a.start_batch,
     )
     result["prompts_sha256"] = prompts_digest(prompts)
     a.json.write_text(json.dumps(result, indent=2))

@@ -12,9 +12,9 @@ from typing import Any
 def bench_prompts(model: Path, vocab: int, n: int) -> list[list[int]]:
     """Exactly the prompts `moe-lightning bench --workload mtbench --num-prompts n` sends (its own
     function), so every system sees the same token ids."""
-    from moe_lightning.commands.bench import _prompts
+    from moe_lightning.commands import bench_runs
 
-    return _prompts(argparse.Namespace(workload="mtbench", num_prompts=n, model=model), vocab)
+    return bench_runs.bench_prompts(argparse.Namespace(workload="mtbench", num_prompts=n, model=model), vocab)
 
 
 def prompts_digest(prompts: list[list[int]]) -> str:

@@ -37,7 +37,7 @@ def decode_breakdown(run: Any, decode_steps: float, decode_seconds: float) -> di
     if not decode_steps:
         return {}
     totals = decode_totals(run)
-    per_step = {stage: s * 1e3 / decode_steps for stage, s in totals.seconds().items() if s}
+    per_step = {stage: s * 1e3 / decode_steps for stage, s in totals.seconds_by_stage().items() if s}
     per_step["orchestrator_wall"] = decode_seconds * 1e3 / decode_steps
     per_step["control_plane"] = per_step["orchestrator_wall"] - per_step.get("step", 0.0)
     return per_step

@@ -89,6 +89,13 @@ DEVICE_MEMORY = Flag(
     "activations of the largest micro-batch and the head need)",
     type=parse_device_memory,
 )
+CAP_DEVICE_MEMORY = Flag(
+    "--cap-device-memory",
+    "--device-memory (bytes) bounds everything gpu_expert allocates on the device, not only its weights: the "
+    "allocator is capped there and the weights get it less the activations' room (a baseline capped alike is "
+    "then compared at one budget: bench/gpu_check.py)",
+    action="store_true",
+)
 DEVICE_KV_MEMORY = Flag(
     "--device-kv-memory",
     "device memory for a KV cache in gpu_expert, so attention may run on the device (0: none)",
@@ -154,8 +161,8 @@ RESIDENCY_INTERVAL = Flag(
 )
 COUNT_SYNCS = Flag(
     "--count-syncs",
-    "count gpu_expert's host synchronisations with the device in each step (CUDA; for checks: "
-    "moe_lightning_cuda_syncs_total, slower)",
+    "count gpu_expert's host synchronisations with the device in each step (for checks, slower: "
+    "moe_lightning_host_syncs_total; on a CPU device, the reads that would be one on CUDA)",
     action="store_true",
 )
 BLOCK_SIZE = Flag("--block-size", "KV cache block size in tokens", type=positive_int)

@@ -51,6 +51,7 @@ class GpuExpertConfig(TensorParallelConfig, WorkerConfig, ServiceConfig):
     weight_store: str = option(flags.WEIGHT_STORE, REQUIRED)
     device: str | None = option(flags.DEVICE)  # None: cuda when a GPU is visible, else cpu (server.main resolves)
     device_memory: int | DeviceShare | None = option(flags.DEVICE_MEMORY)  # None: the free memory less a reserve
+    cap_device_memory: bool = option(flags.CAP_DEVICE_MEMORY, False)
     device_kv_memory: int = option(flags.DEVICE_KV_MEMORY, 0)
     block_size: int = option(flags.BLOCK_SIZE, 16)
     no_overlap: bool = option(NO_OVERLAP, False)

@@ -3,7 +3,8 @@
 The reference implementation took its constants as flags and predicted ~4.6x its measured
 throughput. Here each roof is the rate our code actually reaches: GEMM FLOP/s, the bandwidth at
 which expert FFNs stream their weights (small batches are weight-bound), the rate at which paged
-decode attention reads its KV cache, and host<->device copies (pinned, on CUDA). Quantized expert
+decode attention reads its KV cache, host<->device copies (pinned, on CUDA), and the host's time to
+issue a layer's kernels (hrm/host_issue.py). Quantized expert
 pages are measured through the kernels chosen for them, their rates in bytes of the page format.
 Results are cached per machine, device and page format; `moe-lightning profile` re-measures.
 """
@@ -23,6 +24,7 @@ import torch
 
 from moe_lightning import kv_format
 from moe_lightning.hrm.hardware import HardwareProfile
+from moe_lightning.hrm.host_issue import host_issue_seconds
 from moe_lightning.hrm.layercost import NO_QUANT
 from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
 from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, profile_cache_dir: the module's API)
@@ -48,8 +50,10 @@ FLOPS_TOKENS = {"cpu": 64, "cuda": 1024}
 # roofs from the old kernel are not trusted (2: weight-major small-batch GEMMs on CPU; 3: decode
 # attention gathers whole blocks a chunk at a time, over an fp32, bf16 or fp16 KV cache; 4: the expert
 # GEMM's own rate measured for unquantized pages too; 5: the native host GEMMs and the dense GEMM's race;
-# 6: the native decode attention kernel's rewrite, ~2x its KV read rate: attention_bandwidth is its rate)
-KERNELS_VERSION = 6
+# 6: the native decode attention kernel's rewrite, ~2x its KV read rate: attention_bandwidth is its rate;
+# 7: the host's issue time, hrm/host_issue.py: a profile cached before it would plan as if launches cost
+# nothing, silently, so it is measured again rather than read back with the field's default 0)
+KERNELS_VERSION = 7
 
 
 def _sync(device: torch.device) -> None:
@@ -204,6 +208,12 @@ def measure(
         "expert_flops": expert_gemm_flops(pages[:2], dev, dtype, FLOPS_TOKENS.get(dev.type, 64)),
     }
     attn_bw = attention_bandwidth(spec, dtype=dtype)  # the `auto` KV dtype: the weights'
+    issue = host_issue_seconds(dev, dtype, quant)  # the host's time to issue a layer's launches
+    roofs |= {
+        "host_micro_batch_seconds": issue.micro_batch,
+        "host_ffn_seconds": issue.ffn,
+        "host_expert_seconds": issue.expert,
+    }
     if dev.type == "cuda":
         gpu_flops = matmul_flops(dev, dtype, n=4096)
         h2d, d2h = link_bandwidth(dev)
@@ -261,7 +271,8 @@ def measure_expert_side(
     dense: Sequence[torch.Tensor] | None = None,
     scheme: QuantScheme | None = None,
 ) -> Measurements:
-    """gpu_expert's warm-up: GEMM rate, the rate its real experts stream weights, the host link.
+    """gpu_expert's warm-up: GEMM rate, the rate its real experts stream weights, the host link, the
+    host's time to issue a layer's launches.
 
     `dtype`: the model's (activations, the matmul peak); default: the experts' own when they are
     unquantized, else the dense weights'. `dense`: some of the model's dense weights (e.g. every
@@ -296,6 +307,12 @@ def measure_expert_side(
     else:
         h2d = d2h = copy_bandwidth(dev) / 2
         flops = matmul_flops(dev, dtype)
+    issue = host_issue_seconds(dev, dtype, scheme)  # on tiny pages of the experts' format
+    quantized |= {
+        "host_micro_batch_seconds": issue.micro_batch,
+        "host_ffn_seconds": issue.ffn,
+        "host_expert_seconds": issue.expert,
+    }
     return Measurements(
         matmul_flops=flops,
         weight_stream_bandwidth=stream,

@@ -78,6 +78,11 @@ class Estimate:
     kernels: dict[str, str] = field(default_factory=dict)  # expert stage -> the kernel the model assumed
     kv_rule: str = EXPECTED_USE  # how the KV of the batch was counted (layercost.kv_tokens)
     kv_format: str = ""  # the host KV cache's format
+    # per layer: the device's stages alone, and the host's time to issue them (hrm/host_issue.py);
+    # resource_seconds["gpu"] is the larger of the two on a GPU, their sum on a CPU device
+    gpu_compute_seconds: float = 0.0
+    issue_seconds: float = 0.0
+    shared_host_device: bool = False  # the device is the host's cores: the issue time adds to compute
 
     @property
     def fits(self) -> bool:
@@ -146,4 +151,7 @@ def estimate(
         kernels={name: model.kernels[name][index].name for name, index in cost.kernels.items() if name in seconds},
         kv_rule=model.kv_rule,
         kv_format=model.kv_format,
+        gpu_compute_seconds=cost.gpu_compute,
+        issue_seconds=cost.issue,
+        shared_host_device=hw.shared_host_device,
     )

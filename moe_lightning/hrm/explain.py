@@ -113,6 +113,10 @@ def plan_to_dict(
         "layer_seconds": est.layer_seconds,
         "stage_seconds_per_layer": est.stage_seconds,
         "resource_seconds_per_layer": est.resource_seconds,
+        # the host's time to issue a layer's kernels, and the device's compute it bounds (a GPU) or
+        # adds to (a CPU device): resource_seconds_per_layer's gpu is made of the two
+        "host_issue_seconds_per_layer": est.issue_seconds,
+        "gpu_compute_seconds_per_layer": est.gpu_compute_seconds,
         "binding_resource": est.binding,
         "memory_bytes": {
             "gpu": est.gpu_bytes,
@@ -172,17 +176,8 @@ def explain(
         f"predicted  {est.tokens_per_second:,.1f} decode tokens/s ({1e3 * est.layer_seconds:.2f} ms per layer, "
         f"{1e3 * est.layer_seconds * spec.num_layers:.0f} ms per step)",
         prefill_text(spec, work, est),
-        "per layer  "
-        + " | ".join(
-            f"{r} {ms[r]:.2f} ms ("
-            + ", ".join(
-                f"{s.split('_', 1)[1]} {1e3 * v:.2f}" for s, v in est.stage_seconds.items() if s.startswith(r + "_")
-            )
-            + ")"
-            for r in ("gpu", "cpu", "link")
-            if ms[r] > 0
-        ),
-        f"bound by   {est.binding}: the {ROOF_NAMES[est.binding]}"
+        "per layer  " + " | ".join(resource_text(est, r) for r in ("gpu", "cpu", "link") if ms[r] > 0),
+        f"bound by   {est.binding}: the {binding_name(est, hw)}"
         + "".join(f"; {r} busy {ms[r] / ms[est.binding]:.0%} of it" for r in ms if r != est.binding and ms[r] > 0)
         + ("; host and device are the same cores here, so their times add" if hw.shared_host_device else ""),
         f"memory     device {est.gpu_bytes / 1e9:.1f} of {est.gpu_capacity / 1e9:.1f} GB usable, host "
@@ -191,6 +186,29 @@ def explain(
     if kv is not None:
         lines.append(kv_text(work, est, kv))
     return "\n".join(lines)
+
+
+def resource_text(est: Estimate, resource: str) -> str:
+    """A resource's time per layer by stage: "gpu 1.20 ms (dense 0.20, experts 1.00)". The device's
+    host issue time (layercost.py) is not one of its stages: it bounds them (a GPU) or adds to them (a
+    CPU device), so it is shown beside their sum."""
+    stages = {s.split("_", 1)[1]: v for s, v in est.stage_seconds.items() if s.startswith(resource + "_")}
+    issue = stages.pop("issue", 0.0)
+    text = ", ".join(f"{s} {1e3 * v:.2f}" for s, v in stages.items())
+    if issue > 0:
+        text += f" = {1e3 * est.gpu_compute_seconds:.2f}; host issue {1e3 * issue:.2f}"
+    return f"{resource} {1e3 * est.resource_seconds[resource]:.2f} ms ({text})"
+
+
+def binding_name(est: Estimate, hw: HardwareProfile) -> str:
+    """The binding roof in words; the device's when the host's issue time is what holds it."""
+    if est.binding == "gpu" and est.issue_seconds > est.gpu_compute_seconds and not hw.shared_host_device:
+        n_ub = est.policy.num_micro_batches
+        return (
+            f"host's kernel issue ({1e3 * est.issue_seconds:.2f} ms a layer for {n_ub} micro-batch"
+            f"{'es' if n_ub > 1 else ''}, above the device's {1e3 * est.gpu_compute_seconds:.2f} ms of compute)"
+        )
+    return ROOF_NAMES[est.binding]
 
 
 def prefill_text(spec: ModelSpec, work: Workload, est: Estimate) -> str:

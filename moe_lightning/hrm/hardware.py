@@ -10,11 +10,13 @@ its raw rate, and a 2-socket server host.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 GB = 1e9
 TFLOPS = 1e12
+HOST_ISSUE_FIELDS = ("host_micro_batch_seconds", "host_ffn_seconds", "host_expert_seconds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,14 @@ class HardwareProfile:
     expert_format: str = "none"
     expert_flops: float = 0.0
     expert_bandwidth: float = 0.0
+    # Seconds of host time to issue one layer's decode work on the device (hrm/host_issue.py): a
+    # micro-batch's per-token stages (pre-attention, hand-off, attention output), an FFN pass's fixed
+    # part (router, token sort, the sync on the counts: once per micro-batch, or per group of them) and
+    # each expert the pass computes. The device cannot finish a layer before the host has issued it
+    # (hrm/layercost.py). 0: not modelled (profiles written before these existed load so)
+    host_micro_batch_seconds: float = 0.0
+    host_ffn_seconds: float = 0.0
+    host_expert_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for field in (
@@ -59,13 +69,22 @@ class HardwareProfile:
                 raise ValueError(f"hardware profile {self.name!r}: {field} must be positive")
         if self.expert_flops < 0 or self.expert_bandwidth < 0:
             raise ValueError(f"hardware profile {self.name!r}: expert roofs must not be negative")
+        for field in HOST_ISSUE_FIELDS:
+            if not 0 <= getattr(self, field) < math.inf:
+                raise ValueError(f"hardware profile {self.name!r}: {field} must be finite and not negative")
+
+    def host_issue_seconds(self, experts: float) -> float:
+        """Host time to issue one micro-batch of one layer that runs its own FFN pass over `experts`
+        experts (CGOPipe's order; with expert groups the pass is a group's, layercost.py)."""
+        return self.host_micro_batch_seconds + self.host_ffn_seconds + experts * self.host_expert_seconds
 
     def scaled(self, **factors: float) -> HardwareProfile:
         """A copy with some roofs multiplied (for calibration corrections and what-if tests)."""
         return replace(self, **{k: getattr(self, k) * v for k, v in factors.items()})
 
     def with_gpus(self, n: int) -> HardwareProfile:
-        """n GPUs in tensor parallel: per-GPU roofs and capacities add up (each GPU has its own link)."""
+        """n GPUs in tensor parallel: per-GPU roofs and capacities add up (each GPU has its own link).
+        The host terms stay: each rank's process issues its own shard's launches, as many, alongside."""
         if n < 1:
             raise ValueError(f"--gpus must be >= 1, got {n}")
         if n == 1:
@@ -101,8 +120,27 @@ def with_simulated_link(profile: HardwareProfile, bandwidth: float) -> HardwareP
     return replace(profile, h2d_bandwidth=bandwidth, d2h_bandwidth=bandwidth, simulated_link=True)
 
 
+# The presets' host issue terms, where no measurement is: what one layer of a Mixtral decode issues,
+# counted in PyTorch calls (aten ops, a dispatch mode around the stages of hrm/host_issue.py in bf16),
+# times what a call costs the host. Per micro-batch ~64 calls (pre-attention 45, hand-off ~8, attention
+# output 11), per FFN pass ~24 (router, top-k, sort, counts) and one sync, per expert ~14 (its token
+# slice, two GEMMs, SiLU, product, weighted index_add; ~8 of them launch kernels). A PyTorch eager op
+# costs ~5-10 us of host time to launch a kernel on a server CPU, a view ~1-2 us: ~5 us a call on
+# average (about 60 % launch), and ~20 us for the sync (a read of a few bytes back to the host, the
+# launch queue drained). A micro-batch touching all 8 experts: 0.32 + 0.14 + 8 x 0.07 = 1.02 ms.
+HOST_CALL_SECONDS, HOST_SYNC_SECONDS = 5e-6, 20e-6
+HOST_CALLS = {"micro_batch": 64, "ffn": 24, "expert": 14}
+PRESET_HOST_ISSUE = {
+    "host_micro_batch_seconds": HOST_CALLS["micro_batch"] * HOST_CALL_SECONDS,
+    "host_ffn_seconds": HOST_CALLS["ffn"] * HOST_CALL_SECONDS + HOST_SYNC_SECONDS,
+    "host_expert_seconds": HOST_CALLS["expert"] * HOST_CALL_SECONDS,
+}
+
+
 def _host(memory_gb: float, bandwidth_gbs: float, tflops: float) -> dict[str, float]:
-    return {"cpu_memory": memory_gb * GB, "cpu_bandwidth": bandwidth_gbs * GB, "cpu_flops": tflops * TFLOPS}
+    """The host's roofs and its issue terms (the same assumed server CPU for every preset)."""
+    roofs = {"cpu_memory": memory_gb * GB, "cpu_bandwidth": bandwidth_gbs * GB, "cpu_flops": tflops * TFLOPS}
+    return {**roofs, **PRESET_HOST_ISSUE}
 
 
 PRESETS: dict[str, HardwareProfile] = {

@@ -14,9 +14,11 @@ Sources of the numbers (W weights, b bytes of the model dtype, p page bytes per 
   `_dequantize_rows` is a pass over memory. int8: to float32 (read 1, write 4), x scale (4 + 4), to the
   model dtype (4 + b, none in float32), the GEMM (b): 21 bytes per weight in bf16 against 2 unquantized.
   int4: unpacking the nibbles (4), to float32 (1 + 4), addcmul (4 + 4), to the dtype (4 + b), the GEMM
-  (b): 25. Its scratch is the float32 copies of the rows dequantized at once (8, plus b while
-  rounding): on CUDA, where this model applies, the whole linear (moe_lightning/quant/scheme.py
-  `dequant_chunk`, which the kernel reads too). A fused dequantization would read p and write b once.
+  (b): 25. Its scratch is the float32 copy of the rows dequantized at once, scaled in place, and the
+  result beside it while rounding: int8 4 + b (4 in float32), int4 the larger of the unpacked bytes
+  and the float32 copy (1 + 4) and 4 + b; on CUDA, where this model applies, for a block of at most
+  64 Mi weights (moe_lightning/quant/scheme.py `dequant_chunk`, which the kernel reads too: 256 MiB of
+  float32, a Mixtral w13 in 2 blocks). A fused dequantization would read p and write b once.
 * int4 tinygemm (`_weight_int4pack_mm`, compute capability 8.0+): repacks the page per call (read and
   write 0.5), reads the repacked weight (0.5) and the scales and zeros converted to bfloat16 (reading,
   stacking and converting the float32 ones moves 4x their page bytes): 1.5 + 4 (p - 0.5) bytes per
@@ -73,11 +75,12 @@ def _dequant(fmt: QuantFormat, b: int) -> KernelRoof:
     """On the device side only (a host sharing the device takes HOST_KERNELS): CUDA's chunk."""
     rounding = 0 if b == 4 else 4 + b  # to the model dtype; a no-op in float32
     chunk = dequant_chunk("cuda")
+    result = 0 if b == 4 else b  # the rounded copy beside the float32 one (none in float32)
     if fmt is QuantFormat.INT8:
-        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 8.0, chunk)
+        return KernelRoof("dequant_mm", 1.0, 5 + 8 + rounding + b, 4.0 + result, chunk)
     if fmt is QuantFormat.MXFP4:  # a table gather straight into the dtype: no float32 copy to round
         return KernelRoof("dequant_mm", 1.0, MXFP4_PAGE + 2 + 4 + 2 + b + b, 2.0 + b, chunk)
-    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, 8.0 + (0 if b == 4 else b), chunk)
+    return KernelRoof("dequant_mm", 1.0, 4 + 5 + 8 + rounding + b, max(1.0 + 4, 4.0 + result), chunk)
 
 
 def _tinygemm(page_bpw: float) -> KernelRoof:

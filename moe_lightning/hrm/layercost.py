@@ -31,20 +31,16 @@ policy's value to the bit (the search breaks ties with a tolerance: an ulp could
 power, (1 - k/E)^mu, is Python's in both, as numpy's SIMD pow may round differently from libm's
 (the KV headroom's square root is correctly rounded in both).
 
-The host KV cache holds N sequences by one of two rules (`kv_rule`, docs/hrm.md "The KV rule"):
-"max", the paper's, counts every sequence at its maximum context s + n, as a scheduler that reserves
-prompt + max_new_tokens at admission holds them; "expected", for a scheduler that takes KV blocks as
-sequences grow and preempts when the cache runs out, counts what N sequences at steady state hold on
-average, N (s + n/2), plus `Headroom.kv_sigmas` standard deviations of that sum so that preemptions
-stay rare.
+The host issues every kernel (hrm/host_issue.py): a GPU's time is max(compute, issue), a CPU
+device's their sum (CostModel._times, _issue).
+
+The workload, the memory headroom and the KV rule (how the KV of N sequences counts against host
+memory) are hrm/workload.py's, re-exported here.
 """
 
 from __future__ import annotations
 
 import math
-import operator
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -62,127 +58,26 @@ from moe_lightning.hrm.sizes import (
     sparse_share,
     weight_bytes,
 )
+from moe_lightning.hrm.workload import (  # noqa: F401 (re-exported: the KV rule and the workload are the formula's inputs)
+    ARRAYS,
+    EXPECTED_USE,
+    KV_RULE_FOR_ADMISSION,
+    KV_RULES,
+    MAX_CONTEXT,
+    MTBENCH_PROMPT_LEN,
+    MTBENCH_PROMPT_STD,
+    SCALARS,
+    Headroom,
+    Values,
+    Workload,
+    _Ops,
+    check_kv_rule,
+    kv_sequences,
+    kv_tokens,
+    largest_fitting,
+)
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    prompt_len: float  # s: average prompt tokens
-    gen_len: int  # n: tokens generated per request
-    prompt_std: float = 0.0  # standard deviation of the prompt lengths (0: every prompt is s tokens)
-
-    def __post_init__(self) -> None:
-        if self.prompt_len <= 0 or self.gen_len <= 0:
-            raise ValueError("prompt length and generation length must be positive")
-        if self.prompt_std < 0:
-            raise ValueError("the prompt lengths' standard deviation cannot be negative")
-
-    @property
-    def avg_context(self) -> float:
-        """Average attended context over the decode: s + n/2."""
-        return self.prompt_len + self.gen_len / 2
-
-    @property
-    def max_context(self) -> float:
-        return self.prompt_len + self.gen_len
-
-    @property
-    def kv_variance(self) -> float:
-        """Variance of one sequence's KV tokens at steady state: its prompt's, plus its age's, uniform
-        over the n steps of its generation (n^2 / 12)."""
-        return self.prompt_std**2 + self.gen_len**2 / 12
-
-
-@dataclass(frozen=True, slots=True)
-class Headroom:
-    gpu: float = 0.86  # usable share of device memory (the reference's value)
-    cpu: float = 0.80  # usable share of host memory
-    # kv_rule "expected": standard deviations of N sequences' total KV kept free beyond its mean. At 3
-    # the total exceeds the cache in ~0.1 % of steps (normal tail), each time preempting a few sequences
-    kv_sigmas: float = 3.0
-
-
-# MT-Bench prompts as design.md gives them (77 tokens on average, 418 at most) in the shape
-# moe_lightning.benchmark.mtbench_lengths draws (a clipped log-normal): their spread is 0.82 of the mean
-MTBENCH_PROMPT_LEN, MTBENCH_PROMPT_STD = 77.0, 63.0
-
-MAX_CONTEXT, EXPECTED_USE = "max", "expected"
-KV_RULES = (EXPECTED_USE, MAX_CONTEXT)  # kv_rule's values; the first is the default
-# the rule that sizes N for each of the batcher's admissions (orchestrator/batcher.py KV_ADMISSIONS)
-KV_RULE_FOR_ADMISSION = {"need": EXPECTED_USE, "reserve": MAX_CONTEXT}
-
-
-Values = float | np.ndarray  # one policy's number, or a grid's
-
-
-class _Ops(NamedTuple):
-    """What the formula needs beyond + - * /, for Python scalars or for numpy arrays."""
-
-    maximum: Callable[[Any, Any], Any]
-    minimum: Callable[[Any, Any], Any]
-    ceil: Callable[[Any], Any]
-    where: Callable[[Any, Any, Any], Any]  # both values already computed
-    invert: Callable[[Any], Any]  # of a condition
-    take: Callable[[list[float], Any], Any]  # values[index]
-    sqrt: Callable[[Any], Any]
-
-
-SCALARS = _Ops(max, min, math.ceil, lambda c, x, y: x if c else y, operator.not_, operator.getitem, math.sqrt)
-ARRAYS = _Ops(np.maximum, np.minimum, np.ceil, np.where, np.logical_not, lambda v, i: np.asarray(v)[i], np.sqrt)
-
-
-def check_kv_rule(kv_rule: str) -> str:
-    if kv_rule not in KV_RULES:
-        raise ValueError(f"kv_rule must be one of {', '.join(KV_RULES)}; got {kv_rule!r}")
-    return kv_rule
-
-
-def kv_tokens(
-    n: Values, work: Workload, kv_rule: str = EXPECTED_USE, headroom: Headroom = Headroom(), ops: _Ops = SCALARS
-) -> Values:
-    """The KV tokens the cache must hold for N sequences (a number, or an array with ARRAYS).
-
-    "max": N (s + n). "expected": at steady state each sequence holds its prompt plus the tokens it
-    has generated so far, uniform over 0..n: mean s + n/2, variance kv_variance; the N are independent,
-    so their sum has mean N (s + n/2) and standard deviation sqrt(N kv_variance), and the cache keeps
-    kv_sigmas of those free. The sum can never pass every sequence's full context, N (s + n) give or
-    take the prompts' own spread, so the smaller bound holds (it binds for small N)."""
-    if kv_rule == MAX_CONTEXT:
-        return n * work.max_context
-    check_kv_rule(kv_rule)
-    z = headroom.kv_sigmas
-    grown = n * work.avg_context + z * ops.sqrt(n * work.kv_variance)
-    return ops.minimum(grown, n * work.max_context + z * ops.sqrt(n * work.prompt_std**2))
-
-
-def largest_fitting(fits: Callable[[int], bool], cap: int, start: int = 1) -> int:
-    """The largest N in 0..cap with fits(N) (0 when none), for a fits() that holds up to some N and
-    not beyond: doubling up from a guess `start`, or down below it, then bisecting."""
-    if cap < 1:
-        return 0
-    start = max(1, min(start, cap))
-    if fits(start):
-        low, high = start, start * 2
-        while high <= cap and fits(high):
-            low, high = high, high * 2
-        high = min(high, cap + 1)
-    else:
-        low, high = 0, start
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
-def kv_sequences(
-    tokens: float, work: Workload, kv_rule: str = EXPECTED_USE, headroom: Headroom = Headroom(), cap: int = 1 << 40
-) -> int:
-    """How many sequences a cache of `tokens` KV tokens holds by the rule (at most cap)."""
-    if kv_rule == MAX_CONTEXT:  # the planner's division before there were rules: the same numbers
-        return int(min(cap, tokens // work.max_context))
-    guess = int(tokens // work.max_context)  # the reservation rule's N: near, and usually below
-    return largest_fitting(lambda n: kv_tokens(n, work, kv_rule, headroom) <= tokens, cap, guess)
 
 
 class Stage(NamedTuple):
@@ -205,6 +100,8 @@ class LayerCost(NamedTuple):
     gpu_bytes: Values
     cpu_bytes: Values
     kv_host_bytes: Values  # the part of cpu_bytes that is the host KV cache
+    gpu_compute: Values  # the device's stages alone, per layer (gpu: that, bounded by or plus the issue)
+    issue: Values  # the host's time to issue the layer (CostModel._issue)
 
 
 def _pick(
@@ -353,11 +250,12 @@ class CostModel:
         expert_weights = 3 * h1 * h2 * f  # weights of one expert, averaged over the layers
         chosen: dict[str, Values] = {}  # expert stage -> its kernel's index
         host_roofs = gpu_roofs if shared else cpu_roofs
+        touched = self._distinct(group_tokens)  # experts an FFN pass computes
         for stage, weights, roofs, present, share in (
-            ("gpu_experts", g * self._distinct(group_tokens) * expert_weights, gpu_roofs, on_device, 1 - host_share),
+            ("gpu_experts", g * touched * expert_weights, gpu_roofs, on_device, 1 - host_share),
             # the host's experts run in the same FFN passes (gpu_expert's runner): each needed one read
             # once per micro-batch, or per group of them, as the device's are
-            ("cpu_experts", g * self._distinct(group_tokens) * expert_weights, host_roofs, on_host, host_share),
+            ("cpu_experts", g * touched * expert_weights, host_roofs, on_host, host_share),
         ):
             seconds, chosen[stage], (kflops, kbytes) = _pick(ops, self.kernels[stage], expert_flops, weights, *roofs)
             stages[stage] = Stage(seconds * share, present, (kflops * share, kbytes * share))
@@ -385,12 +283,35 @@ class CostModel:
             over_link("link_attn_out", n * q * b, hw.h2d_bandwidth, ops.invert(att_gpu))
             over_link("link_kv", (1 - r_c) * n * ctx * self.kv_host_token, hw.h2d_bandwidth, att_gpu)
 
+        gpu, cpu, link, layer, tokens, compute, issue = self._times(ops, stages, n, n_ub, g, touched, overlap)
+
+        gpu_bytes, cpu_bytes, kv_host_bytes = self._memory(
+            ops, n, mu, g, att_gpu, exp_gpu, resident, r_c, buffered, stages, chosen
+        )
+        return LayerCost(
+            stages, chosen, gpu, cpu, link, layer, tokens, gpu_bytes, cpu_bytes, kv_host_bytes, compute, issue
+        )
+
+    def _times(
+        self, ops: _Ops, stages: dict[str, Stage], n: Any, n_ub: Any, g: Any, touched: Values, overlap: bool
+    ) -> tuple[Values, ...]:
+        """gpu, cpu, link, layer seconds, tokens/s, and the device's compute and issue time (adds the
+        stage gpu_issue). A GPU's time is max(compute, issue): the host issues ahead of the device, so
+        the layer ends no sooner than either is done and launches hide behind work while the host
+        keeps ahead: a pipeline's roofline (left out: each FFN pass's sync idles the device for some
+        microseconds). A CPU device's cores run the calls' fixed cost and the compute in turn: their
+        sum. Overlap off keeps that device time; only the resources' times add there."""
+        shared, layers = self.hw.shared_host_device, self.spec.num_layers
         # each resource sums its stages in order; a stage the policy lacks adds an exact 0
         totals = {"gpu": 0.0, "cpu": 0.0, "link": 0.0}
         for name, stage in stages.items():
             side = name.split("_", 1)[0]
             totals[side] = totals[side] + ops.where(stage.present, stage.seconds, 0.0)
         gpu, cpu, link = totals["gpu"], totals["cpu"], totals["link"]
+        issue = self._issue(n_ub, g, touched)
+        stages["gpu_issue"] = Stage(issue, issue > 0)  # not in the sum above: it bounds it
+        compute = gpu
+        gpu = gpu + issue if shared else ops.maximum(gpu, issue)
         # Shared host/device: one set of cores and one memory, so compute never overlaps compute; a
         # simulated link still runs beside it. Otherwise CGOPipe hides the smaller of CPU and GPU work
         # behind the other only across micro-batches (groups of them): one group's share of it stays
@@ -403,8 +324,38 @@ class CostModel:
             layer = ops.maximum(ops.maximum(gpu, cpu), link) + (gpu + cpu - ops.maximum(gpu, cpu)) / g
         running = layer > 0
         tokens = ops.where(running, n / ops.where(running, layer * layers, 1.0), math.inf)
+        return gpu, cpu, link, layer, tokens, compute, issue
 
-        # --- memory -----------------------------------------------------------------------------
+    def _issue(self, n_ub: Any, g: Any, touched: Values) -> Values:
+        """Host time to issue one layer (hrm/host_issue.py): each micro-batch's per-token stages, and g
+        FFN passes (one a micro-batch, or one a group of them), each its fixed part and the experts it
+        computes: the routed ones it touches and a shared expert in a sparse layer, the MLP in a dense
+        one (averaged over the layers, as the rest of the formula is). Where the experts compute (the
+        device, the host) does not matter: the host issues the loop over them either way. Device
+        attention issues its own kernels instead of the hand-off's: counted as the hand-off's."""
+        hw, f = self.hw, sparse_share(self.spec)
+        experts = touched + (1.0 if self.spec.shared_expert_size else 0.0)
+        per_pass = f * (hw.host_ffn_seconds + experts * hw.host_expert_seconds) + (1 - f) * hw.host_expert_seconds
+        return n_ub * hw.host_micro_batch_seconds + g * per_pass
+
+    def _memory(
+        self,
+        ops: _Ops,
+        n: Any,
+        mu: Any,
+        g: Any,
+        att_gpu: Any,
+        exp_gpu: Any,
+        resident: Any,
+        r_c: Any,
+        buffered: Any,
+        stages: dict[str, Stage],
+        chosen: dict[str, Values],
+    ) -> tuple[Values, Values, Values]:
+        """The policy's device bytes, host bytes and the host KV cache's part of those."""
+        spec, w, b, shared, layers = self.spec, self.w, self.b, self.hw.shared_host_device, self.spec.num_layers
+        h1, h2, k, q, kv = spec.hidden_size, spec.intermediate_size, spec.top_k, spec.q_size, spec.kv_size
+        n_ub = n // mu
         dense_all = layers * w["layer_dense"] + w["embed_head"]
         held = kv_tokens(n, self.work, self.kv_rule, self.headroom, ops)  # the batch's KV tokens, by the rule
         kv_device = held * self.kv_device_token * layers * self.held_share
@@ -435,7 +386,7 @@ class CostModel:
             gpu_bytes = cpu_bytes
         else:
             cpu_bytes = cpu_bytes + scratch["cpu_experts"]
-        return LayerCost(stages, chosen, gpu, cpu, link, layer, tokens, gpu_bytes, cpu_bytes, kv_host_bytes)
+        return gpu_bytes, cpu_bytes, kv_host_bytes
 
     def _scratch(self, stage: str, weights: int) -> list[float]:
         """Each of the stage's kernels' scratch for a linear of `weights` weights."""

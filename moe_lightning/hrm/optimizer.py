@@ -5,7 +5,7 @@ Search space (docs/design.md): attention on CPU or GPU, experts on GPU or CPU, m
 device (whole experts per layer, 0..E), share of the KV cache on the device (attention on GPU), and
 how many groups of micro-batches run a layer's experts at once (`expert_groups`: the choices given).
 Device memory grows (nearly) linearly with the resident experts and throughput never falls with
-more of them, so the largest count that fits is solved in closed form instead of searched;
+more of them, so the largest count that fits is solved in closed form instead of searched (hrm/resident.py);
 everything else is enumerated on a grid.
 
 The whole grid is costed at once, by hrm/layercost.py's formula on arrays: the code estimate() runs
@@ -39,6 +39,7 @@ from moe_lightning.hrm.layercost import (
     Workload,
     largest_fitting,
 )
+from moe_lightning.hrm.resident import best_resident
 from moe_lightning.placement import Side
 from moe_lightning.quant.scheme import QuantScheme
 from moe_lightning.spec import ModelSpec
@@ -118,61 +119,6 @@ def _beats(tokens: float, batch: int, best: tuple[float, int] | None) -> bool:
 
 def _better(a: Estimate, b: Estimate | None) -> bool:
     return _beats(a.tokens_per_second, a.policy.batch, None if b is None else (b.tokens_per_second, b.policy.batch))
-
-
-def best_resident(model: CostModel, g: Grid) -> tuple[np.ndarray, np.ndarray]:
-    """Per point, the resident count that is best among those that fit, and its tokens/s (-inf where
-    none fits). Memory is linear in the count: hrm_reference.best_resident's steps, on arrays."""
-    e, gpu_cap, cpu_cap = model.total_experts, model.gpu_capacity, model.cpu_capacity
-    low, high = g.cost(model, 0), g.cost(model, e)
-    slope = (high.gpu_bytes - low.gpu_bytes) / e
-    high_fits, low_over = high.gpu_bytes <= gpu_cap, low.gpu_bytes > gpu_cap
-    alive = (low.cpu_bytes <= cpu_cap) & (high_fits | ~low_over | (slope < 0))
-    with np.errstate(divide="ignore", invalid="ignore"):  # a branch not taken may divide by 0
-        over = np.ceil((low.gpu_bytes - gpu_cap) / -slope)
-        under = np.where(slope <= 0, e, np.floor((gpu_cap - low.gpu_bytes) / slope))
-    j = np.where(high_fits, e, np.where(low_over, over, under))
-    j = np.clip(np.where(alive, j, 0), 0, e).astype(np.int64)
-    done = alive & high_fits & g.exp_gpu  # every page fits on the device: nothing streams
-    tokens = np.where(done, high.tokens, -math.inf)
-    # the double buffer shrinks in whole experts, so memory is only nearly linear: step down to a fit
-    top_tokens, top_gpu, top_cpu = np.full(j.shape, -math.inf), np.zeros(j.shape), np.zeros(j.shape)
-    todo = np.flatnonzero(alive & ~done)
-    while todo.size:
-        top = g.cost(model, j[todo], todo)
-        fit = (top.gpu_bytes <= gpu_cap) & (top.cpu_bytes <= cpu_cap)
-        top_tokens[todo[fit]], top_gpu[todo[fit]], top_cpu[todo[fit]] = top.tokens[fit], top.gpu[fit], top.cpu[fit]
-        todo = todo[~fit]
-        j[todo] -= 1
-        alive[todo[j[todo] < 0]] = False
-        todo = todo[j[todo] >= 0]
-    streaming = alive & ~done & g.exp_gpu
-    tokens[streaming] = top_tokens[streaming]
-    # experts on the host: each resident expert moves work from the host to the device. Device time
-    # rises and host time falls linearly with the count, so the layer time is V-shaped: the best
-    # count is next to where the two lines cross, or at an end
-    h = np.flatnonzero(alive & ~g.exp_gpu)
-    top_j, top_t = j[h], top_tokens[h]
-    diff0, diff1 = low.gpu[h] - low.cpu[h], top_gpu[h] - top_cpu[h]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        cross = np.where((diff0 < 0) & (diff1 > 0), top_j * diff0 / (diff0 - diff1), np.where(diff0 >= 0, 0, top_j))
-    below, above = (np.minimum(top_j, np.maximum(0, r(cross))).astype(np.int64) for r in (np.floor, np.ceil))
-
-    def between(counts: np.ndarray, once: np.ndarray | bool = True) -> np.ndarray:
-        """The tokens/s of the counts strictly between 0 and top_j (-inf for the others)."""
-        ask = once & (counts != 0) & (counts != top_j)
-        tokens = np.full(h.shape, -math.inf)
-        tokens[ask] = g.cost(model, counts[ask], h[ask]).tokens
-        return tokens
-
-    best, count = low.tokens[h], np.zeros_like(top_j)  # the first of the fastest: 0, top_j, below, above
-    tried = ((top_t, top_j), (between(below), below), (between(above, above != below), above))
-    for t, i in tried:
-        faster = t > best
-        best, count = np.where(faster, t, best), np.where(faster, i, count)
-    keep = best >= top_t
-    tokens[h], j[h] = np.where(keep, best, top_t), np.where(keep, count, top_j)
-    return tokens, j
 
 
 def max_batch(

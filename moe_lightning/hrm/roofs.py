@@ -30,6 +30,11 @@ class Measurements:
     expert_stream_bandwidth: float = 0.0
     # gpu_expert on a CPU device with --link-bandwidth: h2d/d2h are that simulated link's rate
     simulated_link: bool = False
+    # gpu_expert: the host's time to issue a layer's launches (HardwareProfile's fields of the same
+    # names, hrm/host_issue.py); 0 from a peer that does not measure them
+    host_micro_batch_seconds: float = 0.0
+    host_ffn_seconds: float = 0.0
+    host_expert_seconds: float = 0.0
 
 
 def simulated_link(m: Measurements, bandwidth: float) -> Measurements:
@@ -55,4 +60,7 @@ def profile_from(expert: Measurements, attention: Measurements, name: str = "cal
         expert_format=expert.expert_format or "none",  # a peer without the field sent ""
         expert_flops=expert.expert_matmul_flops,
         expert_bandwidth=expert.expert_stream_bandwidth,
+        host_micro_batch_seconds=expert.host_micro_batch_seconds,
+        host_ffn_seconds=expert.host_ffn_seconds,
+        host_expert_seconds=expert.host_expert_seconds,
     )

@@ -21,7 +21,7 @@ The rows, per layer of a decode step (measured: totals over `steps` decode steps
 row         predicted (cost-model stage_seconds)                     measured (StepTimings)
 =========== ======================================================== ====================================
 device      gpu_dense + gpu_experts + cpu_experts + link_experts_io  pre_attention + post_attention
-                                                                     - expert_wait
+            at least gpu_issue (on a CPU device: plus gpu_issue)     - expert_wait
 attention   cpu_attention + gpu_attention                            device_attention + attention_busy
 head        gpu_head (the model amortises it over the layers)        head
 expert_copy gpu_expert_copy + link_weights (the whole copy)          expert_wait (only the exposed part)
@@ -32,7 +32,8 @@ The attention row is compute on both sides, never the wait: with several micro-b
 what the device's work on the others left exposed (near 0 where CGOPipe hides attention), and the
 planner, reading it as attention's time, once scaled the host's roofs up 40x and re-planned on that.
 
-So the device row is compute only, wherever the experts compute, and the copy is one row of its own
+So the device row is compute only (bounded by the host's time to issue it, or on a CPU device plus the
+calls' fixed cost: hrm/host_issue.py), wherever the experts compute, and the copy is one row of its own
 on both sides: its prediction is the whole copy, its measurement what compute waited for (0 when the
 copy hid behind compute). A drift in the device row is a wrong compute roof, never a slow link.
 The overlap-off baseline (`--no-overlap`) waits for a layer's pages before its pre-attention, outside
@@ -85,6 +86,11 @@ def predicted_per_layer(est: Estimate) -> dict[str, float]:
     """The cost model's seconds per layer of a decode step, by row."""
     s = est.stage_seconds
     out = {row: sum(s.get(k, 0.0) for k in stages) for row, stages in PREDICTED_STAGES.items()}
+    # the host's issue time (gpu_issue) is in the device's spans: they last until the device has run
+    # what the host issued, so on a GPU at least the issue time; on a CPU device the same cores run
+    # the calls' fixed cost beside the compute
+    issue = s.get("gpu_issue", 0.0)
+    out["device"] = out["device"] + issue if est.shared_host_device else max(out["device"], issue)
     out["layer"] = est.layer_seconds
     return out
 

@@ -76,14 +76,28 @@ def build_dir(source: Path) -> Path:
     return private_dir(root / f"{source.stem}-{key}-{_cpu_flags_key()}")
 
 
+_UNNEEDED: dict[str, str] = {}  # source -> why this process never uses its extension
+
+
+def not_needed(source: str, reason: str) -> None:
+    """This process never uses the extension built from `source` (cpu_attention over a 16-bit KV cache
+    attends in sdpa's 16-bit kernel): `load_extension` then neither builds nor loads it (a build is ~30 s
+    of a core, which a bf16 GPU run's start paid for nothing). Before the first load_extension call."""
+    _UNNEEDED[source] = reason
+
+
 @functools.cache
 def load_extension(source: str) -> ModuleType | None:
     """The extension built from `source` (a .cpp beside this file), built if it is not yet; None where it
-    cannot be or MOE_LIGHTNING_NATIVE=0. Logged once, as `native_kernels <stem>=native|pytorch`."""
+    cannot be, is not needed here or MOE_LIGHTNING_NATIVE=0. Logged once, as `native_kernels
+    <stem>=native|pytorch`."""
     log = structlog.get_logger()
     path = Path(__file__).with_name(source)
     if os.environ.get(OFF_ENV, "1") == "0":
         log.info("native_kernels", **{path.stem: "pytorch"}, reason=f"{OFF_ENV}=0")
+        return None
+    if source in _UNNEEDED:
+        log.info("native_kernels", **{path.stem: "pytorch"}, reason=_UNNEEDED[source])
         return None
     t0 = time.perf_counter()
     try:

@@ -21,7 +21,6 @@ from moe_lightning.quant.scheme import QuantFormat, QuantScheme
 from moe_lightning.weights import ModelWeights
 
 FORMATS = {"int8": QuantScheme(QuantFormat.INT8)}  # --quantize-dense's choices beside "none"
-ROWS_AT_ONCE = 8192
 
 
 def quantize_dense(weights: ModelWeights, fmt: str) -> int:
@@ -41,11 +40,10 @@ def quantize_dense(weights: ModelWeights, fmt: str) -> int:
     return before - weights.nbytes()
 
 
-def quantize_rows(w: torch.Tensor, scheme: QuantScheme, rows: int = ROWS_AT_ONCE) -> QuantizedLinear:
-    """rtn.quantize of (N, K) `w`, `rows` output rows at a time: quantize works in fp32, and a whole
-    bf16 LM head in fp32 (DeepSeek-V3's: 3.7 GB) would not fit beside the model on a small GPU. Per
-    output channel, so the rows' parts simply stack."""
+def quantize_rows(w: torch.Tensor, scheme: QuantScheme, rows: int | None = None) -> QuantizedLinear:
+    """rtn.quantize of (N, K) `w`, `rows` output rows at a time (default: the device's block,
+    scheme.dequant_chunk: 64 Mi weights on CUDA, so one block's float32 copy is 256 MiB): quantize
+    works in fp32, and a whole bf16 LM head in fp32 (DeepSeek-V3's: 3.7 GB) would not fit beside the
+    model on a GPU sized for it. Per output channel, so the rows' parts simply stack."""
     assert scheme.format is QuantFormat.INT8
-    parts = [quantize(w[i : i + rows], scheme) for i in range(0, w.shape[0], rows)]
-    qweight = torch.cat([p.qweight for p in parts])
-    return QuantizedLinear(QuantFormat.INT8, qweight, torch.cat([p.scales for p in parts]))
+    return quantize(w, scheme, rows)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,24 @@ DENSE_CHOSEN = Gauge(
     ["shape", "rows", "kernel"],
 )
 Fn = Callable[[torch.Tensor, Any], torch.Tensor]  # (x, the weight of its kernel's format) -> x @ W^T
+
+
+@contextmanager
+def unpublished() -> Iterator[None]:
+    """Kernel choices made inside are not exported: a measurement on weights the model does not have
+    (the HRM's host-issue calibration on a tiny layer, hrm/host_issue.py) must not add shapes to the
+    series that say which kernel each of the model's weights runs."""
+
+    def series(gauge: Gauge) -> set[tuple[str, ...]]:
+        return {tuple(s.labels.values()) for m in gauge.collect() for s in m.samples}
+
+    before = {gauge: series(gauge) for gauge in (CHOSEN, DENSE_CHOSEN)}
+    try:
+        yield
+    finally:
+        for gauge, had in before.items():
+            for labels in series(gauge) - had:
+                gauge.remove(*labels)
 
 
 @dataclass(frozen=True, slots=True)

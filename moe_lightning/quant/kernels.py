@@ -123,38 +123,54 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def _dequantize_rows(ql: QuantizedLinear, dtype: torch.dtype) -> torch.Tensor:
-    """(N, K) in the permuted column order when ql has a perm (the kernels' order)."""
+    """(N, K) in the permuted column order when ql has a perm (the kernels' order). Its scratch is one
+    float32 copy of the rows (and the result beside it while rounding): scaled in place, since a second
+    float32 copy doubled the peak for no change in the bits."""
     if ql.format is QuantFormat.INT8:
-        return (ql.qweight.to(torch.float32) * ql.scales[:, None]).to(dtype)
+        return ql.qweight.to(torch.float32).mul_(ql.scales[:, None]).to(dtype)
     if ql.format is QuantFormat.MXFP4:  # straight into dtype: the table holds the exact products rounded once
         return dequantize_mxfp4(ql.qweight, ql.scales, dtype)
     assert ql.zeros is not None
     n, groups = ql.scales.shape
     q = unpack_int4(ql.qweight).view(n, groups, -1).to(torch.float32)  # (N, K/G, G)
     offset = (ql.zeros - 8 * ql.scales)[..., None]  # (q - 8) * s + z = q * s + (z - 8 s)
-    return torch.addcmul(offset, q, ql.scales[..., None]).view(n, -1).to(dtype)
+    return torch.addcmul(offset, q, ql.scales[..., None], out=q).view(n, -1).to(dtype)
 
 
-def dequantize(ql: QuantizedLinear, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    w = _dequantize_rows(ql, dtype)
+def dequant_block_rows(out_features: int, in_features: int, device_type: str) -> int:
+    """Output rows dequantized at a time on this device type (scheme.dequant_chunk): `_dequant_mm`'s
+    and `dequantize`'s blocks."""
+    return scheme.block_rows(out_features, in_features, scheme.dequant_chunk(device_type))
+
+
+def _dequantize_blocks(ql: QuantizedLinear, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """_dequantize_rows, `rows` rows at a time into one (N, K) result: the same bits, and no float32
+    copy of more than a block (an LM head's would be gigabytes)."""
+    if rows >= ql.out_features:
+        return _dequantize_rows(ql, dtype)
+    out = torch.empty(ql.out_features, ql.in_features, dtype=dtype, device=ql.device)
+    for start in range(0, ql.out_features, rows):
+        stop = min(start + rows, ql.out_features)
+        out[start:stop] = _dequantize_rows(ql.rows(start, stop), dtype)
+    return out
+
+
+def dequantize(ql: QuantizedLinear, dtype: torch.dtype = torch.float32, rows: int | None = None) -> torch.Tensor:
+    """The (N, K) weight in `dtype`, columns in the model's order; `rows` at a time (default: the
+    device's dequantization block)."""
+    if rows is None:
+        rows = dequant_block_rows(ql.out_features, ql.in_features, ql.device.type)
+    w = _dequantize_blocks(ql, dtype, rows)
     if ql.perm is None:
         return w
     out = torch.empty_like(w)
-    rows = ql.out_features // ql.perm.shape[0]
+    part = ql.out_features // ql.perm.shape[0]
     for p in range(ql.perm.shape[0]):
-        out[p * rows : (p + 1) * rows, ql.perm[p].long()] = w[p * rows : (p + 1) * rows]
+        out[p * part : (p + 1) * part, ql.perm[p].long()] = w[p * part : (p + 1) * part]
     return out
 
 
 # --- the candidates: (x (M, K) in ql's column order, ql without perm) -> (M, N) in x.dtype -------
-def dequant_block_rows(out_features: int, in_features: int, device_type: str) -> int:
-    """Output rows `_dequant_mm` dequantizes at a time on this device type (scheme.dequant_chunk)."""
-    chunk = scheme.dequant_chunk(device_type)
-    if chunk >= out_features * in_features:
-        return out_features
-    return max(1, int(chunk) // in_features)
-
-
 # The GEMM on the dequantized rows is dense_linear's, so its own race (a CPU, below DENSE_RACE_BELOW
 # rows) runs inside dequant_mm's first call at a new shape: the result is the dense GEMM's, bit for bit.
 def _dequant_mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
@@ -162,8 +178,9 @@ def _dequant_mm(x: torch.Tensor, ql: QuantizedLinear) -> torch.Tensor:
 
 
 def _dequant_mm_blocks(x: torch.Tensor, ql: QuantizedLinear, rows: int) -> torch.Tensor:
-    """`rows` output rows at a time, so that on a CPU a Mixtral w13 (117 M weights) never exists whole
-    in fp32; the result is the same as one dequantization."""
+    """`rows` output rows at a time, so that no float32 copy of more than a block exists (a Mixtral
+    w13, 117 M weights, is 28 blocks on a CPU and 2 on CUDA; an LM head is never whole in float32);
+    each output column is the GEMM on its rows' dequantization, whatever the blocks."""
     if rows >= ql.out_features:
         return dense_linear(x, _dequantize_rows(ql, x.dtype))
     out = torch.empty(x.shape[0], ql.out_features, dtype=x.dtype, device=x.device)
@@ -324,8 +341,8 @@ def warm_up(linears: Sequence[Weight], dtype: torch.dtype, max_rows: int = WARM_
         distinct.setdefault((str(w.device), *weight_key(w), getattr(w, "perm", None) is None), w)
     for w in distinct.values():
         dense = isinstance(w, torch.Tensor)
-        if dense and w.device.type != "cpu":
-            continue  # dense_linear races on a CPU only
+        if dense and (w.device.type != "cpu" or w.dtype != dtype):
+            continue  # dense_linear races on a CPU only; a weight kept in fp32 (a sigmoid router) is F.linear's
         top = min(max_rows, DENSE_RACE_BELOW - 1 if dense else MAX_BUCKET)
         rows = 1
         while True:

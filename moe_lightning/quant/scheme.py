@@ -15,7 +15,6 @@ Formats, with N output features, K input features and G the int4 group size:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -32,14 +31,28 @@ DEFAULT_GROUP_SIZE = 128
 MXFP4_BLOCK = 32  # input values per e8m0 scale: fixed by the format (OCP MX)
 COMPONENT_ALIGN = 64  # between the parts of one expert's page: a page stays one contiguous transfer
 DEQUANT_CHUNK = 1 << 22  # weights dequantize-then-GEMM expands at a time on a CPU: bounds its scratch (~40 MB)
+# On CUDA a block is bounded by the bytes of its float32 copy: 256 MiB, 64 Mi weights. A whole linear
+# at once was a whole-weight float32 copy and more (DeepSeek-V3's int8 LM head, 129280 x 7168: 7.4 GB
+# at start, on GPUs sized for the model). The CPU's 4 M weights would launch-bind the GPU (a Mixtral
+# expert w13 was 28 blocks of 4-5 kernels); at 64 Mi that w13 (117 M weights) is 2 blocks and its w2
+# (59 M) one, and a block's ~1.4 GB of dequantization traffic (int8 to bf16: 21 bytes a weight,
+# hrm/kernels.py) takes ~0.5 ms at an H100's 3 TB/s, against a few us for launching its 5 kernels.
+# DeepSeek-V3's head is 14 blocks, GPT-OSS-120B's (201088 x 2880) 9.
+DEVICE_FP32_BLOCK_BYTES = 256 << 20
+DEVICE_BLOCK_WEIGHTS = DEVICE_FP32_BLOCK_BYTES // 4
 
 
 def dequant_chunk(device_type: str) -> float:
-    """Weights dequantize-then-GEMM expands at a time on this device type (the kernel and the HRM's
-    model of its scratch both read it). On CUDA a whole linear at once: in blocks, a Mixtral expert
-    call was ~43 blocks of 4-5 kernels each, launch-bound, and one linear's float32 copy fits beside
-    the device's working set (the HRM counts it against the budget). A CPU keeps the blocks."""
-    return math.inf if device_type == "cuda" else float(DEQUANT_CHUNK)
+    """Weights dequantize-then-GEMM (and quantization at start, quant/dense.py) expands at a time on
+    this device type: the kernel and the HRM's model of its scratch both read it."""
+    return float(DEVICE_BLOCK_WEIGHTS) if device_type == "cuda" else float(DEQUANT_CHUNK)
+
+
+def block_rows(out_features: int, in_features: int, weights: float) -> int:
+    """Output rows of an (out, in) weight that hold at most `weights` weights (at least one row)."""
+    if weights >= out_features * in_features:
+        return out_features
+    return max(1, int(weights) // in_features)
 
 
 @dataclass(frozen=True, slots=True)

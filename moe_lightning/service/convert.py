@@ -179,6 +179,7 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
         ),
         kind=STEP_KIND_TO_PB[plan.kind],
         expert_groups=plan.expert_groups,
+        decodes=plan.decodes,
     )
 
 
@@ -207,6 +208,7 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
             _enum_from_pb(SIDE_FROM_PB, m.placement.experts, "placement.experts"),
         ),
         expert_groups=m.expert_groups,
+        decodes=m.decodes,
     )
 
 
@@ -275,6 +277,9 @@ def measurements_from_pb(m: common_pb2.HardwareMeasurements) -> Measurements:
         m.expert_matmul_flops,
         m.expert_stream_bandwidth,
         m.simulated_link,
+        m.host_micro_batch_seconds,  # 0 from a peer that does not measure the host's issue time
+        m.host_ffn_seconds,
+        m.host_expert_seconds,
     )
 
 

@@ -350,6 +350,18 @@ def _blocks_of(cache: KVCache, blocks: torch.Tensor, dtype: torch.dtype) -> torc
     return cache.index_select(0, blocks).to(dtype)
 
 
+def _fused(q_dtype: torch.dtype, cache_dtype: torch.dtype, sinks: bool, device_type: str) -> bool:
+    """Whether sdpa's fused kernel attends in q's own dtype (see paged_attention)."""
+    return not sinks and q_dtype == cache_dtype and (q_dtype != torch.float16 or device_type != "cpu")
+
+
+def attends_in_fp32(q_dtype: torch.dtype, cache_dtype: torch.dtype, sinks: bool, device_type: str) -> bool:
+    """Whether paged_attention attends in fp32, where a host runs the native decode kernel (it is that, to
+    fp32 rounding); a 16-bit q over its own cache format stays in sdpa's 16-bit kernel, whose rounding is
+    transformers' at that dtype, and never needs the native one (cpu_attention then does not build it)."""
+    return not _fused(q_dtype, cache_dtype, sinks, device_type) or q_dtype == torch.float32
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: KVCache, v_cache: KVCache, plan: AttentionPlan, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -369,10 +381,8 @@ def paged_attention(
     rounding, its blocks read where they lie.
     """
     t, h, hd = q.shape
-    fused = sinks is None and q.dtype == k_cache.dtype and (q.dtype != torch.float16 or q.device.type != "cpu")
-    # the native kernel where this path would attend in fp32 (it is that, to fp32 rounding); a 16-bit q over
-    # its own cache format stays in sdpa's 16-bit kernel, whose rounding is transformers' at that dtype
-    in_fp32 = not fused or q.dtype == torch.float32
+    fused = _fused(q.dtype, k_cache.dtype, sinks is not None, q.device.type)
+    in_fp32 = attends_in_fp32(q.dtype, k_cache.dtype, sinks is not None, q.device.type)
     if (
         in_fp32
         and plan.native is not None

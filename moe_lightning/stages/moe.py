@@ -84,16 +84,20 @@ def experts_forward(
     ids: torch.Tensor,
     experts: Sequence[ExpertWeights],
     act: Activation = SWIGLU,
+    host_counts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted sum of each token's top-k experts. x: (T, D), weights/ids: (T, A) -> (T, D), and
     the tokens each expert got (E,) on x's device (for hot-expert residency).
 
-    `experts[e]` is only touched for experts that received tokens, so a caller can hand in a lazy
-    sequence that fetches streamed pages on demand. The counts reach the host once (the one
-    device synchronisation of the stage): the loop needs them to slice. The weighted sum is accumulated
+    With `host_counts`, `experts[e]` is only touched for experts that received tokens, so a caller can
+    hand in a lazy sequence that fetches streamed pages on demand. The counts reach the host once (a
+    device synchronisation): the loop needs them to slice. Without, nothing is read back: see
+    `_every_expert`, and `routes_on_device` for when that costs nothing. The weighted sum is accumulated
     in fp32 and rounded to x's dtype once, as transformers' grouped experts path does (a bf16 sum per
     expert rounded differently in about half the outputs of a bf16 model).
     """
+    if not host_counts:
+        return _every_expert(x, weights, ids, experts, act)
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)  # (T * A,)
     order = torch.argsort(flat_ids, stable=True)  # (T * A,) assignments grouped by expert
@@ -112,6 +116,45 @@ def experts_forward(
         out.index_add_(0, token, y.float() * sorted_weights[start : start + n])
         start += n
     return out.to(x.dtype), counts
+
+
+def _every_expert(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    experts: Sequence[ExpertWeights],
+    act: Activation,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts_forward without reading anything back: every expert computes every row, and a row it was
+    not chosen for is weighted by an exact 0 (a select, so a non-finite output there cannot leak in).
+    Per row the same fp32 terms are added in the same expert order as the sliced loop, plus zeros."""
+    rows, num_experts = x.shape[0], len(experts)
+    dense = torch.zeros(rows, num_experts, dtype=torch.float32, device=x.device).scatter_(1, ids, weights.float())
+    chosen = torch.zeros(rows, num_experts, dtype=torch.bool, device=x.device).scatter_(1, ids, True)  # (T, E)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # (T, D)
+    for e in range(num_experts):
+        y = expert_ffn(experts[e], x, act).float()  # (T, D)
+        out += torch.where(chosen[:, e, None], y * dense[:, e, None], 0.0)
+    return out.to(x.dtype), chosen.sum(dim=0)
+
+
+# A device GEMM reads its weights once whatever its rows up to about its roofline's ridge (bf16 on an
+# H100/H200: ~300 rows); below this many rows an expert costs its weight bytes, so computing every row
+# costs no more than the routed ones.
+WEIGHT_BOUND_ROWS = 256
+# the share of a layer's experts that rows must be expected to touch for every expert's read to cost at
+# most twice the routed ones' (Mixtral, 2 of 8: from 3 rows on; DeepSeek-V3, 8 of 256: from 22)
+TOUCHED_SHARE = 0.5
+
+
+def routes_on_device(rows: int, num_experts: int, top_k: int) -> bool:
+    """Whether a device may run `rows` rows' experts without reading their counts back: weight-bound rows,
+    and enough of them that computing every expert reads at most twice the bytes the routed ones would
+    (rows touch 1 - (1 - k/E)^rows of the experts, routed uniformly). Otherwise one synchronisation buys
+    skipping the idle experts and slicing; on a host device it is free (docs/cgopipe-and-benchmarks.md)."""
+    if rows > WEIGHT_BOUND_ROWS or num_experts <= 0:
+        return False
+    return 1 - (1 - top_k / num_experts) ** rows >= TOUCHED_SHARE
 
 
 def expert_token_counts(ids: torch.Tensor, num_experts: int) -> torch.Tensor:

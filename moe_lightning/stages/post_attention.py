@@ -45,17 +45,19 @@ def ffn(
     x: torch.Tensor,
     experts: Sequence[ExpertWeights] | None = None,
     reduce: Reduce = _alone,
+    host_counts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """h, x: (T, D) from `attention_output` -> (new residual (T, D), tokens per expert (E,)): router,
     experts (or a dense layer's MLP), residual. Every row is computed on its own, so the rows of several
-    micro-batches may come in one call (gpu_expert's grouped experts: each expert read once for all)."""
+    micro-batches may come in one call (gpu_expert's grouped experts: each expert read once for all).
+    `host_counts=False`: every expert computes every row, nothing read back (stages/moe.py)."""
     act = activation_of(spec)
     if layer.router is None:  # a dense layer (Qwen-MoE's mlp_only_layers): no routing to count
         assert layer.mlp is not None
         return h + reduce(expert_ffn(layer.mlp, x, act)), torch.empty(0, dtype=torch.long, device=x.device)
     weights, ids = route_layer(spec, layer, x)  # (T, A) each
     routed = layer.experts if experts is None else experts
-    moe, counts = experts_forward(x, weights, ids, routed, act)  # (T, D), (E,)
+    moe, counts = experts_forward(x, weights, ids, routed, act, host_counts)  # (T, D), (E,)
     if layer.shared is not None:  # an always-on expert: scaled by a sigmoid gate (Qwen2-MoE), or as is
         shared = expert_ffn(layer.shared, x, act)  # (T, D)
         moe = moe + (shared if layer.shared_gate is None else torch.sigmoid(linear(x, layer.shared_gate)) * shared)
@@ -90,6 +92,7 @@ def post_attention(
     attn_out: torch.Tensor,
     experts: Sequence[ExpertWeights] | None = None,
     reduce: Reduce = _alone,
+    host_counts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """residual: (T, D), attn_out: (T, H * Hd) -> (new residual (T, D), tokens per expert (E,)).
 
@@ -99,4 +102,4 @@ def post_attention(
     sums: `reduce` adds them up over the ranks, once after attention and once after the FFNs.
     """
     h, x = attention_output(spec, layer, residual, attn_out, reduce)
-    return ffn(spec, layer, h, x, experts, reduce)
+    return ffn(spec, layer, h, x, experts, reduce, host_counts)

@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from moe_lightning import kv_format
+from moe_lightning import native as native_kernels
 from moe_lightning.api.cpu_attention.v1 import cpu_attention_pb2, cpu_attention_pb2_grpc
 from moe_lightning.config.cpu_attention import CpuAttentionConfig
 from moe_lightning.config.flag import EnvDefaultsParser
@@ -29,7 +30,9 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import CPU_ATTENTION
 from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.service.upstream import arena_dtype, arena_page_copies, fetch_manifest
+from moe_lightning.stages.attention import attends_in_fp32
 from moe_lightning.timeline import TimelineRecorder
+from moe_lightning.torch_dtypes import DTYPES
 from services.cpu_attention.worker import AttentionWorker
 
 # --kv-dtype -> what the cache is built with: a float dtype, or a kv_format name (int8: values + scales)
@@ -99,9 +102,11 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
     kv_name = arena_dtype(spec, manifest) if config.kv_dtype == "auto" else config.kv_dtype
     kv_dtype = KV_DTYPES[kv_name]
     # auto: by the host's free memory, now, less the hand-off channels still to be made: this service's
-    # attention outputs and gpu_expert's q/k/v, each `handoff_slots` slots
-    tokens = config.max_tokens_per_handoff
-    channels = config.handoff_slots * sum(handoff_slot_bytes(spec, tokens, kind) for kind in ("attn", "qkv"))
+    # attention outputs and gpu_expert's q/k/v, each `handoff_slots` slots of activations in the
+    # weights' dtype (what gpu_expert computes in)
+    tokens, act_dtype = config.max_tokens_per_handoff, DTYPES[arena_dtype(spec, manifest)]
+    slot_bytes = {kind: handoff_slot_bytes(spec, tokens, kind, act_dtype) for kind in ("attn", "qkv")}
+    channels = config.handoff_slots * sum(slot_bytes.values())
     budget = resolve_kv_cache_memory(config.kv_cache_memory, pending=channels)
     structlog.get_logger().info(
         "kv_cache_memory", bytes=budget.nbytes, size=format_size(budget.nbytes), chosen=budget.reason
@@ -112,7 +117,7 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
         num_blocks,
         config.block_size,
         config.run_id,
-        handoff_slot_bytes(spec, config.max_tokens_per_handoff, "attn"),
+        slot_bytes["attn"],
         slots=config.handoff_slots,
         timeline=TimelineRecorder(config.timeline, "cpu_attention", keep=config.timeline_keep),
         kv_dtype=kv_dtype,
@@ -120,6 +125,9 @@ def _start(config: CpuAttentionConfig, servicer: CpuAttentionServicer, runtime: 
         if spec.attention_sinks
         else None,
     )
+    cache_dtype = kv_dtype if isinstance(kv_dtype, torch.dtype) else torch.int8  # a kv_format name: int8
+    if not attends_in_fp32(act_dtype, cache_dtype, spec.attention_sinks, "cpu"):  # sdpa's 16-bit kernel
+        native_kernels.not_needed(native_kernels.SOURCE.name, f"{act_dtype} over a {cache_dtype} cache: sdpa's kernel")
     native = decode_kernel()  # built now if it is not yet, and logged: which decode attention runs
     attention_kernel = f"native-{native.isa}" if native is not None else "pytorch"
     # the roofs are the kernel's that runs: a calibration of the other is not reused

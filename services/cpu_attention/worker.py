@@ -210,6 +210,7 @@ class AttentionWorker:
         layer = h.layer
         t0 = time.perf_counter_ns()
         try:
+            msg.check(self.spec)  # before the cache sees it: a malformed message fails alone
             if layer == 0:
                 if msg.batch is None:
                     raise LookupError(f"step {h.step} micro-batch {h.micro_batch} came without its sequences")

@@ -37,6 +37,9 @@ class Ticket(Protocol):
 
 
 class CopyEngine(Protocol):
+    # seconds the link spent copying since start, counted as copies end (a step's decode share reads it)
+    busy_seconds: float
+
     def copy(self, pairs: list[Pair], layer: int) -> Ticket: ...
 
     def slots_released(self) -> None:
@@ -78,6 +81,7 @@ class ThreadCopyEngine:
             raise ValueError(f"the link's bandwidth must be positive, got {link_bandwidth}")
         self.timeline = timeline
         self.link_bandwidth = link_bandwidth
+        self.busy_seconds = 0.0  # written by the copy thread alone
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="expert-copy")
 
     def _run(self, pairs: list[Pair], layer: int) -> None:
@@ -91,6 +95,7 @@ class ThreadCopyEngine:
             if left > 0:
                 time.sleep(left / 1e9)  # the link is busy, no core is: sleep, never spin
         t1 = time.perf_counter_ns()
+        self.busy_seconds += (t1 - t0) / 1e9
         COPY_SECONDS.inc((t1 - t0) / 1e9)
         self.timeline.record("copy", "expert_copy", -1, layer, -1, t0, t1)
 
@@ -133,6 +138,7 @@ class CudaCopyEngine:
         self._spans: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (compute arrives, copy done)
         self._origin: tuple[int, torch.cuda.Event] | None = None
+        self.busy_seconds = 0.0
 
     def copy(self, pairs: list[Pair], layer: int) -> Ticket:
         start = torch.cuda.Event(enable_timing=True)
@@ -184,7 +190,9 @@ class CudaCopyEngine:
             if not done.query():
                 still.append((layer, start, done))
                 continue
-            COPY_SECONDS.inc(max(0.0, start.elapsed_time(done)) / 1e3)
+            seconds = max(0.0, start.elapsed_time(done)) / 1e3
+            self.busy_seconds += seconds
+            COPY_SECONDS.inc(seconds)
             if self._origin is not None:
                 origin_ns, origin = self._origin
                 t0 = origin_ns + int(origin.elapsed_time(start) * 1e6)

@@ -9,16 +9,30 @@ the same three things per layer, in the order schedule.py gives, and never asks 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
+
+import torch
 
 from moe_lightning.placement import Side
 from moe_lightning.weights import ExpertWeights, ModelWeights
 from services.gpu_expert.pager import ExpertPager
 
+RowsRule = Callable[[int], bool]  # rows of an FFN pass -> whether they may skip reading their counts back
+
+
+def never(rows: int) -> bool:
+    return False
+
 
 class LayerSource(Protocol):
     """A step's way of getting each layer's experts (None: the layer's own)."""
+
+    def host_counts(self, rows: int) -> bool:
+        """Whether an FFN pass of `rows` rows reads its routing counts back to slice (a host
+        synchronisation on CUDA), or runs every expert on every row (stages/moe.py, routes_on_device):
+        only where every expert it serves computes on the device."""
+        ...
 
     def begin_layer(self, layer: int) -> Sequence[ExpertWeights] | None: ...
     def prefetch(self, layer: int, page: int, num_pages: int) -> None: ...
@@ -28,8 +42,12 @@ class LayerSource(Protocol):
 class Streamed:
     """Non-resident experts streamed into the ring: page m of the next layer after micro-batch m."""
 
-    def __init__(self, pager: ExpertPager) -> None:
+    def __init__(self, pager: ExpertPager, on_device: RowsRule) -> None:
         self.pager = pager
+        self.on_device = on_device
+
+    def host_counts(self, rows: int) -> bool:
+        return not self.on_device(rows)
 
     def begin_layer(self, layer: int) -> Sequence[ExpertWeights] | None:
         return self.pager.begin_layer(layer)
@@ -47,6 +65,9 @@ class OnHost:
     def __init__(self, pager: ExpertPager, weights: ModelWeights) -> None:
         self.pager, self.weights = pager, weights
 
+    def host_counts(self, rows: int) -> bool:
+        return True  # an expert on the host would compute every row: its counts pay for the slicing
+
     def begin_layer(self, layer: int) -> Sequence[ExpertWeights] | None:
         resident = self.pager.resident[layer]  # read per layer: a residency update swaps the dicts
         host = self.weights.layers[layer].experts
@@ -62,6 +83,12 @@ class OnHost:
 class LayersOwn:
     """No pager: each layer computes with the experts its weights hold."""
 
+    def __init__(self, on_device: RowsRule) -> None:
+        self.on_device = on_device
+
+    def host_counts(self, rows: int) -> bool:
+        return not self.on_device(rows)
+
     def begin_layer(self, layer: int) -> Sequence[ExpertWeights] | None:
         return None
 
@@ -76,9 +103,12 @@ class PagedExperts:
     """The pager across steps: its counters, its resets, and the source that serves a step's experts
     placement. Pages prefetched for one placement are dropped when a step asks for the other."""
 
-    def __init__(self, pager: ExpertPager, weights: ModelWeights) -> None:
+    def __init__(self, pager: ExpertPager, weights: ModelWeights, on_device: RowsRule) -> None:
         self.pager = pager
-        self.sources: dict[Side, LayerSource] = {Side.DEVICE: Streamed(pager), Side.HOST: OnHost(pager, weights)}
+        self.sources: dict[Side, LayerSource] = {
+            Side.DEVICE: Streamed(pager, on_device),
+            Side.HOST: OnHost(pager, weights),
+        }
         self.serving: Side | None = None  # the placement the prefetched pages serve
 
     def for_step(self, experts: Side) -> LayerSource:
@@ -87,9 +117,9 @@ class PagedExperts:
         self.serving = experts
         return self.sources[experts]
 
-    def counters(self) -> tuple[float, int]:
-        """(seconds compute waited for pages, bytes streamed), both since start."""
-        return self.pager.wait_seconds, self.pager.bytes_streamed
+    def counters(self) -> tuple[float, int, float]:
+        """(seconds compute waited for pages, bytes streamed, seconds the link copied), all since start."""
+        return self.pager.wait_seconds, self.pager.bytes_streamed, self.pager.link_seconds
 
     def end_step(self) -> None:
         self.pager.end_step()
@@ -101,14 +131,15 @@ class PagedExperts:
 class WeightsExperts:
     """No pager: nothing streams, nothing waits, nothing to reset."""
 
-    def __init__(self) -> None:
-        self.source = LayersOwn()
+    def __init__(self, weights: ModelWeights, device: torch.device, on_device: RowsRule) -> None:
+        experts = [e for layer in weights.layers for e in layer.experts[:1]]
+        self.source = LayersOwn(on_device if all(e.w13.device == device for e in experts) else never)
 
     def for_step(self, experts: Side) -> LayerSource:
         return self.source
 
-    def counters(self) -> tuple[float, int]:
-        return 0.0, 0
+    def counters(self) -> tuple[float, int, float]:
+        return 0.0, 0, 0.0
 
     def end_step(self) -> None:
         pass
@@ -117,5 +148,11 @@ class WeightsExperts:
         pass
 
 
-def expert_part(pager: ExpertPager | None, weights: ModelWeights) -> PagedExperts | WeightsExperts:
-    return PagedExperts(pager, weights) if pager is not None else WeightsExperts()
+def expert_part(
+    pager: ExpertPager | None, weights: ModelWeights, device: torch.device, on_device: RowsRule = never
+) -> PagedExperts | WeightsExperts:
+    """`on_device`: where the experts all compute on the device, which FFN passes skip reading their
+    counts back (the runner's choice: on CUDA, stages/moe.py's routes_on_device)."""
+    if pager is not None:
+        return PagedExperts(pager, weights, on_device)
+    return WeightsExperts(weights, device, on_device)

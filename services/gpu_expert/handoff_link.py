@@ -151,7 +151,7 @@ class HandoffLink:
                     dst.copy_(src, non_blocking=True)
                     if src.is_cuda:
                         src.record_stream(self._d2h)  # the allocator must not reuse it before the copy ran
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # the publisher sleeps on it: no core spins
                 done.record(self._d2h)
             self._publisher.put(done, slot, meta)
         except BaseException:
@@ -182,7 +182,7 @@ class HandoffLink:
         with torch.cuda.stream(self._h2d):
             out = torch.empty(msg.out.shape, dtype=msg.out.dtype, device=self.device)
             out.copy_(msg.out, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)  # waited on only if still copying: sleep, never spin
             ready.record(self._h2d)
         compute.wait_event(ready)
         out.record_stream(compute)
@@ -195,8 +195,13 @@ class HandoffLink:
             self.input.release()
 
     def _release_held(self) -> None:
+        """Hands the last result's slot back once its copy to the device is done: issued a micro-batch
+        ago on a stream of its own, it is done by now but for a slow link, so the host asks (no
+        synchronisation) and waits, asleep, only then (a wait per receive kept the host from running
+        ahead of the device)."""
         if self._held is not None and self.input is not None:
-            self._held.synchronize()  # a copy on its own stream, issued a micro-batch ago: done
+            if not self._held.query():
+                self._held.synchronize()
             self._held = None
             self.input.release()
 

@@ -7,7 +7,7 @@ import torch
 
 from moe_lightning.logits_processors import process_logits
 from moe_lightning.prompt_logprobs import compute_prompt_logprobs
-from moe_lightning.sampling import PromptLogprobs, SequenceSampler, TokenLogprobs, sample, token_logprobs
+from moe_lightning.sampling import PromptLogprobs, SequenceSampler, TokenLogprobs, sample, sampled_logprobs
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import head_logits
 from moe_lightning.step_protocol import SequenceWork
@@ -33,12 +33,10 @@ class Head:
         chosen = [self.samplers[w.seq_id] for w in works]
         masks = [w.token_mask for w in works] if any(w.token_mask is not None for w in works) else []
         processed = process_logits(logits, chosen, self.spec.eos_token_ids, masks)
-        tokens = sample(processed, [c.params for c in chosen], [c.next_generator() for c in chosen]).tolist()
-        logprobs = {
-            w.seq_id: token_logprobs(logits[b], tokens[b], c.params.logprobs)
-            for b, (w, c) in enumerate(zip(works, chosen, strict=True))
-            if c.params.logprobs
-        }
+        # the batch at once: one copy to the host for the tokens, one for the log-probabilities
+        tokens = sample(processed, [c.params for c in chosen], [c.next_key() for c in chosen]).tolist()
+        asked = [(b, tokens[b], c.params.logprobs) for b, c in enumerate(chosen) if c.params.logprobs]
+        logprobs = {works[b].seq_id: lp for (b, _, _), lp in zip(asked, sampled_logprobs(logits, asked), strict=True)}
         prompt: dict[int, PromptLogprobs] = {}
         if any(c.params.prompt_logprobs is not None for c in chosen):
             prompt = compute_prompt_logprobs(

@@ -14,6 +14,9 @@ import torch
 from moe_lightning.spec import ModelSpec
 
 RUNTIME_RESERVE = 1 << 30  # cuBLAS/cuDNN workspaces, the allocator's fragmentation, calibration buffers
+# under --cap-device-memory, what the allocator needs beside the weights and activations (cuBLAS workspaces,
+# fragmentation, calibration buffers): the CUDA context itself is outside the allocator and the cap
+CAPPED_WORKSPACE = 512 << 20
 HEAD_ROWS = 4096  # sequences the head samples at once (the planner's batch cap)
 
 
@@ -37,3 +40,18 @@ def default_budget(
     free, _ = torch.cuda.mem_get_info(device)  # after this process's context exists
     reserve = RUNTIME_RESERVE + activation_bytes(spec, max_tokens, itemsize, head)
     return max(0, free - reserve), reserve
+
+
+def capped_reserve(spec: ModelSpec, max_tokens: int, itemsize: int, head: bool = True) -> int:
+    """What --cap-device-memory keeps back from the weights within the cap: the activations of the largest
+    micro-batch and the head, and the allocator's workspace (bench/gpucheck/budget.py sizes a budget with it)."""
+    return CAPPED_WORKSPACE + activation_bytes(spec, max_tokens, itemsize, head)
+
+
+def cap_device_memory(device: torch.device, total: int, reserve: int) -> int:
+    """--cap-device-memory: caps the caching allocator at `total` bytes of `device` (all this process
+    allocates there: weights, buffers, activations) and returns what the weights may take of it."""
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, total / capacity), device)
+    return max(0, total - reserve)

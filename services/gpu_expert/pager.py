@@ -74,6 +74,11 @@ class ExpertPager:
         self.wait_seconds = 0.0
 
     @property
+    def link_seconds(self) -> float:
+        """Seconds the link spent copying pages since start, counted as the copies end."""
+        return self.engine.busy_seconds
+
+    @property
     def streams(self) -> bool:
         return self.plan.ring_slots > 0
 

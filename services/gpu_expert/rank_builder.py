@@ -31,7 +31,7 @@ from moe_lightning.torch_dtypes import DTYPES
 from moe_lightning.weights import ModelWeights
 from services.gpu_expert.copy_engine import make_copy_engine
 from services.gpu_expert.handoff_link import HandoffLink
-from services.gpu_expert.memory import default_budget
+from services.gpu_expert.memory import cap_device_memory, capped_reserve, default_budget
 from services.gpu_expert.pager import ExpertPager
 from services.gpu_expert.pinned import pin_host_memory, unpin_host_memory
 from services.gpu_expert.ranks import RankGroup
@@ -121,6 +121,25 @@ def _device_kv_cache(
     return PagedKVCache(spec, blocks, block_size, dtype=dtype, device=device)
 
 
+def _budget(config: GpuExpertConfig, device: torch.device, spec: ModelSpec, itemsize: int, head: bool) -> int:
+    """The bytes for weights and the device KV cache: --device-memory as given (bytes), or within it all
+    this process allocates (--cap-device-memory), or the device's free memory less a reserve; a share
+    (25%) is resolved later, from the dense and expert bytes. `spec`: the rank's part (rank 0's whole)."""
+    log = structlog.get_logger()
+    budget, reserve = default_budget(device, spec, config.max_tokens_per_handoff, itemsize, head=head)
+    if isinstance(config.device_memory, int) and config.cap_device_memory:  # the whole process within it
+        kept = capped_reserve(spec, config.max_tokens_per_handoff, itemsize, head)
+        budget = cap_device_memory(device, config.device_memory, kept)
+        log.info("device_memory_capped", total=config.device_memory, weights=budget, kept_back=kept)
+    elif isinstance(config.device_memory, int):
+        if device.type == "cuda" and config.device_memory > budget:
+            log.warning("device_memory_above_free", asked=config.device_memory, free_less_reserve=budget)
+        budget = config.device_memory
+    elif reserve and config.device_memory is None:
+        log.info("device_memory_default", budget=budget, kept_back=reserve)
+    return budget
+
+
 def build_worker(
     config: GpuExpertConfig,
     spec: ModelSpec,
@@ -135,15 +154,7 @@ def build_worker(
     mine = rank_spec(spec, shard)
     itemsize = DTYPES[DTYPE_FROM_PB[manifest.pages[0].dtype]].itemsize
     # rank 0 also holds the whole layer's q/k/v and attention result for the hand-off: the spec's
-    budget, reserve = default_budget(
-        device, spec if shard.leads else mine, config.max_tokens_per_handoff, itemsize, head=shard.leads
-    )
-    if isinstance(config.device_memory, int):
-        if device.type == "cuda" and config.device_memory > budget:
-            log.warning("device_memory_above_free", asked=config.device_memory, free_less_reserve=budget)
-        budget = config.device_memory
-    elif reserve and config.device_memory is None:
-        log.info("device_memory_default", budget=budget, kept_back=reserve)
+    budget = _budget(config, device, spec if shard.leads else mine, itemsize, shard.leads)
     arena = Segment.attach(manifest.region)
     closers: list[Callable[[bool], None]] = [lambda idle: arena.close()]
     pinned = pin_host_memory(arena.bytes(), device)
@@ -188,7 +199,7 @@ def build_worker(
         output = TensorChannel.create(
             segment_name(config.run_id, "gpu_expert", "qkv"),
             config.handoff_slots,
-            handoff_slot_bytes(spec, config.max_tokens_per_handoff, "qkv"),
+            handoff_slot_bytes(spec, config.max_tokens_per_handoff, "qkv", dtype),  # q/k/v as computed
         )
         link = HandoffLink(output, device)
         closers.append(lambda idle: link.close(unpin=idle))

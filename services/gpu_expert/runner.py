@@ -18,11 +18,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import structlog
 import torch
 from prometheus_client import Counter
 
+from moe_lightning.hrm.decode_share import decode_share
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.placement import Side
 from moe_lightning.sampling import SequenceSampler
@@ -31,13 +33,14 @@ from moe_lightning.service.metrics import SHM_WAIT
 from moe_lightning.service.metrics import STAGE_BUSY as BUSY
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import attention_output, ffn, post_attention, pre_attention
+from moe_lightning.stages.moe import routes_on_device
 from moe_lightning.step_protocol import SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
 from moe_lightning.tensor_parallel import SOLO, rank_spec
 from moe_lightning.timeline import TimelineRecorder
 from moe_lightning.weights import ExpertWeights, ModelWeights
 from services.gpu_expert.clock import StageClock
 from services.gpu_expert.device_attention import DeviceAttention, NoDeviceAttention, device_attention_part
-from services.gpu_expert.expert_source import LayerSource, expert_part
+from services.gpu_expert.expert_source import LayerSource, expert_part, never
 from services.gpu_expert.handoff_link import HandoffLink
 from services.gpu_expert.handoff_side import handoff_part
 from services.gpu_expert.head import Samplers, head_part
@@ -98,12 +101,15 @@ class ExpertRunner:
         count_syncs: bool = False,
         group: RankGroup | None = None,
         max_group_tokens: int = 1 << 62,
+        routing_on_device: bool | None = None,
     ) -> None:
         """`link`: the hand-off channels to cpu_attention (None on a rank other than 0: rank 0 talks
         to it for the group). `spec` is the whole model; a rank of `group` runs its part
         (`rank_spec`). `kv`: the device KV cache, for attention placed on the device.
         `max_group_tokens`: the most rows a grouped FFN takes at once (the largest micro-batch the
-        device's memory reserve holds activations for, --max-tokens-per-handoff)."""
+        device's memory reserve holds activations for, --max-tokens-per-handoff). `routing_on_device`:
+        whether a micro-batch's experts may run without reading its routing back where that costs
+        nothing (stages/moe.py, routes_on_device); None: on CUDA, where a read-back stalls the host."""
         # as given, for the service and its tests (Describe, Connect, metrics); a step reads only parts
         self.link, self.pager, self.kv, self.group = link, pager, kv, group
         self.shard = group.shard if group is not None else SOLO
@@ -111,6 +117,7 @@ class ExpertRunner:
         self.weights = weights
         self.device = device
         self.max_group_tokens = max_group_tokens
+        self.overlap = overlap
         self.samplers: Samplers = {}
         self.log = structlog.get_logger()
         self.clock = StageClock(device, timeline or TimelineRecorder(None, "gpu_expert"))
@@ -119,7 +126,9 @@ class ExpertRunner:
         # the parts, chosen once
         self.ranks = rank_part(group)
         self.handoff = handoff_part(link, group)
-        self.experts = expert_part(pager, weights)
+        on_device = device.type == "cuda" if routing_on_device is None else routing_on_device
+        rule = partial(routes_on_device, num_experts=self.spec.num_experts, top_k=self.spec.top_k)
+        self.experts = expert_part(pager, weights, device, rule if on_device else never)
         self.head = head_part(self.shard.leads, self.spec, weights, self.samplers, self.clock)
         self.counted: Callable[[StepKind, Callable[[], StepOutput]], StepOutput] = sync_count_part(count_syncs, device)
         self.local = device_attention_part(kv, self.spec, device, [layer.sinks for layer in weights.layers])
@@ -198,7 +207,7 @@ class ExpertRunner:
         t_start = time.perf_counter_ns()
         timings = StepTimings(plan.kind)
         self.clock.begin_step()
-        waited, streamed = self.experts.counters()
+        waited, streamed, linked = self.experts.counters()
         prepared = False
         self.ranks.begin_step()
         try:
@@ -227,9 +236,11 @@ class ExpertRunner:
             raise
         for stage, ns in self.clock.finish(plan.step_id).items():
             timings.add(stage, ns)
-        waited_now, streamed_now = self.experts.counters()
+        waited_now, streamed_now, linked_now = self.experts.counters()
         timings.expert_wait = int((waited_now - waited) * 1e9)
+        timings.link_busy = int((linked_now - linked) * 1e9)
         timings.step = time.perf_counter_ns() - t_start
+        timings.decode = round(timings.step * self._decode_share(plan, timings))
         ranks = self.ranks.finish(timings, streamed_now - streamed)
         for stage in ("pre_attention", "post_attention", "head"):
             BUSY.labels(stage).inc(getattr(timings, stage) / 1e9)
@@ -239,6 +250,21 @@ class ExpertRunner:
         if plan.kind is not StepKind.PREFILL:  # a step that decoded: its routing is the batch's
             self.hot.after_decode_step()
         return StepOutput(self.head.seq_ids(works), tokens, timings, logprobs, ranks, prompt_logprobs)
+
+    def _decode_share(self, plan: StepPlan, t: StepTimings) -> float:
+        """The share of the step's time its decode rows are charged with (hrm/decode_share.py), from
+        each resource's busy time in it: the link, the device's compute, the host's attention."""
+        device = t.pre_attention + max(0, t.post_attention - t.expert_wait) + t.head + t.device_attention
+        return decode_share(
+            plan.kind,
+            plan.decodes,
+            plan.num_tokens - plan.decodes,
+            t.link_busy,
+            device,
+            t.attention_busy,
+            overlap=self.overlap,
+            shared_cores=self.device.type == "cpu",
+        )
 
     def _run(self, order: Iterable[Op], s: _Step) -> None:
         """The step's order (schedule.py), op by op: every choice was made when the parts were."""
@@ -275,7 +301,7 @@ class ExpertRunner:
         st = s.states[op.micro_batch]
         attn = self.handoff.receive(s.plan.step_id, op.layer, op.micro_batch, st.hidden, s.timings)
         t0 = self.clock.mark()
-        self._post_attention(op, st, attn, s.experts)
+        self._post_attention(s, op, st, attn)
         self.clock.span("post_attention", "post_attention", op.layer, op.micro_batch, t0, self.clock.mark())
         self.handoff.done_with_input()
 
@@ -286,15 +312,13 @@ class ExpertRunner:
         t1 = self.clock.mark()
         attn = self.local.attend(op.layer, q, k, v, st)
         t2 = self.clock.mark()
-        self._post_attention(op, st, attn, s.experts)
+        self._post_attention(s, op, st, attn)
         t3 = self.clock.mark()
         self.clock.span("pre_attention", "pre_attention", op.layer, op.micro_batch, t0, t1)
         self.clock.span("device_attention", "attention", op.layer, op.micro_batch, t1, t2)
         self.clock.span("post_attention", "post_attention", op.layer, op.micro_batch, t2, t3)
 
-    def _post_attention(
-        self, op: Op, st: MicroBatchState, attn: torch.Tensor, experts: Sequence[ExpertWeights] | None
-    ) -> None:
+    def _post_attention(self, s: _Step, op: Op, st: MicroBatchState, attn: torch.Tensor) -> None:
         """The stage after attention, wherever attention ran: all of it, or (COLLECT, ATTEND_COLLECT)
         up to the FFN, whose input waits in the state for the group. Routing is counted for hot-expert
         residency (a dense layer routes nothing)."""
@@ -302,7 +326,8 @@ class ExpertRunner:
         if op.kind in (COLLECT, ATTEND_COLLECT):
             st.hidden, st.ffn_input = attention_output(self.spec, layer, st.hidden, attn, self.ranks.reduce)
             return
-        st.hidden, counts = post_attention(self.spec, layer, st.hidden, attn, experts, self.ranks.reduce)
+        host_counts = s.source.host_counts(len(st.hidden))
+        st.hidden, counts = post_attention(self.spec, layer, st.hidden, attn, s.experts, self.ranks.reduce, host_counts)
         self.routing.add(op.layer, counts)
         FFN_PASSES.inc()
 
@@ -314,7 +339,8 @@ class ExpertRunner:
         h = torch.cat([st.hidden for st in group]) if op.count > 1 else group[0].hidden
         x = torch.cat([st.ffn_input for st in group]) if op.count > 1 else group[0].ffn_input
         assert x is not None  # set by the group's COLLECTs
-        out, counts = ffn(self.spec, self.weights.layers[op.layer], h, x, s.experts, self.ranks.reduce)
+        host_counts = s.source.host_counts(len(h))
+        out, counts = ffn(self.spec, self.weights.layers[op.layer], h, x, s.experts, self.ranks.reduce, host_counts)
         for st, rows in zip(group, out.split([len(st.hidden) for st in group]), strict=True):
             st.hidden, st.ffn_input = rows, None
         self.routing.add(op.layer, counts)

@@ -144,7 +144,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., token: _Optional[str] = ..., top_tokens: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HardwareMeasurements(_message.Message):
-    __slots__ = ("matmul_flops", "weight_stream_bandwidth", "attention_bandwidth", "memory_bytes", "h2d_bandwidth", "d2h_bandwidth", "shared_host_device", "source", "expert_format", "expert_matmul_flops", "expert_stream_bandwidth", "simulated_link")
+    __slots__ = ("matmul_flops", "weight_stream_bandwidth", "attention_bandwidth", "memory_bytes", "h2d_bandwidth", "d2h_bandwidth", "shared_host_device", "source", "expert_format", "expert_matmul_flops", "expert_stream_bandwidth", "simulated_link", "host_micro_batch_seconds", "host_ffn_seconds", "host_expert_seconds")
     MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_STREAM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,9 @@ class HardwareMeasurements(_message.Message):
     EXPERT_MATMUL_FLOPS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_STREAM_BANDWIDTH_FIELD_NUMBER: _ClassVar[int]
     SIMULATED_LINK_FIELD_NUMBER: _ClassVar[int]
+    HOST_MICRO_BATCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FFN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_EXPERT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     matmul_flops: float
     weight_stream_bandwidth: float
     attention_bandwidth: float
@@ -169,7 +172,10 @@ class HardwareMeasurements(_message.Message):
     expert_matmul_flops: float
     expert_stream_bandwidth: float
     simulated_link: bool
-    def __init__(self, matmul_flops: _Optional[float] = ..., weight_stream_bandwidth: _Optional[float] = ..., attention_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., h2d_bandwidth: _Optional[float] = ..., d2h_bandwidth: _Optional[float] = ..., shared_host_device: _Optional[bool] = ..., source: _Optional[str] = ..., expert_format: _Optional[str] = ..., expert_matmul_flops: _Optional[float] = ..., expert_stream_bandwidth: _Optional[float] = ..., simulated_link: _Optional[bool] = ...) -> None: ...
+    host_micro_batch_seconds: float
+    host_ffn_seconds: float
+    host_expert_seconds: float
+    def __init__(self, matmul_flops: _Optional[float] = ..., weight_stream_bandwidth: _Optional[float] = ..., attention_bandwidth: _Optional[float] = ..., memory_bytes: _Optional[float] = ..., h2d_bandwidth: _Optional[float] = ..., d2h_bandwidth: _Optional[float] = ..., shared_host_device: _Optional[bool] = ..., source: _Optional[str] = ..., expert_format: _Optional[str] = ..., expert_matmul_flops: _Optional[float] = ..., expert_stream_bandwidth: _Optional[float] = ..., simulated_link: _Optional[bool] = ..., host_micro_batch_seconds: _Optional[float] = ..., host_ffn_seconds: _Optional[float] = ..., host_expert_seconds: _Optional[float] = ...) -> None: ...
 
 class TimelineSpans(_message.Message):
     __slots__ = ("names", "resource", "stage", "step", "layer", "micro_batch", "start_ns", "end_ns", "service")

@@ -103,23 +103,25 @@ class Placement(_message.Message):
     def __init__(self, attention: _Optional[_Union[Side, str]] = ..., experts: _Optional[_Union[Side, str]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "placement", "kind", "expert_groups")
+    __slots__ = ("step_id", "micro_batches", "release_seq_ids", "placement", "kind", "expert_groups", "decodes")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     EXPERT_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     micro_batches: _containers.RepeatedCompositeFieldContainer[MicroBatch]
     release_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     placement: Placement
     kind: StepKind
     expert_groups: int
-    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ..., expert_groups: _Optional[int] = ...) -> None: ...
+    decodes: int
+    def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ..., expert_groups: _Optional[int] = ..., decodes: _Optional[int] = ...) -> None: ...
 
 class StepTimings(_message.Message):
-    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns", "attention_busy_ns")
+    __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns", "attention_busy_ns", "link_busy_ns", "decode_ns")
     KIND_FIELD_NUMBER: _ClassVar[int]
     PRE_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
     POST_ATTENTION_NS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,8 @@ class StepTimings(_message.Message):
     HANDLER_NS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVES_NS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    LINK_BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_NS_FIELD_NUMBER: _ClassVar[int]
     kind: StepKind
     pre_attention_ns: int
     post_attention_ns: int
@@ -144,7 +148,9 @@ class StepTimings(_message.Message):
     handler_ns: int
     collectives_ns: int
     attention_busy_ns: int
-    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ..., attention_busy_ns: _Optional[int] = ...) -> None: ...
+    link_busy_ns: int
+    decode_ns: int
+    def __init__(self, kind: _Optional[_Union[StepKind, str]] = ..., pre_attention_ns: _Optional[int] = ..., post_attention_ns: _Optional[int] = ..., head_ns: _Optional[int] = ..., attention_wait_ns: _Optional[int] = ..., handoff_send_ns: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., device_attention_ns: _Optional[int] = ..., step_ns: _Optional[int] = ..., handler_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ..., attention_busy_ns: _Optional[int] = ..., link_busy_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ...) -> None: ...
 
 class RankStep(_message.Message):
     __slots__ = ("rank", "bytes_streamed", "expert_wait_ns", "collectives_ns", "step_ns")
