@@ -156,8 +156,10 @@ def test_bench_behind_a_simulated_link_reports_decode_and_the_hrms_layer_error_w
     assert alternating["ours"]["steps"]["mixed"] == 0
     ratio = {r["ratios"]["(b) overlap off, decode"] for r in (mixed, alternating)}
     assert max(ratio) / min(ratio) < 1.15, ratio
-    assert abs(mixed["hrm_layer_error"]["ours"] - alternating["hrm_layer_error"]["ours"]) < 0.1
-    assert abs(mixed["hrm_layer_error"]["overlap_off"] - alternating["hrm_layer_error"]["overlap_off"]) < 0.1
+    assert abs(mixed["hrm_layer_error"]["ours"] - alternating["hrm_layer_error"]["ours"]) < 0.05
+    # (b)'s compute shows: the tiny model's is per-call cost the roofline does not see, which smaller
+    # decode batches (the mixed run's, ~17 rows a step against 48) do not shrink as predicted
+    assert abs(mixed["hrm_layer_error"]["overlap_off"] - alternating["hrm_layer_error"]["overlap_off"]) < 0.15
     # (d): the paper's alternating steps at the same placement and micro-batch, named in the ratios
     assert mixed["alternating"]["generated_tokens_per_second"] > 0 and mixed["ratios"]["(d) alternating steps"] > 0
     assert "(d) alternating steps" in stdout and "(d) alternating steps, decode" in stdout

@@ -24,6 +24,7 @@ from moe_lightning.hrm.host_issue import host_issue_seconds
 from moe_lightning.hrm.layercost import CostModel, Headroom, Workload, distinct_experts
 from moe_lightning.hrm.optimizer import best_resident, make_grid, optimize
 from moe_lightning.hrm.roofs import Measurements, profile_from
+from moe_lightning.hrm.sizes import NO_QUANT
 
 MIXTRAL = ARCHS["mixtral-8x7b"]
 WORK = Workload(77, 32)
@@ -198,3 +199,17 @@ def test_the_drift_checks_device_row_holds_the_issue_time() -> None:
     hw = replace(HOST, host_micro_batch_seconds=1e-4, host_ffn_seconds=3e-5, host_expert_seconds=3e-5)
     cpu, none = (estimate(SPEC, Workload(64, 32), h, Policy(64, 8), "float32") for h in (hw, HOST))
     assert predicted_per_layer(cpu)["device"] == pytest.approx(predicted_per_layer(none)["device"] + cpu.issue_seconds)
+
+
+def test_the_issue_time_is_measured_once_for_every_model(tmp_path: Path) -> None:
+    """It is measured on a tiny layer whatever the model: two models' calibrations share one measurement
+    (a suite of a hundred model shapes once paid ~1 s for each); --recalibrate measures it again."""
+    from moe_lightning.hrm import calibrate
+
+    cpu = torch.device("cpu")
+    first = calibrate.cached_host_issue(cpu, torch.float32, NO_QUANT, cache_dir=tmp_path)
+    [path] = tmp_path.glob("*-host_issue-cpu-float32-none-*.json")
+    path.write_text(json.dumps({"micro_batch": 1.0, "ffn": 2.0, "expert": 3.0}))  # read back, not measured
+    assert calibrate.cached_host_issue(cpu, torch.float32, NO_QUANT, cache_dir=tmp_path).expert == 3.0
+    again = calibrate.cached_host_issue(cpu, torch.float32, NO_QUANT, refresh=True, cache_dir=tmp_path)
+    assert again.expert < 1.0 and first.expert < 1.0  # measured: microseconds, not the planted seconds

@@ -24,7 +24,7 @@ import torch
 
 from moe_lightning import kv_format
 from moe_lightning.hrm.hardware import HardwareProfile
-from moe_lightning.hrm.host_issue import host_issue_seconds
+from moe_lightning.hrm.host_issue import HostIssue, host_issue_seconds
 from moe_lightning.hrm.layercost import NO_QUANT
 from moe_lightning.hrm.pages import page_nbytes, page_scheme, random_experts
 from moe_lightning.hrm.profile_cache import (  # noqa: F401 (PROFILE_CACHE_ENV, profile_cache_dir: the module's API)
@@ -190,8 +190,32 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+def cached_host_issue(
+    dev: torch.device, dtype: torch.dtype, quant: QuantScheme, refresh: bool = False, cache_dir: Path | None = None
+) -> HostIssue:
+    """The host's issue time (hrm/host_issue.py) on this machine, device, dtype and page format: it is
+    measured on a tiny layer whatever the model, so every model's calibration shares one measurement
+    (~1 s each: a test suite's hundred model shapes paid it a hundred times)."""
+    name = f"{platform.node() or 'host'}-host_issue-{dev.type}-{str(dtype).removeprefix('torch.')}"
+    path = cache_file(cache_dir, f"{name}-{quant.key()}-k{KERNELS_VERSION}.json")
+    text = None if refresh else read_cache(path)
+    if text is not None:
+        try:
+            return HostIssue(**json.loads(text))
+        except (ValueError, TypeError, RecursionError):
+            pass  # an older or damaged cache: measure again
+    issue = host_issue_seconds(dev, dtype, quant)
+    write_cache(path, json.dumps(issue._asdict()))
+    return issue
+
+
 def measure(
-    spec: ModelSpec, device: str = "cpu", dtype: torch.dtype | None = None, quant: QuantScheme = NO_QUANT
+    spec: ModelSpec,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    quant: QuantScheme = NO_QUANT,
+    refresh: bool = False,
+    cache_dir: Path | None = None,
 ) -> HardwareProfile:
     """Measures every roof for `spec`'s shapes on `device` (CPU-only: host and device are one); with
     `quant`, also the expert GEMM's roofs on pages of that format (random weights, quantized)."""
@@ -208,7 +232,7 @@ def measure(
         "expert_flops": expert_gemm_flops(pages[:2], dev, dtype, FLOPS_TOKENS.get(dev.type, 64)),
     }
     attn_bw = attention_bandwidth(spec, dtype=dtype)  # the `auto` KV dtype: the weights'
-    issue = host_issue_seconds(dev, dtype, quant)  # the host's time to issue a layer's launches
+    issue = cached_host_issue(dev, dtype, quant, refresh, cache_dir)  # the host's time to issue a layer
     roofs |= {
         "host_micro_batch_seconds": issue.micro_batch,
         "host_ffn_seconds": issue.ffn,
@@ -258,7 +282,7 @@ def cached_profile(
             return HardwareProfile.from_file(path)
         except ValueError as exc:  # an older or damaged cache: measure again
             cache_warning("profile_cache_damaged", path, exc)
-    profile = measure(spec, device, quant=quant)
+    profile = measure(spec, device, quant=quant, refresh=refresh, cache_dir=cache_dir)
     write_cache(path, profile.to_json())
     return profile
 
@@ -270,9 +294,11 @@ def measure_expert_side(
     dtype: torch.dtype | None = None,
     dense: Sequence[torch.Tensor] | None = None,
     scheme: QuantScheme | None = None,
+    refresh: bool = False,
+    cache_dir: Path | None = None,
 ) -> Measurements:
     """gpu_expert's warm-up: GEMM rate, the rate its real experts stream weights, the host link, the
-    host's time to issue a layer's launches.
+    host's time to issue a layer's launches (`refresh`, `cache_dir`: its cache's, cached_host_issue).
 
     `dtype`: the model's (activations, the matmul peak); default: the experts' own when they are
     unquantized, else the dense weights'. `dense`: some of the model's dense weights (e.g. every
@@ -307,7 +333,7 @@ def measure_expert_side(
     else:
         h2d = d2h = copy_bandwidth(dev) / 2
         flops = matmul_flops(dev, dtype)
-    issue = host_issue_seconds(dev, dtype, scheme)  # on tiny pages of the experts' format
+    issue = cached_host_issue(dev, dtype, scheme, refresh, cache_dir)  # on tiny pages of the experts' format
     quantized |= {
         "host_micro_batch_seconds": issue.micro_batch,
         "host_ffn_seconds": issue.ffn,

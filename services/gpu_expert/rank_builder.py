@@ -217,7 +217,9 @@ def build_worker(
     log.info("kernels_chosen", experts=scheme.key(), choices=kernels.chooser().report())
     measurements = cached_measurements(
         expert_side_key(device, dtype, mine, scheme),
-        lambda: measure_expert_side(experts, str(device), budget, dtype=dtype, dense=dense, scheme=scheme),
+        lambda: measure_expert_side(
+            experts, str(device), budget, dtype, dense, scheme, config.recalibrate, config.profile_cache
+        ),
         refresh=config.recalibrate,
         cache_dir=config.profile_cache,
     )
