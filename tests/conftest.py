@@ -29,7 +29,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ
 _CACHE_ROOT = Path(tempfile.mkdtemp(prefix="moe-lightning-test-cache-"))
 os.environ["MOE_LIGHTNING_PROFILE_CACHE"] = str(_CACHE_ROOT / "profiles")
 os.environ["MOE_LIGHTNING_CACHE_DIR"] = str(_CACHE_ROOT / "arena")
-os.environ["MOE_LIGHTNING_NATIVE_DIR"] = str(_CACHE_ROOT / "native")  # the native kernels' build
+# the native kernels' build; MOE_LIGHTNING_TEST_NATIVE_DIR (never set by CI) keeps one across runs
+# while iterating on a few tests: the build is ~50 s of a 2-core machine's every pytest start
+os.environ["MOE_LIGHTNING_NATIVE_DIR"] = os.environ.get("MOE_LIGHTNING_TEST_NATIVE_DIR") or str(_CACHE_ROOT / "native")
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
