@@ -250,19 +250,17 @@ def _readable(dir_fd: int) -> int:
 def output_file(path: Path, overwrite: bool = False) -> Iterator[IO[bytes]]:
     """A binary file to write the output `path` into; it appears at `path` (atomically, whole) when
     the block ends without an exception, and not at all otherwise (the temporary file is removed).
-    Refuses (OutputFileError) what `check_output_file` refuses, checked again now and once more
-    just before the rename, so a link planted while the job ran is refused too. A refusal at that
-    last moment, or a rename that fails (something put at the name after that last look), keeps the
-    finished temporary file and names it: the results are not lost."""
+    Refuses (OutputFileError) what `check_output_file` refuses, looked at just before the rename, so
+    a link planted while the job ran is refused too. The target is not looked at before the block:
+    the caller holds finished results by then (`check_output_file` ran before the job), so a refusal,
+    or a rename that fails (something put at the name after that last look), keeps the finished
+    temporary file and names it: the results are not lost."""
     path = Path(os.path.abspath(path))
     held = _held_dir(path, create=True)
     if held is None:  # never: with create the walk makes what is missing
         raise _refuse(path, f"{path.parent} could not be created")
     dir_fd = _readable(held)
     try:
-        why = _target_problem(_lstat_at(path.name, dir_fd), overwrite)
-        if why is not None:
-            raise _refuse(path, why)
         fd, tmp = _create_temp(dir_fd, path)
         mine = os.fstat(fd)
         kept = f"the results are kept in {path.parent / tmp}"

@@ -87,6 +87,13 @@ def _untouched(victim: Path) -> None:
     assert victim.read_bytes() == VICTIM and _mode(victim) == 0o600 and victim.stat().st_uid == os.geteuid()
 
 
+def _kept(refusal: BaseException) -> Path:
+    """The file a refused write kept its finished results in, as the message names it."""
+    kept = Path(str(refusal).rsplit("the results are kept in ", 1)[1])
+    assert kept.is_file() and kept.name.startswith(".") and kept.stat().st_uid == os.geteuid()
+    return kept
+
+
 def _write_openai(path: Path, overwrite: bool = False) -> None:
     from gateway.errors import bad_request
     from moe_lightning.commands.openai_batch import BatchLine, write_results
@@ -120,10 +127,11 @@ def test_a_planted_link_to_our_file_is_refused_and_the_file_untouched(kind: str,
     as_nobody(lambda: os.symlink(victim, out))
     with pytest.raises(OutputFileError, match=f"refusing to write the output {out}: it is a symbolic link"):
         check_output_file(out, overwrite=True)
-    with pytest.raises(OutputFileError, match="it is a symbolic link"):
+    with pytest.raises(OutputFileError, match="it is a symbolic link") as refused:
         write(out, overwrite=True)  # not even with --overwrite
     _untouched(victim)
-    assert out.is_symlink() and os.listdir(shared) == [name]  # no temporary file left behind
+    kept = _kept(refused.value)  # the finished results stay beside it, under the name the message gives
+    assert out.is_symlink() and sorted(os.listdir(shared)) == sorted([name, kept.name])
 
 
 @as_root
@@ -134,9 +142,9 @@ def test_a_planted_dangling_link_creates_nothing(kind: str, shared: Path, tmp_pa
     as_nobody(lambda: os.symlink(chosen, out))
     with pytest.raises(OutputFileError, match="it is a symbolic link"):
         check_output_file(out)
-    with pytest.raises(OutputFileError, match="it is a symbolic link"):
+    with pytest.raises(OutputFileError, match="it is a symbolic link") as refused:
         write(out)
-    assert not chosen.exists() and os.listdir(shared) == [name]
+    assert not chosen.exists() and sorted(os.listdir(shared)) == sorted([name, _kept(refused.value).name])
 
 
 @as_root
@@ -438,9 +446,10 @@ def test_our_own_file_needs_overwrite(kind: str, tmp_path: Path) -> None:
     out.chmod(0o640)
     with pytest.raises(OutputFileError, match="it exists \\(pass --overwrite to replace it"):
         check_output_file(out)
-    with pytest.raises(OutputFileError, match="pass --overwrite"):
+    with pytest.raises(OutputFileError, match="pass --overwrite") as refused:
         write(out)
     assert out.read_bytes() == b"yesterday's results"
+    _kept(refused.value).unlink()  # the results of the refused write, kept under the name it gave
     write(out, overwrite=True)
     assert out.read_bytes() != b"yesterday's results" and _mode(out) == 0o640  # its permissions kept
     assert os.listdir(tmp_path) == [name]
