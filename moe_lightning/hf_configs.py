@@ -23,9 +23,14 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelSpecError(f"{path} not found: a model directory needs an HF config.json")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ModelSpecError(f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError:  # json's parser recurses once per level: 100,000 nested brackets end it
+        raise ModelSpecError(f"{path} is nested too deeply to be a model's config") from None
+    if not isinstance(config, dict):
+        raise ModelSpecError(f"{path} must be a JSON object, got a {type(config).__name__}")
+    return config
 
 
 def require(config: dict[str, Any], key: str) -> Any:
@@ -56,7 +61,9 @@ def yarn_scaling(config: dict[str, Any]) -> YarnScaling | None:
     original = params.get("original_max_position_embeddings") or config.get("max_position_embeddings")
     if not original:
         raise ModelSpecError("YaRN rope_parameters need original_max_position_embeddings")
-    factor = params.get("factor") or float(require(config, "max_position_embeddings")) / float(original)
+    factor = params.get("factor")  # 0 is not "absent": it would divide the frequencies by zero (refused)
+    if factor is None:
+        factor = float(require(config, "max_position_embeddings")) / float(original)
     return YarnScaling(
         factor=float(factor),
         original_max_position_embeddings=int(original),

@@ -13,6 +13,7 @@ from typing import Any
 
 from moe_lightning.config.choices import DTYPE_CHOICES, DTYPE_NAMES
 from moe_lightning.hf_configs import ModelSpecError, read_hf_config
+from moe_lightning.spec_bounds import check_spec
 from moe_lightning.yarn import YarnScaling
 
 
@@ -105,6 +106,7 @@ class ModelSpec:
     swiglu_limit: float = 7.0  # clamped_swiglu's clamp
 
     def __post_init__(self) -> None:
+        check_spec(self)  # types, bounds and finite floats first: the checks below compute with them
         positive = (
             "hidden_size",
             "intermediate_size",
@@ -362,7 +364,7 @@ def generation_eos_ids(model_dir: str | Path) -> tuple[int, ...]:
     path = Path(model_dir) / "generation_config.json"
     try:
         value = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-    except (json.JSONDecodeError, AttributeError):
+    except (json.JSONDecodeError, AttributeError, RecursionError):
         return ()
     if isinstance(value, int) and not isinstance(value, bool):
         return (value,)

@@ -198,9 +198,11 @@ def check_stack(stack: StackConfig) -> StackCheck:
     from moe_lightning.arena_layout import ArenaLayout
     from moe_lightning.quant.gptq_config import read_gptq_config
     from moe_lightning.spec import ModelSpec, resolve_dtype
+    from moe_lightning.spec_bounds import check_checkpoint_holds
 
     notes = []
     spec = ModelSpec.from_pretrained(stack.model)
+    check_checkpoint_holds(spec, stack.model)  # before a layout of its pages is built
     dtype = resolve_dtype(stack.dtype, spec.dtype, stack.device)
     scheme = resolve_expert_scheme(spec, stack.model, stack.quantize, stack.quantize_group_size, stack.gpus)
     defaulted = stack.quantize == "int4" and stack.quantize_group_size is None and not scheme.act_order

@@ -9,6 +9,7 @@ from moe_lightning.families import dbrx, deepseek_v3, glm4_moe, gpt_oss, mixtral
 from moe_lightning.families.family import Family, Randoms, TopNames
 from moe_lightning.hf_configs import ModelSpecError
 from moe_lightning.spec import ModelSpec
+from moe_lightning.spec_bounds import check_hf_config
 
 FAMILIES: tuple[Family, ...] = (
     mixtral.FAMILY,
@@ -59,7 +60,9 @@ def of_config(config: dict[str, Any]) -> Family:
 
 
 def spec_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """ModelSpec's fields from the dict of an HF config.json, by its family's reader."""
+    """ModelSpec's fields from the dict of an HF config.json, by its family's reader, once its values'
+    types and bounds are checked (spec_bounds.py)."""
+    check_hf_config(config)
     family = of_config(config)
     return family.read_config(config, family.architecture)
 

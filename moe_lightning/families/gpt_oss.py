@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from moe_lightning.checkpoint_error import CheckpointError
 from moe_lightning.families import mixtral
 from moe_lightning.families.family import HF_TOP_NAMES, Family, Randoms
 from moe_lightning.families.gpt_oss_template import CHAT_TEMPLATE, HARMONY_TOKENS, STOP_TOKENS
@@ -116,6 +117,7 @@ def _mxfp4_experts(
     expert: the bytes as published, the gate/up rows de-interleaved (a row permutation: exact), computed
     by the MXFP4 kernel of the side that holds them (quant/kernels.py)."""
     from moe_lightning.quant.kernels import QuantizedLinear
+    from moe_lightning.quant.mxfp4 import scale_problem
     from moe_lightning.quant.scheme import MXFP4_BLOCK, QuantFormat
 
     out = []
@@ -125,6 +127,10 @@ def _mxfp4_experts(
         g = k // MXFP4_BLOCK
         blocks = reader.get(f"{prefix}.{name}_blocks", (e, n, g, MXFP4_BLOCK // 2))
         scales = reader.get(f"{prefix}.{name}_scales", (e, n, g))
+        problem = scale_problem(blocks, scales)
+        if problem is not None:  # every request would sample from NaN logits: refused at load, by name
+            entry = reader.entry(f"{prefix}.{name}_scales")
+            raise CheckpointError(f"{entry.file}: tensor {entry.name!r} holds {problem}")
         if name == "gate_up_proj":  # rows gate 0, up 0, gate 1, ... -> gate rows, then up rows
             blocks, scales = deinterleave(blocks, dim=1), deinterleave(scales, dim=1)
         out.append(

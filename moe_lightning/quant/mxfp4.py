@@ -12,6 +12,7 @@ Dequantization equals transformers' (`FP4_VALUES` and `torch.ldexp`) bit for bit
 each weight is the exact value e2m1 * 2^(scale - 127) rounded once to the dtype, so the extreme
 scales do what ldexp does with them: 0 (2^-127) gives float32 subnormals, 253-255 overflow the
 largest values to inf, and 255 (NaN in the OCP spec) is read as 2^128 like any other, with no NaN.
+A checkpoint whose scales would do either is refused at load (`scale_problem`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,29 @@ def value_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         table = (scale_table()[:, None, None] * pairs).reshape(65536, 2).to(dtype).to(device).contiguous()
         _TABLES[key] = table
     return table
+
+
+NAN_SCALE = 255  # e8m0's NaN (OCP MX)
+OVERFLOW_SCALE = 253  # from here a block's largest magnitudes pass float32's range (4 * 2^126 = 2^128: inf)
+
+
+def scale_problem(qweight: torch.Tensor, scales: torch.Tensor) -> str | None:
+    """Why MXFP4 weights, qweight uint8 (..., N, K/2) and scales uint8 (..., N, K/32), would not
+    dequantize to finite values, or None: a scale byte of 255 (NaN in e8m0), or one of 253 or 254 on a
+    block whose largest values then pass float32's (and bfloat16's) range. One comparison over the
+    scales; the blocks are looked at only under such a scale."""
+    big = scales >= OVERFLOW_SCALE
+    if not bool(big.any()):
+        return None
+    nan = int((scales == NAN_SCALE).sum())
+    if nan:
+        return f"{nan} scale(s) of {NAN_SCALE}, which is NaN in e8m0"
+    blocks = qweight.reshape(*scales.shape, BLOCK // 2)[big].to(torch.int32)  # (M, 16): bytes under those scales
+    idx = (scales[big].to(torch.int32).unsqueeze(-1) << 8) | blocks
+    values = value_table(torch.float32, qweight.device)[idx.reshape(-1)]
+    if bool(torch.isfinite(values).all()):
+        return None
+    return f"scales of {OVERFLOW_SCALE}-{NAN_SCALE - 1} on blocks whose values then pass float32's range (inf)"
 
 
 def _check(qweight: torch.Tensor, scales: torch.Tensor) -> tuple[int, int]:

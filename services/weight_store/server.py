@@ -22,6 +22,7 @@ from moe_lightning.service.errors import NotReadyError
 from moe_lightning.service.names import WEIGHT_STORE
 from moe_lightning.service.runtime import ServiceRuntime, serve
 from moe_lightning.spec import ModelSpec, resolve_dtype
+from moe_lightning.spec_bounds import check_checkpoint_holds
 from moe_lightning.tokenizer import TextTokenizer
 from services.weight_store.store import ARENA, READY, LoadReport, WeightArena
 
@@ -99,6 +100,7 @@ def _start(config: WeightStoreConfig, servicer: WeightStoreServicer, runtime: Se
     """Fills the arena (or adopts a predecessor's); the fields of the `serving` line."""
     c = config
     spec = ModelSpec.from_pretrained(c.model)
+    check_checkpoint_holds(spec, c.model)  # before the arena's layout and segment are made for it
     tokenizer = TextTokenizer.from_model_dir(c.model)
     if tokenizer is not None:
         tokenizer.check_fits(spec.vocab_size, c.model)
