@@ -21,7 +21,6 @@ from test_gpt_oss_mxfp4 import to_published
 from moe_lightning.checkpoint import load_model_weights
 from moe_lightning.checkpoint_error import CheckpointError
 from moe_lightning.demo_model import write_demo_model
-from moe_lightning.quant.mxfp4 import scale_problem
 from moe_lightning.shm.segment import list_segments
 from moe_lightning.spec import ModelSpec
 
@@ -88,7 +87,7 @@ def test_mxfp4_scales_that_dequantize_to_no_finite_value_are_refused(published: 
 def test_scale_problem_matches_what_dequantization_gives() -> None:
     """Every (scale, byte) pair: a problem is named exactly when the dequantized values are not finite
     (or the scale is e8m0's NaN)."""
-    from moe_lightning.quant.mxfp4 import dequantize_mxfp4
+    from moe_lightning.quant.mxfp4 import dequantize_mxfp4, scale_problem
 
     for scale in (0, 127, 252, 253, 254, 255):
         for byte in range(256):
