@@ -49,7 +49,10 @@ def test_a_non_finite_weight_is_refused_naming_the_tensor(
     tiny_model: Path, tmp_path: Path, name: str, value: float, what: str
 ) -> None:
     bad = _damaged(tiny_model, tmp_path / "bad", name, _element(value, at=77))
-    with pytest.raises(CheckpointError, match=f"tensor '{name}' holds non-finite values \\(from element 77: {what}"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"bad/model.safetensors: tensor '{name}' holds non-finite values \\(from element 77: {what}",
+    ):
         load_model_weights(bad, ModelSpec.from_pretrained(bad), progress=False)
 
 
@@ -72,7 +75,10 @@ def test_mxfp4_scales_that_dequantize_to_no_finite_value_are_refused(published: 
     spec = ModelSpec.from_pretrained(published)
     load_model_weights(published, spec, progress=False)  # as published: loads
     bad = _damaged(published, tmp_path / "nan", SCALES, _scale(255))
-    with pytest.raises(CheckpointError, match=f"tensor '{SCALES}' holds 1 scale\\(s\\) of 255, which is NaN in e8m0"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"nan/model.safetensors: tensor '{SCALES}' holds 1 scale\\(s\\) of 255, which is NaN in e8m0",
+    ):
         load_model_weights(bad, spec, progress=False)
     # 254 = 2^127: a block with a 2.0 or larger (nibble 4..7) passes float32's range
     blocks = SCALES.replace("_scales", "_blocks")
@@ -80,7 +86,9 @@ def test_mxfp4_scales_that_dequantize_to_no_finite_value_are_refused(published: 
     sd = load_file(over / "model.safetensors")
     sd[blocks][0, 3, 0, 0] = 0x07  # 6.0 * 2^127
     save_file(sd, over / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=f"tensor '{SCALES}' holds scales of 253-254 on blocks"):
+    with pytest.raises(
+        CheckpointError, match=f"over/model.safetensors: tensor '{SCALES}' holds scales of 253-254 on blocks"
+    ):
         load_model_weights(over, spec, progress=False)
 
 
