@@ -6,23 +6,31 @@ The scheduler loop around the fake backend (real threads, no processes), as test
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from fake_backend import FakeBackend
+from runner_pair import arena_of, wired
 
+from moe_lightning.arena import weights_from_arena
+from moe_lightning.logits_processors import mask_words
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
+from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
 from moe_lightning.spec import ModelSpec
-from moe_lightning.step_protocol import SequenceFault, StepKind, StepPlan
+from moe_lightning.step_protocol import SequenceFault, SequenceWork, StepKind, StepPlan
+from moe_lightning.weights import ModelWeights
 from orchestrator.backend import KVCapacity
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 from orchestrator.step_faults import worker_error
+from services.gpu_expert.runner import ExpertRunner
 
 KV = KVCapacity(256, 4, "float32")
 NEW = 6
@@ -152,4 +160,55 @@ def test_gpu_experts_answer_decides_whether_the_worker_is_lost() -> None:
     for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION):
         lost = worker_error(plan, _rpc_error(code, "Stream removed"))
         assert status_for(lost) == grpc.StatusCode.UNAVAILABLE
-        assert str(lost) == f"step 7 (decode, 0 sequences) lost its backend: gpu_expert answered {code.name} (Stream removed)"
+        assert (
+            str(lost)
+            == f"step 7 (decode, 0 sequences) lost its backend: gpu_expert answered {code.name} (Stream removed)"
+        )
+
+
+BAD_TOKEN = 11  # its embedding row is NaN below: a checkpoint with one bad row
+
+
+@pytest.fixture()
+def pair(tiny_model: Path) -> Iterator[tuple[ExpertRunner, ModelWeights]]:
+    spec, arena, layout = arena_of(tiny_model)
+    device = torch.device("cpu")
+    weights = weights_from_arena(arena, layout, spec, device, experts_on_host=True)
+    with wired(spec, weights, device, f"seqfault{os.getpid()}", spec.num_experts, lookahead=False) as (runner, _):
+        yield runner, weights
+
+
+def test_a_real_step_flags_its_non_finite_rows_and_samples_the_others_as_without_them(
+    pair: tuple[ExpertRunner, ModelWeights],
+) -> None:
+    """A real runner and attention worker: a sequence whose prompt meets a NaN embedding row (the model's
+    fault: INTERNAL) and one whose controls allow no token (an empty grammar mask: the request's, 400)
+    are flagged in StepOutput.faults with no token of theirs used; greedy, temperature, top-p and top-k
+    rows beside them get the tokens they get in a step without them. It used to sample them anyway."""
+    runner, weights = pair
+    weights.embed[BAD_TOKEN] = float("nan")
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=4),
+        SamplingParams(temperature=1.0, top_k=5, seed=5),
+    ]
+
+    def sound(first: int) -> list[SequenceWork]:
+        return [SequenceWork(first + i, [5 + i, 7, 9], 0, p) for i, p in enumerate(params)]
+
+    nothing_allowed = bytes(4 * mask_words(weights.embed.shape[0]))
+    faulty = [
+        SequenceWork(50, [5, BAD_TOKEN, 9], 0, params[0]),
+        SequenceWork(51, [6, 7, BAD_TOKEN], 0, params[1]),
+        SequenceWork(52, [5, 7, 9], 0, params[2], token_mask=nothing_allowed),
+    ]
+    works = sound(10)
+    out = runner.step(StepPlan(1, [works[:2] + faulty[:2], works[2:] + faulty[2:]], StepKind.PREFILL))
+    assert sorted(out.faults) == [50, 51, 52]
+    assert not out.faults[50].invalid_argument and "the model produced non-finite logits" in out.faults[50].message
+    assert not out.faults[51].invalid_argument
+    assert out.faults[52].invalid_argument and "allow no token" in out.faults[52].message
+    got = dict(zip(out.seq_ids, out.token_ids, strict=True))
+    alone = runner.step(StepPlan(2, [sound(20)], StepKind.PREFILL))
+    assert [got[10 + i] for i in range(len(params))] == alone.token_ids
