@@ -17,7 +17,9 @@ import torch
 from fake_backend import FakeBackend
 from runner_pair import arena_of, wired
 
+from moe_lightning import grammar as grammar_module
 from moe_lightning.arena import weights_from_arena
+from moe_lightning.grammar import GrammarSpec
 from moe_lightning.logits_processors import mask_words
 from moe_lightning.output_text import OutputText
 from moe_lightning.placement import Placement
@@ -26,8 +28,11 @@ from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import SequenceFault, SequenceWork, StepKind, StepPlan
+from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.weights import ModelWeights
 from orchestrator.backend import KVCapacity
+from orchestrator.batcher import ScheduledStep, Sequence
+from orchestrator.grammars import Grammars
 from orchestrator.scheduler import Scheduler, SchedulerConfig
 from orchestrator.step_faults import worker_error
 from services.gpu_expert.runner import ExpertRunner
@@ -212,3 +217,35 @@ def test_a_real_step_flags_its_non_finite_rows_and_samples_the_others_as_without
     got = dict(zip(out.seq_ids, out.token_ids, strict=True))
     alone = runner.step(StepPlan(2, [sound(20)], StepKind.PREFILL))
     assert [got[10 + i] for i in range(len(params))] == alone.token_ids
+
+
+def test_a_mask_that_cannot_be_filled_faults_its_sequence_alone(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The library raising in the batched fill (fault injected: llguidance reports its own limits in the
+    state, so no input of ours makes it raise) is narrowed to the row at fault: that sequence ends with
+    INVALID_ARGUMENT, the others get their masks. It used to fail every sequence of the step."""
+    spec = ModelSpec.from_pretrained(tiny_model)
+    grammars = Grammars(spec, TextTokenizer.from_model_dir(tiny_model))
+    seqs = []
+    for i in range(4):
+        request = GenerationRequest([5, 6, 7], NEW, grammar=GrammarSpec.choice(["yes", "no"]))
+        seqs.append(
+            Sequence(i, request, OutputText(request, spec.eos_token_ids, None), grammar=grammars.start(request))
+        )
+    works = [SequenceWork(s.seq_id, [5, 6, 7], 0, SamplingParams()) for s in seqs]
+    real = grammar_module.fill_bitmask
+
+    def fill(states: list, bitmask: torch.Tensor) -> None:
+        if seqs[2].grammar in states:
+            raise RuntimeError("the mask executor failed")
+        real(states, bitmask)
+
+    monkeypatch.setattr(grammar_module, "fill_bitmask", fill)
+    faults = grammars.attach_masks(ScheduledStep(StepPlan(1, [works], StepKind.PREFILL), seqs))
+    assert [(s.seq_id, str(e)) for s, e in faults] == [
+        (2, "the request's grammar could not compute its next token mask: the mask executor failed")
+    ]
+    assert status_for(faults[0][1]) == grpc.StatusCode.INVALID_ARGUMENT
+    assert [w.token_mask is not None for w in works] == [True, True, False, True]
+    assert works[0].token_mask == works[1].token_mask == works[3].token_mask and any(works[0].token_mask)
