@@ -17,7 +17,7 @@ from moe_lightning.kv_layout import KVLayout
 from moe_lightning.logits_processors import process_logits
 from moe_lightning.output_text import OutputText
 from moe_lightning.request import GenerationRequest, GenerationResult, InvalidRequestError
-from moe_lightning.sampling import SequenceSampler, sample
+from moe_lightning.sampling import NOT_FINITE, SequenceSampler, sample
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import (
     AttentionMetadata,
@@ -156,6 +156,9 @@ class InProcessEngine:
             samplers = [s.sampler for s in active]
             processed = process_logits(logits, samplers, self.spec.eos_token_ids)  # penalties, bias, min_tokens
             next_ids = sample(processed, [p.params for p in samplers], [p.next_key() for p in samplers]).tolist()
+            if NOT_FINITE in next_ids:  # the reference path has no sequence to end alone: say which one
+                bad = active[next_ids.index(NOT_FINITE)].index
+                raise ValueError(f"the logits of request {bad} are not finite (NaN or inf) at step {step}")
             for s, tok in zip(active, next_ids, strict=True):
                 s.sampler.feed(len(s.request.prompt_ids) + len(s.output.token_ids), [tok])
                 _, reason = s.output.append(tok)  # no stream: the text is read at the end

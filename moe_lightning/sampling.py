@@ -25,6 +25,9 @@ MAX_PENALTY = 2.0  # presence / frequency penalty, OpenAI's range -2..2
 MAX_LOGIT_BIAS = 100.0  # a bias is -100..100, OpenAI's range
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_STOP_TOKEN_IDS = 64
+# `sample`'s token for a row it could not draw from: NaN or +inf among its logits, or no token allowed
+# (every logit -inf). Marked in the tokens the step copies to the host anyway: no sync of its own.
+NOT_FINITE = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,15 +283,23 @@ def _one_thread(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _checked_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """greedy_tokens, NOT_FINITE where the row's maximum is not finite: NaN counts as the maximum, so
+    the picked logits (B of them) tell NaN, +inf and an all -inf row apart from a sound row."""
+    picked = greedy_tokens(logits)
+    return picked.masked_fill_(~logits.gather(1, picked[:, None]).squeeze(1).isfinite(), NOT_FINITE)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequence[int | None]) -> torch.Tensor:
-    """logits: (B, V) -> next token ids (B,) on the CPU. keys: each row's draw key (`next_key`; None
+    """logits: (B, V) -> next token ids (B,) on the CPU, NOT_FINITE for a row whose logits are not
+    finite (the others are drawn as if it were not there). keys: each row's draw key (`next_key`; None
     for a greedy row, and a non-greedy row without one draws a random one). On a device, a constant
     number of launches and one copy to the host, the result's, whatever the batch and its rows ask."""
     import torch
 
     drawn = [b for b, p in enumerate(params) if not p.greedy]
     if not drawn:
-        return greedy_tokens(logits).cpu()
+        return _checked_greedy(logits).cpu()
     vocab = logits.shape[-1]
 
     def kind(b: int) -> int:  # 0: top-p, 1: top-p and top-k, 2: top-k, 3: temperature alone
@@ -315,7 +326,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
         x = _rows(logits, rows, drawn, lo, hi).float()
         # shift first: with a tiny temperature, logits / T overflows to +inf and softmax gives NaN;
         # shifted logits are <= 0, so they can only underflow to -inf (the maximum stays at 0)
-        x = (x - x.amax(dim=-1, keepdim=True)).div_(temperature[lo:hi])
+        top = x.amax(dim=-1, keepdim=True)
+        x = (x - top).div_(temperature[lo:hi])
+        # amax propagates NaN: a row with NaN, +inf or nothing allowed has no finite maximum
+        return pick(lo, hi, x).masked_fill_(~top.squeeze(1).isfinite(), NOT_FINITE)
+
+    def pick(lo: int, hi: int, x: torch.Tensor) -> torch.Tensor:
         c_lo, c_hi = max(lo, cut_lo), min(hi, cut_hi)
         if c_lo < c_hi:
             # each row's k-th value from one topk to the largest k asked; ties with it stay, as in
@@ -341,7 +357,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     tokens = picked[0] if len(picked) == 1 else torch.cat(picked)
     if len(drawn) == len(params):
         return torch.empty_like(tokens).index_copy_(0, rows, tokens).cpu()
-    return greedy_tokens(logits).index_copy(0, rows, tokens).cpu()
+    return _checked_greedy(logits).index_copy_(0, rows, tokens).cpu()
 
 
 def sampled_logprobs(logits: torch.Tensor, asked: Sequence[tuple[int, int, int]]) -> list[TokenLogprobs]:

@@ -100,6 +100,14 @@ class RankStep:
     step: int
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceFault:
+    """Why the step could not sample one sequence: it alone ends (issue 54), with this message."""
+
+    message: str
+    invalid_argument: bool  # the request's own controls caused it (a 400), else the model did (INTERNAL)
+
+
 @dataclass(slots=True)
 class StepOutput:
     seq_ids: list[int]
@@ -108,3 +116,4 @@ class StepOutput:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # seq id -> this step's (if asked)
     ranks: list[RankStep] = field(default_factory=list)  # tensor-parallel ranks, rank by rank
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # seq id -> this step's prompt entries
+    faults: dict[int, SequenceFault] = field(default_factory=dict)  # seq id -> why it got no token

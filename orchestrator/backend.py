@@ -31,6 +31,7 @@ from moe_lightning.service.upstream import fetch_manifest, health_status, open_c
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import StepOutput, StepPlan
 from moe_lightning.timeline import Event
+from orchestrator.step_faults import worker_error
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +143,11 @@ class Backend:
 
     def step(self, plan: StepPlan) -> StepOutput:
         assert self._gpu is not None, "connect() first"
-        return step_output_from_pb(self._gpu.Step(step_plan_to_pb(plan), timeout=self.step_timeout))
+        try:
+            answer = self._gpu.Step(step_plan_to_pb(plan), timeout=self.step_timeout)
+        except grpc.RpcError as exc:  # what the requests are told, and whether the worker is lost
+            raise worker_error(plan, exc) from None
+        return step_output_from_pb(answer)
 
     def timeline(self, steps: int, timeout: float = 10.0) -> list[Event]:
         """The spans of the last `steps` steps gpu_expert ran, with cpu_attention's over the same time

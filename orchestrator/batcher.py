@@ -244,29 +244,47 @@ class Batcher:
             budget -= len(prefill[-1].token_ids)
         return self._step(works, prefill, seqs)
 
-    def update(self, step: ScheduledStep, out: StepOutput) -> list[NewToken]:
+    def update(
+        self, step: ScheduledStep, out: StepOutput, on_fault: Callable[[Sequence, Exception], None] | None = None
+    ) -> list[NewToken]:
         """Appends each sequence's sampled token; the finished leave the running batch. A chunk of a
-        re-prefill that does not reach the sequence's end samples nothing it keeps."""
+        re-prefill that does not reach the sequence's end samples nothing it keeps. A sequence whose
+        output raised (its detokenizer, its stop strings, its prompt's log-probabilities) is taken out
+        and handed to `on_fault` (None: raised), and the others keep their tokens (issue 54)."""
         by_seq = dict(zip(out.seq_ids, out.token_ids, strict=True))
-        for seq in step.sequences:
-            chunk = out.prompt_logprobs.get(seq.seq_id)
-            if chunk is not None:
-                _merge_prompt_logprobs(seq, chunk)
         tokens = []
         for seq in step.sequences:
-            if seq.seq_id not in by_seq or seq.seq_id not in self.running or seq.cached != seq.length:
-                continue  # removed or preempted while the step ran, or a chunk short of its end
-            token = by_seq[seq.seq_id]
-            delta, reason = seq.text.append(token)
-            lp = out.logprobs.get(seq.seq_id)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            if reason is not None:
-                seq.finish_reason = reason
-                del self.running[seq.seq_id]
-                self._free(seq)
-            tokens.append(NewToken(seq, token, lp, delta, reason))
+            try:
+                new = self._take(seq, by_seq, out)
+            except Exception as exc:
+                if on_fault is None:
+                    raise
+                self.remove([seq])
+                on_fault(seq, exc)
+                continue
+            if new is not None:
+                tokens.append(new)
         return tokens
+
+    def _take(self, seq: Sequence, by_seq: dict[int, int], out: StepOutput) -> NewToken | None:
+        """What the step gave one sequence: its prompt entries, then its token when it keeps one."""
+        if seq.seq_id not in self.running:
+            return None  # removed (a fault, a cancel) or preempted while the step ran
+        chunk = out.prompt_logprobs.get(seq.seq_id)
+        if chunk is not None:
+            _merge_prompt_logprobs(seq, chunk)
+        if seq.seq_id not in by_seq or seq.cached != seq.length:
+            return None  # a chunk short of its end
+        token = by_seq[seq.seq_id]
+        delta, reason = seq.text.append(token)
+        lp = out.logprobs.get(seq.seq_id)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        if reason is not None:
+            seq.finish_reason = reason
+            del self.running[seq.seq_id]
+            self._free(seq)
+        return NewToken(seq, token, lp, delta, reason)
 
     def step_failed(self, step: ScheduledStep) -> None:
         """A step that failed may not have reached the workers: the releases it carried go with the next

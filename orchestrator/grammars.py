@@ -13,8 +13,13 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.tokenizer import TextTokenizer
 
 if TYPE_CHECKING:
+    import torch
+
     from moe_lightning.grammar import GrammarCompiler, GrammarSpec, GrammarState
-    from orchestrator.batcher import NewToken, ScheduledStep
+    from orchestrator.batcher import NewToken, ScheduledStep, Sequence
+
+# a sequence whose grammar raised, and the error it ends with (alone: issue 54)
+Faults = list[tuple["Sequence", InvalidRequestError]]
 
 NEEDS_TOKENIZER = (
     "structured output needs the model's tokenizer.json (the grammar works on text), and this model has none"
@@ -53,12 +58,14 @@ class Grammars:
             return None
         return self.compiler().compile(request.grammar).new_state()
 
-    def attach_masks(self, step: ScheduledStep) -> None:
+    def attach_masks(self, step: ScheduledStep) -> Faults:
         """Sets the token mask of each work whose sequence has a grammar and whose sample the step keeps
-        (a decode, or the chunk that reaches the end of its tokens)."""
+        (a decode, or the chunk that reaches the end of its tokens). Returns the sequences whose mask
+        could not be filled: they end alone, the step runs on for the others (their works go without
+        a mask and their tokens are dropped)."""
         seqs = {s.seq_id: s for s in step.sequences if s.grammar is not None}
         if not seqs:
-            return
+            return []
         import torch
 
         from moe_lightning.grammar import fill_bitmask
@@ -71,18 +78,53 @@ class Grammars:
             if w.seq_id in seqs and w.start + len(w.token_ids) == seqs[w.seq_id].length
         ]
         bitmask = torch.zeros((len(works), mask_words(self.spec.vocab_size)), dtype=torch.int32)
-        fill_bitmask([seqs[w.seq_id].grammar for w in works], bitmask)  # type: ignore[misc]  # one batched call
-        for w, row in zip(works, bitmask.numpy(), strict=True):
-            w.token_mask = row.astype("<i4").tobytes()
+        states: list[GrammarState] = [seqs[w.seq_id].grammar for w in works]  # type: ignore[misc]
+        failed: dict[int, Exception] = {}
+        try:
+            fill_bitmask(states, bitmask)  # one batched call
+        except Exception:  # which row failed is unknown: each alone, so that only the faulty ones end
+            failed = _fill_rows(states, bitmask)
+        faults: Faults = []
+        for i, (w, row) in enumerate(zip(works, bitmask.numpy(), strict=True)):
+            if i in failed:
+                error = f"the request's grammar could not compute its next token mask: {failed[i]}"
+                faults.append((seqs[w.seq_id], InvalidRequestError(error)))
+            else:
+                w.token_mask = row.astype("<i4").tobytes()
+        return faults
 
     @staticmethod
-    def advance(tokens: list[NewToken]) -> None:
-        """Each kept token moves its sequence's grammar on (a finished one's is dropped)."""
+    def advance(tokens: list[NewToken]) -> Faults:
+        """Each kept token moves its sequence's grammar on (a finished one's is dropped). Returns the
+        sequences whose grammar refused its token (a parser or lexer limit reached mid-output): they
+        end alone, the others keep their tokens."""
+        faults: Faults = []
         for new in tokens:
             grammar = new.seq.grammar
             if grammar is None:
                 continue
-            if new.finish_reason is None:
-                grammar.accept(new.token_id)
-            else:
+            if new.finish_reason is not None:
                 new.seq.grammar = None
+                continue
+            try:
+                grammar.accept(new.token_id)
+            except Exception as exc:
+                error = (
+                    f"the request's grammar failed after {grammar.num_tokens} output tokens ({exc}); the grammar "
+                    "library's limits were reached: simplify its patterns or choices"
+                )
+                faults.append((new.seq, InvalidRequestError(error)))
+        return faults
+
+
+def _fill_rows(states: list[GrammarState], bitmask: torch.Tensor) -> dict[int, Exception]:
+    """Fills each row of `bitmask` on its own; returns the rows that raised, by index."""
+    from moe_lightning.grammar import fill_bitmask
+
+    failed: dict[int, Exception] = {}
+    for i, state in enumerate(states):
+        try:
+            fill_bitmask([state], bitmask[i : i + 1])
+        except Exception as exc:
+            failed[i] = exc
+    return failed

@@ -30,6 +30,7 @@ from orchestrator.backend import Backend, KVCapacity
 from orchestrator.batcher import FINISH_CANCELLED, Batcher, NewToken, ScheduledStep, SchedulerConfig, Sequence
 from orchestrator.grammars import Grammars
 from orchestrator.planner import Planner
+from orchestrator.step_faults import output_error, sampling_faults, step_error
 from orchestrator.ticket import Ticket, TokenCallback
 
 __all__ = ["Scheduler", "SchedulerConfig"]
@@ -222,7 +223,7 @@ class Scheduler:
             self.log.exception("scheduler_step_crashed")
             with self._cv:
                 self.batcher.step_failed(step)
-                self._abort(step, ServiceError(f"internal error in the scheduler: {exc}"))
+                self._end([(s, ServiceError(f"internal error in the scheduler: {exc}")) for s in step.sequences])
         return True
 
     def _fail_all(self, error: BaseException) -> None:
@@ -261,16 +262,19 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             # the scheduler's thread alone moves grammar states (in update, below): no lock needed here
-            self.grammars.attach_masks(step)
+            unmasked = self.grammars.attach_masks(step)  # those end now: their works run without a mask
+            with self._cv:
+                self._end(unmasked, alone=True)
             out = self.backend.step(plan)
         except Exception as exc:
             self.log.warning("step_failed", kind=plan.kind, error=str(exc), code=status_for(exc).name)
-            if status_for(exc) == grpc.StatusCode.UNAVAILABLE and session == self._session:
+            if (lost := status_for(exc) == grpc.StatusCode.UNAVAILABLE) and session == self._session:
                 self.backend_lost.set()  # the supervisor re-wires the stack and resumes
             with self._cv:
                 if session == self._session:  # (a new session's workers hold nothing of the old one's)
                     self.batcher.step_failed(step)
-                self._abort(step, exc)
+                error = step_error(plan, exc, lost)
+                self._end([(s, error) for s in step.sequences])
             return
         wall = time.perf_counter() - t0
         if not plan.micro_batches:
@@ -286,9 +290,12 @@ class Scheduler:
                 self.log.exception("planner_failed")
         now = time.monotonic()
         with self._cv:
-            tokens = self.batcher.update(step, out)
-            self.grammars.advance(tokens)
-            for new in tokens:
+            self._end(sampling_faults(step.sequences, out), alone=True)  # before update: these take no token
+            faults: list[tuple[Sequence, BaseException]] = []
+            tokens = self.batcher.update(step, out, lambda seq, exc: faults.append((seq, output_error(exc))))
+            faults += self.grammars.advance(tokens)
+            self._end(faults, alone=True)
+            for new in [t for t in tokens if t.seq.seq_id in self._tickets]:  # (not those just ended)
                 self._deliver(new, now)
             self._publish_gauges()
 
@@ -310,6 +317,16 @@ class Scheduler:
         # attention placement never changes: its KV lives there
         self.batcher.placement = Placement(self.batcher.placement.attention, policy.experts)
 
+    def _end(self, ended: list[tuple[Sequence, BaseException]], alone: bool = False) -> None:
+        """Sequences end with their errors (lock held); `alone`: their own part of a step raised (issue 54)."""
+        live = [(seq, error) for seq, error in ended if seq.seq_id in self._tickets]
+        self.batcher.remove([seq for seq, _ in live])
+        for seq, error in live:
+            if alone:
+                self.log.info("sequence_failed", request_id=seq.request.request_id, error=str(error))
+            self._fail(seq, error)
+        self._publish_gauges()
+
     def _deliver(self, new: NewToken, now: float) -> None:
         ticket = self._tickets[new.seq.seq_id]
         if not ticket.first_token:
@@ -320,15 +337,6 @@ class Scheduler:
             ticket.on_tokens([new.token_id], [] if new.logprobs is None else [new.logprobs], new.text)
         if new.finish_reason is not None:
             self._finish(new.seq)
-
-    def _abort(self, step: ScheduledStep, error: BaseException) -> None:
-        """A step failed: its sequences end with the error (those a suspend or cancel ended already
-        are gone from the batcher)."""
-        live = [s for s in step.sequences if s.seq_id in self._tickets]
-        self.batcher.remove(live)
-        for seq in live:
-            self._fail(seq, error)
-        self._publish_gauges()
 
     # ---- outcomes (lock held) --------------------------------------------------------------------
     def _publish_gauges(self) -> None:

@@ -6,7 +6,7 @@ import threading
 
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.spec import ModelSpec
-from moe_lightning.step_protocol import StepOutput, StepPlan, StepTimings
+from moe_lightning.step_protocol import SequenceFault, StepOutput, StepPlan, StepTimings
 
 # the smallest K/V a PagedKVCache can hold: the mirror below keeps its block tables, not its values
 _MIRROR_SPEC = ModelSpec("MixtralForCausalLM", 8, 16, 1, 2, 1, 2, 2, 1, 400)
@@ -18,7 +18,8 @@ class FakeBackend:
     """Answers a plan as gpu_expert would, with scripted tokens: sequence s's i-th generated token is
     `script[s][i]` when scripted, else a token that is never EOS; i counts from the `draws` a step with
     sampling parameters carries, as gpu_expert's random stream does, so a re-prefilled sequence gets the
-    tokens it would have. Records every plan. `fail` makes the next step raise it, `down` every step; while `gate` is
+    tokens it would have. `faults` (seq id -> fault) reports a sequence the head could not sample, the
+    first step it is in. Records every plan. `fail` makes the next step raise it, `down` every step; while `gate` is
     clear, steps wait for it (a step in flight). With `kv_blocks`, a real PagedKVCache mirrors what the
     workers' caches do with each plan (release, then each sequence's new tokens at its start): a
     batcher that over-commits the cache or disagrees on a length fails the step, as the workers would."""
@@ -35,6 +36,7 @@ class FakeBackend:
         self.kv = PagedKVCache(spec, kv_blocks, block_size) if kv_blocks else None
         self.plans: list[StepPlan] = []
         self.generated: dict[int, int] = {}
+        self.faults: dict[int, SequenceFault] = {}
         self.fail: BaseException | None = None
         self.down: BaseException | None = None  # raised by every step while set (a dead worker)
         self.gate = threading.Event()
@@ -55,7 +57,7 @@ class FakeBackend:
                 self.kv.free(seq)
             for mb in plan.micro_batches:
                 self.kv.begin([w.seq_id for w in mb], [len(w.token_ids) for w in mb], [w.start for w in mb])
-        seq_ids, tokens = [], []
+        seq_ids, tokens, faults = [], [], {}
         for mb in plan.micro_batches:
             for w in mb:
                 if w.sampling is not None:
@@ -64,5 +66,7 @@ class FakeBackend:
                 self.generated[w.seq_id] = i + 1
                 script = self.script.get(w.seq_id)
                 seq_ids.append(w.seq_id)
+                if w.seq_id in self.faults:
+                    faults[w.seq_id] = self.faults.pop(w.seq_id)
                 tokens.append(script[i] if script and i < len(script) else 10 + (w.seq_id + i) % 50)
-        return StepOutput(seq_ids, tokens, StepTimings(plan.kind))
+        return StepOutput(seq_ids, tokens, StepTimings(plan.kind), faults=faults)

@@ -14,6 +14,7 @@ import torch
 from moe_lightning import sampling
 from moe_lightning.host_syncs import count_host_syncs
 from moe_lightning.sampling import (
+    NOT_FINITE,
     SamplingParams,
     SequenceSampler,
     TokenLogprobs,
@@ -184,6 +185,36 @@ def test_a_steps_host_syncs_do_not_grow_with_its_batch(kinds: str) -> None:
         assert tokens.shape == (batch,)
         counts.append(dict(syncs.kinds))
     assert counts[0] == counts[1] == {"cpu": 1, "tolist": 1}, counts
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_non_finite_rows_are_flagged_and_the_others_draw_as_without_them(layout: str) -> None:
+    """Issue 54: NaN, +inf or no allowed token in some rows (a bad checkpoint, an overflowing penalty)
+    flag those rows NOT_FINITE; every other row, greedy and drawn alike (top-k, top-p), gets the token
+    it gets when the bad rows are sound, and the step still reads the device once."""
+    params = MIXED * 3
+    batch = len(params)
+    clean = torch.randn(batch, 3000, generator=torch.Generator().manual_seed(5)) * 2
+    if layout == "columns":  # the (V, B) tensor `weight_major` leaves, viewed as (B, V)
+        clean = clean.T.contiguous().T
+    bad = clean.clone()
+    bad[0, 7] = float("nan")  # greedy
+    bad[1, 2999] = float("nan")  # temperature alone
+    bad[2, 100] = float("inf")  # top-k
+    bad[11, :] = float("-inf")  # top-p: nothing allowed
+    bad[12, 5] = float("-inf")  # -inf alone is a masked token, not a fault
+    bad[20, [3, 4]] = torch.tensor([float("inf"), float("-inf")])  # top-k and top-p
+    bad[22, 0] = float("nan")  # temperature, in the last block of rows
+    flagged = {0, 1, 2, 11, 20, 22}
+    keys = [SequenceSampler.start(p).next_key() for p in params]
+    with count_host_syncs() as syncs:
+        got = sample(bad, params, keys)
+    assert dict(syncs.kinds) == {"cpu": 1}
+    want = sample(clean, params, keys)
+    assert {b for b, t in enumerate(got.tolist()) if t == NOT_FINITE} == flagged
+    assert all(got[b] == want[b] for b in range(batch) if b not in flagged)
+    only_greedy = sample(bad[:1], [MIXED[0]], [None]), sample(bad[[0, 3]], [MIXED[0]] * 2, [None] * 2)
+    assert only_greedy[0].tolist() == [NOT_FINITE] and only_greedy[1].tolist() == [NOT_FINITE, clean[3].argmax()]
 
 
 def test_the_counter_sees_each_kind_of_read_once_and_puts_torch_back() -> None:

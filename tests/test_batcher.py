@@ -327,7 +327,7 @@ def test_a_failed_step_sends_its_releases_again() -> None:
         if failed is None and b.counters.preemptions > before:  # the step that preempted: it fails in transit
             failed = step
             b.step_failed(step)
-            b.remove([s for s in step.sequences if s.seq_id in b.running])  # what the scheduler's _abort does
+            b.remove([s for s in step.sequences if s.seq_id in b.running])  # what the scheduler's _end does
             continue
         b.update(step, backend.step(step.plan))
     assert failed is not None and set(failed.plan.release) <= {s.seq_id for s in seqs}

@@ -17,7 +17,15 @@ from moe_lightning.placement import Placement, Side
 from moe_lightning.sampling import PromptLogprobs, SamplingParams, TokenLogprobs
 from moe_lightning.service.errors import ServiceError
 from moe_lightning.spec import ModelSpec
-from moe_lightning.step_protocol import RankStep, SequenceWork, StepKind, StepOutput, StepPlan, StepTimings
+from moe_lightning.step_protocol import (
+    RankStep,
+    SequenceFault,
+    SequenceWork,
+    StepKind,
+    StepOutput,
+    StepPlan,
+    StepTimings,
+)
 from moe_lightning.timeline import Event
 
 _E = TypeVar("_E")
@@ -223,6 +231,10 @@ def step_output_to_pb(out: StepOutput) -> gpu_expert_pb2.StepResponse:
         logprobs=[logprobs_to_pb(t) for t in out.logprobs.values()],
         prompt_logprob_seq_ids=list(out.prompt_logprobs),
         prompt_logprobs=[prompt_logprobs_to_pb(p) for p in out.prompt_logprobs.values()],
+        faults=[
+            gpu_expert_pb2.SequenceFault(seq_id=s, message=f.message, invalid_argument=f.invalid_argument)
+            for s, f in out.faults.items()
+        ],
         ranks=[
             gpu_expert_pb2.RankStep(
                 rank=r.rank,
@@ -245,7 +257,8 @@ def step_output_from_pb(m: gpu_expert_pb2.StepResponse) -> StepOutput:
     )
     ranks = [RankStep(r.rank, r.bytes_streamed, r.expert_wait_ns, r.collectives_ns, r.step_ns) for r in m.ranks]
     prompt = {s: prompt_logprobs_from_pb(p) for s, p in zip(m.prompt_logprob_seq_ids, m.prompt_logprobs, strict=True)}
-    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs, ranks, prompt)
+    faults = {f.seq_id: SequenceFault(f.message, f.invalid_argument) for f in m.faults}
+    return StepOutput(list(m.seq_ids), list(m.token_ids), timings, logprobs, ranks, prompt, faults)
 
 
 def _enum_from_pb(table: dict[int, _E], value: int, field: str) -> _E:

@@ -7,26 +7,33 @@ import torch
 
 from moe_lightning.logits_processors import process_logits
 from moe_lightning.prompt_logprobs import compute_prompt_logprobs
-from moe_lightning.sampling import PromptLogprobs, SequenceSampler, TokenLogprobs, sample, sampled_logprobs
+from moe_lightning.sampling import (
+    NOT_FINITE,
+    PromptLogprobs,
+    SequenceSampler,
+    TokenLogprobs,
+    sample,
+    sampled_logprobs,
+)
 from moe_lightning.spec import ModelSpec
 from moe_lightning.stages import head_logits
-from moe_lightning.step_protocol import SequenceWork
+from moe_lightning.step_protocol import SequenceFault, SequenceWork
 from moe_lightning.weights import ModelWeights
 from services.gpu_expert.clock import StageClock
 from services.gpu_expert.micro_batch import MicroBatchState
 
 Samplers = dict[int, SequenceSampler]  # each sequence's parameters and random stream
+Sampled = tuple[list[int], dict[int, TokenLogprobs], dict[int, PromptLogprobs], dict[int, SequenceFault]]
 
 
 class Head:
     def __init__(self, spec: ModelSpec, weights: ModelWeights, samplers: Samplers, clock: StageClock) -> None:
         self.spec, self.weights, self.samplers, self.clock = spec, weights, samplers, clock
 
-    def sample(
-        self, states: list[MicroBatchState], works: list[SequenceWork]
-    ) -> tuple[list[int], dict[int, TokenLogprobs], dict[int, PromptLogprobs]]:
+    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> Sampled:
         """Each sequence's sampled token from the logits of its last row (after its controls and grammar
-        mask), their log-probabilities (the raw logits'), and the prompt rows' where asked."""
+        mask), their log-probabilities (the raw logits'), the prompt rows' where asked, and the
+        sequences whose logits were not finite (they alone end; the others' tokens stand)."""
         t0 = self.clock.mark()
         hidden = torch.cat([st.hidden[st.last_rows] for st in states])  # (B, D)
         logits = head_logits(self.spec, self.weights.final_norm, self.weights.lm_head, hidden)  # (B, V)
@@ -35,7 +42,9 @@ class Head:
         processed = process_logits(logits, chosen, self.spec.eos_token_ids, masks)
         # the batch at once: one copy to the host for the tokens, one for the log-probabilities
         tokens = sample(processed, [c.params for c in chosen], [c.next_key() for c in chosen]).tolist()
-        asked = [(b, tokens[b], c.params.logprobs) for b, c in enumerate(chosen) if c.params.logprobs]
+        bad = {b for b, t in enumerate(tokens) if t == NOT_FINITE}
+        faults = {works[b].seq_id: _fault(logits[b], processed[b]) for b in sorted(bad)}
+        asked = [(b, tokens[b], c.params.logprobs) for b, c in enumerate(chosen) if c.params.logprobs and b not in bad]
         logprobs = {works[b].seq_id: lp for (b, _, _), lp in zip(asked, sampled_logprobs(logits, asked), strict=True)}
         prompt: dict[int, PromptLogprobs] = {}
         if any(c.params.prompt_logprobs is not None for c in chosen):
@@ -47,7 +56,7 @@ class Head:
                 self.samplers,
             )
         self.clock.span("head", "head", -1, -1, t0, self.clock.mark())
-        return tokens, logprobs, prompt
+        return tokens, logprobs, prompt, faults
 
     def seq_ids(self, works: list[SequenceWork]) -> list[int]:
         return [w.seq_id for w in works]
@@ -56,8 +65,8 @@ class Head:
 class NoHead:
     """A rank other than 0: rank 0 samples and reports the step."""
 
-    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> tuple[list[int], dict, dict]:
-        return [], {}, {}
+    def sample(self, states: list[MicroBatchState], works: list[SequenceWork]) -> Sampled:
+        return [], {}, {}, {}
 
     def seq_ids(self, works: list[SequenceWork]) -> list[int]:
         return []
@@ -67,3 +76,25 @@ def head_part(
     leads: bool, spec: ModelSpec, weights: ModelWeights, samplers: Samplers, clock: StageClock
 ) -> Head | NoHead:
     return Head(spec, weights, samplers, clock) if leads else NoHead()
+
+
+def _fault(raw: torch.Tensor, processed: torch.Tensor) -> SequenceFault:
+    """Why a row could not be sampled, told from its raw and processed logits (V,) (a host read per
+    faulty row: a fault is rare, the step's sound rows pay nothing)."""
+    if not bool(raw.isfinite().all()):
+        return SequenceFault(
+            "the model produced non-finite logits (NaN or inf) for this sequence: its weights or configuration "
+            "overflow; the request was not completed",
+            invalid_argument=False,
+        )
+    if bool(processed.isneginf().all()):
+        return SequenceFault(
+            "this request's controls allow no token here (its grammar, min_tokens, stop_token_ids and "
+            "logit_bias together exclude every token)",
+            invalid_argument=True,
+        )
+    return SequenceFault(
+        "this request's sampling controls made its logits non-finite (NaN or inf): use a repetition_penalty, "
+        "frequency_penalty, presence_penalty or logit_bias within their ranges (docs/openai.md)",
+        invalid_argument=True,
+    )

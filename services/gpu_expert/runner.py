@@ -219,7 +219,7 @@ class ExpertRunner:
             order = place.order(self.spec.num_layers, len(states), groups)
             self._run(order, _Step(plan, states, source, timings))
             works = [w for st in states for w in st.works]
-            tokens, logprobs, prompt_logprobs = self.head.sample(states, works)
+            tokens, logprobs, prompt_logprobs, faults = self.head.sample(states, works)
             # after the sampled tokens reached the host: the step's events have all completed, so the
             # device-side expert waits are known without waiting for anything
             self.experts.end_step()
@@ -249,7 +249,7 @@ class ExpertRunner:
         TOKENS.inc(len(tokens))
         if plan.kind is not StepKind.PREFILL:  # a step that decoded: its routing is the batch's
             self.hot.after_decode_step()
-        return StepOutput(self.head.seq_ids(works), tokens, timings, logprobs, ranks, prompt_logprobs)
+        return StepOutput(self.head.seq_ids(works), tokens, timings, logprobs, ranks, prompt_logprobs, faults)
 
     def _decode_share(self, plan: StepPlan, t: StepTimings) -> float:
         """The share of the step's time its decode rows are charged with (hrm/decode_share.py), from

@@ -167,7 +167,7 @@ class RankStep(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bytes_streamed: _Optional[int] = ..., expert_wait_ns: _Optional[int] = ..., collectives_ns: _Optional[int] = ..., step_ns: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs", "ranks", "prompt_logprob_seq_ids", "prompt_logprobs")
+    __slots__ = ("seq_ids", "token_ids", "timings", "logprob_seq_ids", "logprobs", "ranks", "prompt_logprob_seq_ids", "prompt_logprobs", "faults")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class StepResponse(_message.Message):
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROB_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FAULTS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     timings: StepTimings
@@ -184,7 +185,18 @@ class StepResponse(_message.Message):
     ranks: _containers.RepeatedCompositeFieldContainer[RankStep]
     prompt_logprob_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptLogprobs]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ..., prompt_logprob_seq_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    faults: _containers.RepeatedCompositeFieldContainer[SequenceFault]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., timings: _Optional[_Union[StepTimings, _Mapping]] = ..., logprob_seq_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprobs, _Mapping]]] = ..., ranks: _Optional[_Iterable[_Union[RankStep, _Mapping]]] = ..., prompt_logprob_seq_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.PromptLogprobs, _Mapping]]] = ..., faults: _Optional[_Iterable[_Union[SequenceFault, _Mapping]]] = ...) -> None: ...
+
+class SequenceFault(_message.Message):
+    __slots__ = ("seq_id", "message", "invalid_argument")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_ARGUMENT_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    message: str
+    invalid_argument: bool
+    def __init__(self, seq_id: _Optional[int] = ..., message: _Optional[str] = ..., invalid_argument: _Optional[bool] = ...) -> None: ...
 
 class GetTimelineRequest(_message.Message):
     __slots__ = ("query",)
