@@ -108,7 +108,8 @@ def _check_str(value: object, what: str, optional: bool = False) -> None:
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
-def _check_tool_name(value: object, what: str) -> None:
+def check_tool_name(value: object, what: str) -> None:
+    """Refuses (ChatTemplateError naming `what`) a function name OpenAI would refuse."""
     _check_str(value, what)
     if not TOOL_NAME.fullmatch(value):  # type: ignore[arg-type]
         shown = repr(value[:64]) + ("..." if len(value) > 64 else "")  # type: ignore[index,arg-type]
@@ -148,7 +149,7 @@ class ToolCall:
             arguments = "{}"
         elif not isinstance(arguments, str):
             arguments = json.dumps(_plain(arguments, "a tool call's arguments"), ensure_ascii=False)
-        _check_tool_name(function.get("name"), "a tool call's function name")  # the client's, not a parsed one
+        check_tool_name(function.get("name"), "a tool call's function name")  # the client's, not a parsed one
         return cls(id=call.get("id"), name=function.get("name"), arguments=arguments)  # type: ignore[arg-type]
 
     def to_openai(self) -> dict[str, Any]:
@@ -179,7 +180,7 @@ class ToolSpec:
     parameters: str | None = None
 
     def __post_init__(self) -> None:
-        _check_tool_name(self.name, "a tool's function name")
+        check_tool_name(self.name, "a tool's function name")
         _check_str(self.description, "a tool's description", optional=True)
         _check_str(self.parameters, "a tool's parameters", optional=True)
         if self.parameters is not None:

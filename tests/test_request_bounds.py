@@ -14,12 +14,14 @@ import pytest
 from test_gateway_fields import RecordingUpstream, chat, completion, post, refused
 
 from gateway.bounds import MAX_MESSAGES, MAX_METADATA_KEYS, MAX_TOOLS
+from moe_lightning.api.generation.v1 import generation_pb2
 from moe_lightning.commands.openai_batch import _parse
 from moe_lightning.request import GenerationRequest, InvalidRequestError
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import status_for
 from moe_lightning.service.runtime import MAX_MESSAGE_BYTES
 from moe_lightning.validation import MAX_RESPONSE_LOGPROBS, RequestLimits, check_batch, validate
+from orchestrator.conversation import conversation_from_pb
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 SERVER = RequestLimits(vocab_size=32000, max_context=1 << 20, max_response_bytes=MAX_MESSAGE_BYTES)
@@ -94,6 +96,18 @@ def test_tool_names_follow_openais_rule(name: str) -> None:
     call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}
     turns = [*chat()["messages"], {"role": "assistant", "content": None, "tool_calls": [call]}]
     refused(post(CHAT, chat(messages=turns), upstream), "messages.1.tool_calls.0")
+
+
+@pytest.mark.parametrize("where", ["tools", "history"])
+def test_the_grpc_api_checks_tool_names_too(where: str) -> None:
+    m = generation_pb2.ChatMessages(messages=[generation_pb2.ChatMessage(role="user", content="hi")])
+    if where == "tools":
+        m.tools.append(generation_pb2.ToolSpec(name="f</tool_call>"))
+    else:
+        turn = generation_pb2.ChatMessage(role="assistant", tool_calls=[generation_pb2.ToolCall(id="c", name="a\nb")])
+        m.messages.append(turn)
+    with pytest.raises(InvalidRequestError, match="function name must be 1 to 64 of a-z, A-Z, 0-9, _ and -"):
+        conversation_from_pb(m, None)
 
 
 def test_a_tool_name_at_the_limit_passes() -> None:
