@@ -65,7 +65,11 @@ def check_lengths(data: Any) -> None:
     # a list of token ids is one prompt (its length is the context's to bound, at C speed); of strings
     # or of lists, each item is a prompt
     if isinstance(prompt, list) and len(prompt) > MAX_BATCH_PROMPTS and not isinstance(prompt[0], int):
-        raise UnsupportedField("prompt", f"{len(prompt)} prompts; one request takes at most {MAX_BATCH_PROMPTS}")
+        raise UnsupportedField(
+            "prompt",
+            f"{len(prompt)} prompts; one request takes at most {MAX_BATCH_PROMPTS} (the server's "
+            "max_batch_prompts): send fewer prompts per request",
+        )
     messages = data.get("messages")
     if isinstance(messages, list):
         turns = [m for m in messages if isinstance(m, dict)]
