@@ -68,7 +68,7 @@ def test_a_boolean_is_not_a_number(route: str, fields: dict[str, Any], param: st
     ("metadata", "param", "says"),
     [
         ({f"k{i}": "v" for i in range(MAX_METADATA_KEYS + 1)}, "metadata", "17 keys; at most 16"),
-        ({f"k{i}": "v" for i in range(400_000)}, "metadata", "400000 keys; at most 16"),
+        ({f"k{i}": "v" for i in range(100_000)}, "metadata", "100000 keys; at most 16"),
         ({"k" * 65: "v"}, "metadata", "a key has 65 characters; at most 64"),
         ({"k": "v" * 513}, "metadata.k", "513 characters; at most 512"),
         ({"k": 5}, "metadata.k", "must be a string"),
