@@ -11,7 +11,7 @@ its requests: the orchestrator stops them at the next step and frees their KV.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway import responses
+from gateway.body import parse_body
 from gateway.errors import ApiError, bad_request, from_grpc, from_http, internal_error
 from gateway.overhead import Clock
 from gateway.schema import ChatCompletionRequest, CompletionRequest, UnsupportedField
@@ -109,7 +110,8 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         return model()
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
         inputs = _inputs(body, settings, upstream.max_batch_prompts)
         rid = responses.new_id("cmpl")
         if body.stream:
@@ -117,10 +119,11 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         clock = Clock()
         outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs, body.n)))
         clock.observe()
-        return JSONResponse(body.response(rid, settings.model_name, outputs))
+        return await _json(lambda: body.response(rid, settings.model_name, outputs), outputs)
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
         inputs = _inputs(
             body, settings, upstream.max_batch_prompts, upstream.tool_call_format, upstream.reasoning_format
         )
@@ -133,7 +136,7 @@ def create_app(settings: Settings, upstream: Upstream) -> FastAPI:
         outputs = await _until_disconnected(request, clock.wait(upstream.generate_all(inputs, len(inputs))))
         clock.observe()
         formats = (upstream.tool_call_format, upstream.reasoning_format)
-        return JSONResponse(body.response(rid, settings.model_name, outputs, *formats))
+        return await _json(lambda: body.response(rid, settings.model_name, outputs, *formats), outputs)
 
     return app
 
@@ -302,6 +305,23 @@ def _inputs(
         return body.inputs(settings.max_model_len, max_inputs)
     except UnsupportedField as exc:
         raise bad_request(str(exc), exc.param) from None
+
+
+# A response with more log-probability positions or text than this is built and serialised on a
+# worker thread: up to MAX_RESPONSE_LOGPROBS entries (moe_lightning/validation.py) are ~150 MB of
+# Python objects and 32 MiB of JSON, seconds of the event loop that /health and every stream share
+OFF_LOOP_POSITIONS = 2048
+OFF_LOOP_TEXT_CHARS = 1 << 20
+
+
+async def _json(render: Callable[[], dict[str, Any]], outputs: Sequence[generation_pb2.GenerationOutput]) -> Response:
+    """JSONResponse(render()): on the event loop when small, else on a thread (where the loop gets
+    the GIL back between its Python steps)."""
+    positions = sum(len(o.logprobs) + len(o.prompt_logprobs) for o in outputs)
+    text = sum(len(o.text) + len(o.prompt_text) for o in outputs)
+    if positions <= OFF_LOOP_POSITIONS and text <= OFF_LOOP_TEXT_CHARS:
+        return JSONResponse(render())
+    return await asyncio.to_thread(lambda: JSONResponse(render()))
 
 
 async def _until_disconnected(request: Request, work: Awaitable[T]) -> T:

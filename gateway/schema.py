@@ -14,10 +14,11 @@ import json
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, SkipValidation, field_validator
+from pydantic import Field, SkipValidation, ValidationError, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from gateway import responses
+from gateway.bounds import NUMBER, check_lengths, check_metadata
 from gateway.chat_output import ChatOutput
 from gateway.fields import NOTHING, Body, Fields, UnsupportedField, field_error
 from gateway.structured import GUIDED, request_grammar
@@ -39,7 +40,8 @@ INT32_MAX = 2**31 - 1  # max_new_tokens, top_k, a token id
 UINT64_MAX = 2**64 - 1  # seed
 FLOAT32_MAX = 3.4028234663852886e38  # temperature, top_p: a larger double would become inf
 
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[int, NUMBER, Field(ge=0, le=INT32_MAX)]
+Float32 = Annotated[float, NUMBER, Field(ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)]
 Prompt = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
@@ -90,31 +92,44 @@ class _Sampling(Body):
     REFUSED = _REFUSED_SAMPLING
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=FLOAT32_MAX, allow_inf_nan=False)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    max_tokens: Annotated[int | None, NUMBER] = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: Annotated[float | None, NUMBER] = Field(default=None, ge=0.0, le=FLOAT32_MAX, allow_inf_nan=False)
+    top_p: Annotated[float | None, NUMBER] = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    n: Annotated[int, NUMBER] = Field(default=1, ge=1, le=MAX_CHOICES)
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=UINT64_MAX)
+    seed: Annotated[int | None, NUMBER] = Field(default=None, ge=0, le=UINT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # the sampling controls: what is allowed is SamplingParams' (checked in refuse_unsupported); these
     # bounds only keep each value within its protobuf field
-    presence_penalty: float = Field(default=0.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)
-    frequency_penalty: float = Field(default=0.0, ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
+    presence_penalty: Float32 = 0.0
+    frequency_penalty: Float32 = 0.0
+    logit_bias: dict[str, Annotated[float, NUMBER]] | None = None  # OpenAI's: token id (as a string) -> bias
     response_format: dict[str, Any] | None = None  # text, json_object or json_schema (gateway/structured.py)
     # vLLM's extras
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    top_k: Annotated[int | None, NUMBER] = Field(default=None, ge=-1, le=INT32_MAX)
     ignore_eos: bool = False
-    repetition_penalty: float | None = Field(default=None, ge=-FLOAT32_MAX, le=FLOAT32_MAX, allow_inf_nan=False)
-    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    repetition_penalty: Float32 | None = None
+    min_tokens: Annotated[int, NUMBER] = Field(default=0, ge=0, le=INT32_MAX)
     stop_token_ids: list[TokenId] | None = None
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: Annotated[int | None, NUMBER] = Field(default=None, ge=0, le=20)
     # (their shapes are gateway/structured.py's to check, with messages of its own)
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        """Lists counted and metadata checked before any field is modelled (gateway/bounds.py)."""
+        try:
+            check_lengths(data)
+            check_metadata(data.get("metadata") if isinstance(data, dict) else None)
+        except UnsupportedField as exc:
+            where = tuple(exc.param.split("."))
+            error = field_error(where, None, "too_long", str(exc))
+            raise ValidationError.from_exception_data(cls.__name__, [error]) from None
+        return data
 
     def refuse_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -195,11 +210,11 @@ def _check_count(prompts: int, n: int, max_inputs: int) -> None:
 class CompletionRequest(_Sampling):
     prompt: Annotated[Prompt, SkipValidation]  # _prompt_shape validates it
     # OpenAI's default for completions; 0 only with echo (scoring a prompt, nothing generated)
-    max_tokens: int | None = Field(default=16, ge=0, le=INT32_MAX)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: Annotated[int | None, NUMBER] = Field(default=16, ge=0, le=INT32_MAX)
+    logprobs: Annotated[int | None, NUMBER] = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int | None, NUMBER] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -381,8 +396,8 @@ class ChatCompletionRequest(_Sampling):
     REFUSED = _REFUSED_CHAT
     messages: list[ChatMessageIn] = Field(min_length=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    top_logprobs: Annotated[int | None, NUMBER] = Field(default=None, ge=0, le=20)
+    max_completion_tokens: Annotated[int | None, NUMBER] = Field(default=None, ge=1, le=INT32_MAX)
     tools: list[Any] | None = None  # OpenAI function tools (gateway/tools.py)
     tool_choice: Any = None  # none, auto (the default with tools), required, or a named function
     parallel_tool_calls: bool = True

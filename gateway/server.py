@@ -48,11 +48,12 @@ class GuardedProtocol(HttpToolsProtocol):
       byte every few seconds, held its connection as long as it liked;
     - a bound on their size (`max_header_bytes`; 431): llhttp keeps no limit of its own, and one
       200 MB header was buffered whole;
-    - at most `max_connections` requests in progress at once (503 in OpenAI's shape; uvicorn's
-      limit_concurrency answers plain text, and counts connections that have not sent their headers
-      yet, so a client trickling headers on that many sockets would shut everyone else out), and at
-      most OPEN_PER_SERVED times as many connections open, idle or in their headers, before a new one
-      is closed at once (each is held `header_timeout` s at most: what bounds descriptors);
+    - at most `max_connections` requests in progress at once, GET /health and /metrics aside (503 in
+      OpenAI's shape; uvicorn's limit_concurrency answers plain text, and counts connections that have
+      not sent their headers yet, so a client trickling headers on that many sockets would shut
+      everyone else out), and at most OPEN_PER_SERVED times as many connections open, idle or in
+      their headers, before a new one is closed at once (each is held `header_timeout` s at most:
+      what bounds descriptors);
     - uvicorn's 400 for what is not HTTP in OpenAI's shape too.
 
     A subclass made per configuration (`protocol_class`) holds the three limits."""
@@ -99,7 +100,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._disarm()
         self._awaiting_head, self._head_bytes = False, 0
         busy = self.max_connections is not None and len(self.tasks) >= self.max_connections
-        if not busy:
+        if not busy or self._probe():
             return super().on_headers_complete()
         # uvicorn answers the request it has no room for with the app on self.app, for this request
         app, self.app = self.app, _busy
@@ -107,6 +108,12 @@ class GuardedProtocol(HttpToolsProtocol):
             super().on_headers_complete()
         finally:
             self.app = app
+
+    def _probe(self) -> bool:
+        """A GET of /health or /metrics: answered whatever is in progress, as a liveness probe must be
+        (at the limit /health answered 503, and a probe would restart a gateway that was only busy).
+        Each is cheap and bodiless; the open-connection bound still holds them."""
+        return self.parser.get_method() == b"GET" and self.url.split(b"?", 1)[0] in PROBES
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -142,6 +149,9 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.write(error.raw(self.server_state.default_headers))
         self.transport.close()
         REQUESTS.labels("other", str(error.status)).inc()
+
+
+PROBES = (b"/health", b"/metrics")  # exempt from --max-connections (GuardedProtocol._probe)
 
 
 def _too_many() -> ApiError:

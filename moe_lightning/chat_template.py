@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextvars
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -49,9 +50,13 @@ TOOL_USE = "tool_use"
 # The template variables render() sets itself: template_kwargs may not name them. transformers passes
 # apply_chat_template's own arguments (tools, documents, add_generation_prompt) as these variables and
 # fails on a `messages` keyword (the conversation is its own argument), so none can come from the
-# client's chat_template_kwargs. bos_token and eos_token are not among them: transformers lets its
-# kwargs override the special tokens ({**special_tokens_map, **kwargs}), and so do we.
+# client's chat_template_kwargs.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+# What render() sets from the checkpoint, and the environment's globals: transformers lets its kwargs
+# override the special tokens ({**special_tokens_map, **kwargs}), but a client that sets bos_token or
+# eos_token writes the model's own control text where the checkpoint's belongs (issue 54), and one that
+# shadows raise_exception or strftime_now changes what the template does, not what it is told
+MODEL_VARIABLES = frozenset({"bos_token", "eos_token", "raise_exception", "strftime_now"})
 # apply_chat_template's other parameters: transformers takes them for itself, so they never reach a
 # template; a client that names one expects what it does there (tokenize, continue a message), which a
 # template variable would silently not do
@@ -98,6 +103,19 @@ def _check_str(value: object, what: str, optional: bool = False) -> None:
         raise ChatTemplateError(f"{what} must be a string, got {type(value).__name__}")
 
 
+# OpenAI's rule for a function's name: a template writes it raw (GPT-OSS's after `functions.`, hermes'
+# inside <tool_call>), so an empty one, a newline or `</tool_call>` in it would forge the format
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_tool_name(value: object, what: str) -> None:
+    """Refuses (ChatTemplateError naming `what`) a function name OpenAI would refuse."""
+    _check_str(value, what)
+    if not TOOL_NAME.fullmatch(value):  # type: ignore[arg-type]
+        shown = repr(value[:64]) + ("..." if len(value) > 64 else "")  # type: ignore[index,arg-type]
+        raise ChatTemplateError(f"{what} must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {shown}")
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One function call of an assistant message, in OpenAI's terms: `arguments` is JSON text, as
@@ -131,6 +149,7 @@ class ToolCall:
             arguments = "{}"
         elif not isinstance(arguments, str):
             arguments = json.dumps(_plain(arguments, "a tool call's arguments"), ensure_ascii=False)
+        check_tool_name(function.get("name"), "a tool call's function name")  # the client's, not a parsed one
         return cls(id=call.get("id"), name=function.get("name"), arguments=arguments)  # type: ignore[arg-type]
 
     def to_openai(self) -> dict[str, Any]:
@@ -161,7 +180,7 @@ class ToolSpec:
     parameters: str | None = None
 
     def __post_init__(self) -> None:
-        _check_str(self.name, "a tool's function name")
+        check_tool_name(self.name, "a tool's function name")
         _check_str(self.description, "a tool's description", optional=True)
         _check_str(self.parameters, "a tool's parameters", optional=True)
         if self.parameters is not None:
@@ -332,6 +351,11 @@ def check_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
             raise ChatTemplateError(
                 f"chat_template_kwargs may not set {name!r}: the request's own fields set it "
                 f"(the template variables {', '.join(sorted(RESERVED_VARIABLES))} are reserved)"
+            )
+        if name in MODEL_VARIABLES:
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {name!r}: the model's checkpoint sets it "
+                f"(the template variables {', '.join(sorted(MODEL_VARIABLES))} are the server's)"
             )
         if name in _APPLY_PARAMETERS:
             raise ChatTemplateError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import struct
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -24,6 +25,12 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence / frequency penalty, OpenAI's range -2..2
 MAX_LOGIT_BIAS = 100.0  # a bias is -100..100, OpenAI's range
 MAX_LOGIT_BIAS_TOKENS = 1024
+# repetition_penalty divides a seen token's positive logit and multiplies a negative one: 1e-45 made
+# logits of +inf and the step's probabilities NaN (issue 54). Within 0.01..2 a logit grows at most
+# 100x (finite in fp32 for any logit an fp16 or fp32 head gives in practice); 2 is the top of the
+# range OpenRouter publishes, and beyond it the penalty already flattens every seen token
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
 MAX_STOP_TOKEN_IDS = 64
 # `sample`'s token for a row it could not draw from: NaN or +inf among its logits, or no token allowed
 # (every logit -inf). Marked in the tokens the step copies to the host anyway: no sync of its own.
@@ -80,8 +87,13 @@ class SamplingParams:
             value = getattr(self, name)
             if not (math.isfinite(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
                 raise ValueError(f"{name} must be in -{MAX_PENALTY:g}..{MAX_PENALTY:g}, got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {self.repetition_penalty}")
+        rep = self.repetition_penalty
+        # compared as the API's fp32 field holds it: 0.01 there is 0.0099999998, and must still pass
+        if not (math.isfinite(rep) and _f32(MIN_REPETITION_PENALTY) <= _f32(rep) <= MAX_REPETITION_PENALTY):
+            raise ValueError(
+                f"repetition_penalty must be in {MIN_REPETITION_PENALTY:g}..{MAX_REPETITION_PENALTY:g} (1 = none), "
+                f"got {rep}"
+            )
         if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias:
@@ -116,6 +128,13 @@ class SamplingParams:
         if self.greedy or self.seed is not None:
             return self
         return replace(self, seed=secrets.randbits(63))
+
+
+def _f32(value: float) -> float:
+    """`value` rounded to fp32, as a protobuf float field carries it (beyond fp32's range: +-inf)."""
+    if abs(value) > 3.4028235677973366e38:  # past the largest fp32's rounding interval: struct raises
+        return math.copysign(math.inf, value)
+    return struct.unpack("f", struct.pack("f", value))[0]
 
 
 _MASK64 = (1 << 64) - 1

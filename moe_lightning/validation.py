@@ -48,6 +48,13 @@ INPUT_OVERHEAD_BYTES = 4096
 RESPONSE_OVERHEAD_BYTES = 96
 TEXT_BYTES_PER_TOKEN = 4
 LOGPROBS_ENTRY_BYTES = 16
+# Log-probabilities one response may carry (a call's prompts together; each prompt position or generated
+# token is its token's and its top k's): what the gateway makes of each is about 64 bytes of JSON and
+# ~280 of Python objects, whatever the protobuf holds (~7). 256 prompts of 1,023 ids with prompt_logprobs
+# 20 passed the 64 MiB message bound at 60.5 MB and became 324 MB of JSON, the gateway 3.6 GB, and both
+# health checks failed for the 72 s it took (issue 54); this bound is ~32 MiB of JSON
+MAX_RESPONSE_LOGPROBS = 1 << 19
+JSON_LOGPROB_BYTES = 64
 STOP_NEEDS_TOKENIZER = (
     "stop strings need the model's tokenizer.json to decode the output, and this model has none: "
     "send no stop strings (or serve a checkpoint with a tokenizer)"
@@ -237,6 +244,27 @@ def response_bytes(request: GenerationRequest, vocab_size: int) -> int:
     return total
 
 
+def logprob_entries(request: GenerationRequest) -> int:
+    """The log-probabilities the request's response carries at most: per generated token with
+    logprobs k, and per prompt position with prompt_logprobs k, the token's own and the top k."""
+    p = request.sampling
+    entries = request.max_new_tokens * (p.logprobs + 1) if p.logprobs else 0
+    if p.prompt_logprobs is not None:
+        entries += len(request.prompt_ids) * (p.prompt_logprobs + 1)
+    return entries
+
+
+def check_logprobs(entries: int, what: str) -> None:
+    """Refuses a response of more than MAX_RESPONSE_LOGPROBS log-probabilities, before any work."""
+    if entries > MAX_RESPONSE_LOGPROBS:
+        raise InvalidRequestError(
+            f"{what} would carry {entries} log-probabilities (prompt tokens x (prompt_logprobs + 1) + max_new_tokens "
+            f"x (logprobs + 1)); one response carries at most {MAX_RESPONSE_LOGPROBS} (about "
+            f"{MAX_RESPONSE_LOGPROBS * JSON_LOGPROB_BYTES >> 20} MiB of JSON): ask for fewer, or send fewer or "
+            "shorter prompts per call"
+        )
+
+
 def _check_response(total: int, limit: int, what: str) -> None:
     if total > limit:
         raise ResourceExhaustedError(
@@ -247,11 +275,14 @@ def _check_response(total: int, limit: int, what: str) -> None:
 
 def check_batch(requests: Sequence[GenerationRequest], limits: RequestLimits) -> None:
     """BatchGenerate returns every output in one message: refuses a batch whose response could not be sent
-    (each request was validated on its own already). RESOURCE_EXHAUSTED, before any of it runs."""
+    (each request was validated on its own already), or whose log-probabilities are more than one
+    response carries (the API's bounds: none without a message limit, as in process). RESOURCE_EXHAUSTED
+    or INVALID_ARGUMENT, before any of it runs."""
     if limits.max_response_bytes is None:
         return
-    total = sum(response_bytes(r, limits.vocab_size) for r in requests)
-    _check_response(total, limits.max_response_bytes, f"the response to these {len(requests)} prompts")
+    what = f"the response to these {len(requests)} prompts"
+    _check_response(sum(response_bytes(r, limits.vocab_size) for r in requests), limits.max_response_bytes, what)
+    check_logprobs(sum(logprob_entries(r) for r in requests), what)
 
 
 def _check_stops(stops: Sequence[str]) -> None:
@@ -300,3 +331,4 @@ def validate(request: GenerationRequest, limits: RequestLimits) -> None:
         check_kv(request, limits.kv_blocks, limits.kv_layout)
     if limits.max_response_bytes is not None:
         _check_response(response_bytes(request, limits.vocab_size), limits.max_response_bytes, "the response")
+        check_logprobs(logprob_entries(request), "the response")

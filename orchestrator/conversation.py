@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moe_lightning.api.generation.v1 import generation_pb2
-from moe_lightning.chat_template import ChatMessage, ChatTemplateError, ToolCall, ToolSpec, check_template_kwargs
+from moe_lightning.chat_template import (
+    ChatMessage,
+    ChatTemplateError,
+    ToolCall,
+    ToolSpec,
+    check_template_kwargs,
+    check_tool_name,
+)
 from moe_lightning.request import InvalidRequestError
 from moe_lightning.validation import check_conversation_size
 
@@ -50,6 +57,8 @@ class _Contents(Sequence[str]):
 
 
 def _message(msg: generation_pb2.ChatMessage) -> ChatMessage:
+    for c in msg.tool_calls:  # the client's history: written raw into the template, as a tool's name is
+        check_tool_name(c.name, "a tool call's function name")
     return ChatMessage(
         msg.role,
         msg.content,

@@ -755,18 +755,26 @@ def test_qwen3_renders_the_reasoning_of_the_turn_in_progress(setups: dict[str, S
     assert "<think>\nThe user wants the weather and the time.\n</think>" in text
 
 
-def test_template_kwargs_may_override_special_tokens_as_in_transformers(setups: dict[str, Setup]) -> None:
-    s = setups["mixtral-8x7b-instruct-v0.1"]
-    text = assert_renders_as_transformers(s, as_dicts(CHATS["user"]), None, bos_token="<BOS>")
-    assert text.startswith("<BOS>")
-
-
 @pytest.mark.parametrize(
-    "name", ["messages", "tools", "documents", "add_generation_prompt", "tokenize", "chat_template"]
+    "name",
+    [
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "tokenize",
+        "chat_template",
+        # transformers lets its kwargs override these; a client must not write the model's control text
+        # (issue 54), nor shadow the template's globals
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+        "strftime_now",
+    ],
 )
 def test_reserved_template_variables_are_refused(name: str) -> None:
     with pytest.raises(ChatTemplateError, match=f"chat_template_kwargs may not set '{name}'"):
-        ChatTemplate("x").render(USER, template_kwargs={name: True})
+        ChatTemplate("x", bos_token="<s>", eos_token="</s>").render(USER, template_kwargs={name: "<s>"})
 
 
 def test_transformers_refuses_a_messages_kwarg_too(setups: dict[str, Setup]) -> None:

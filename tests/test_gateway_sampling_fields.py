@@ -49,7 +49,9 @@ def test_sampling_controls_reach_the_input(route: str) -> None:
     [
         ({"presence_penalty": -2.01}, "presence_penalty", "-2..2"),
         ({"frequency_penalty": 3}, "frequency_penalty", "-2..2"),
-        ({"repetition_penalty": 0}, "repetition_penalty", "> 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "0.01..2"),
+        ({"repetition_penalty": 1e-45}, "repetition_penalty", "0.01..2"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty", "0.01..2"),
         ({"logit_bias": {"a": 1}}, "logit_bias", "token ids"),
         ({"logit_bias": {"-1": 1}}, "logit_bias", "token ids"),
         ({"logit_bias": {"5": -100.5}}, "logit_bias", "-100..100"),

@@ -441,9 +441,10 @@ def test_the_services_metrics_ports_bound_their_connections(stack: Stack) -> Non
 
 
 def test_the_gateway_bounds_its_connections(stack: Stack) -> None:
-    """--max-connections bounds the requests in progress, not the sockets: connections that have sent
-    nothing (a client trickling headers) must not shut everyone else out; open connections are bounded
-    at OPEN_PER_SERVED times as many, beyond which a new one is closed at once."""
+    """--max-connections bounds the requests in progress, not the sockets, and not GET /health or
+    /metrics: connections that have sent nothing (a client trickling headers) must not shut everyone
+    else out; open connections are bounded at OPEN_PER_SERVED times as many, beyond which a new one
+    is closed at once."""
     served = 2
     argv = ["--max-connections", str(served), "--header-timeout", "4", "--body-timeout", "4"]
     labels = {"route": "other", "status": "503"}
@@ -460,9 +461,15 @@ def test_the_gateway_bounds_its_connections(stack: Stack) -> None:
         for s in slow:  # two requests in progress: their bodies are still to come
             s.sendall(head)
         time.sleep(0.3)
-        busy = httpx.get(f"{url}/health", timeout=5)
+        busy = httpx.get(f"{url}/v1/models", timeout=5)
         assert busy.status_code == 503 and busy.headers["connection"] == "close"
         assert _openai_error(busy.json())["type"] == "service_unavailable"
+        # the probes are not requests it serves: a liveness probe must not restart a gateway that is busy
+        # (issue 54: /health answered 503 while --max-connections streams were open)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        assert httpx.get(f"{url}/metrics?x=1", timeout=5).status_code == 200
+        assert httpx.post(f"{url}/health", timeout=5).status_code == 503  # only their GET
+        time.sleep(0.3)  # their connections closed, as the count of open ones below assumes
         # open now: 4 idle + 2 in progress; up to OPEN_PER_SERVED x 2 are kept, the next is closed at once
         extra = [socket.create_connection(address, timeout=10) for _ in range(OPEN_PER_SERVED * served - 6)]
         refused = socket.create_connection(address, timeout=10)
@@ -478,7 +485,7 @@ def test_the_gateway_bounds_its_connections(stack: Stack) -> None:
     # the protocol's own answers are counted as the app's are (the gateway in this process counts in
     # its registry): the 503 to a request beyond the limit and the one to a connection beyond them
     after = REGISTRY.get_sample_value("moe_lightning_gateway_requests_total", labels) or 0.0
-    assert after - before == 2
+    assert after - before == 3
 
 
 def test_an_oversized_head_is_a_431_not_buffered(stack: Stack) -> None:

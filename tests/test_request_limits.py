@@ -76,7 +76,7 @@ def test_a_batch_whose_response_cannot_be_sent_is_refused_before_it_runs() -> No
     # the estimate is of the right size: the real response was 82 MiB
     assert 75 * 2**20 < sum(response_bytes(r, SERVER.vocab_size) for r in batch) < 95 * 2**20
     check_batch(_logprobs(1024, 512, 0), SERVER)  # the same without logprobs: ~4 MiB
-    check_batch(_logprobs(256, 512, 20), SERVER)  # a quarter of it: ~21 MiB
+    check_batch(_logprobs(48, 512, 20), SERVER)  # within the log-probabilities' bound too (~2 MiB)
 
 
 def test_one_response_too_large_is_refused_by_validate() -> None:
