@@ -54,6 +54,22 @@ def parser_limits() -> llguidance.LLParserLimits:
     )
 
 
+def start_matcher(
+    tokenizer: llguidance.LLTokenizer, grammar: str, vocab_size: int, stop_token_ids: tuple[int, ...]
+) -> llguidance.LLMatcher | str:
+    """A grammar's matcher at its start state, its first masks computed (`probe`); or why it cannot
+    start, the matcher then freed here: raised from where it is a local, it would live as long as the
+    exception's traceback, which in a server's handlers is until the garbage collector finds the cycle
+    (~8 MB a refused lexer-heavy grammar, measured: the orchestrator grew by that much per request)."""
+    import llguidance
+
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
+    if matcher.is_error():
+        return matcher.get_error()
+    why = probe(matcher, vocab_size, stop_token_ids)
+    return matcher if why is None else why
+
+
 def probe(matcher: llguidance.LLMatcher, vocab_size: int, stop_token_ids: tuple[int, ...]) -> str | None:
     """Why a grammar cannot start, or None: its first mask on `matcher` (at the start state; the tables
     it builds are shared by every copy), then each of the first PROBE_TOKENS text tokens it allows
