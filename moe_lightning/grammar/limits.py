@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # The library's default, 1,000,000, lets a 40-byte regex such as (a{1000}){1000} build ~200 MB of
 # derivatives at the first mask, which the cache then pins; 100,000 bounds that at ~12 MB and ~0.1 s.
 # Schemas of 60 properties, 800-value enums, date-time/email/uuid formats and 3,000-character strings
-# on a 32,000-token vocabulary need a few percent of it (measured, see the docs).
+# on a 32,000-token vocabulary stay within it for 3,000 tokens (docs/structured-outputs.md, "Limits").
 INITIAL_LEXER_FUEL = 100_000
 # The lexer's states, built lazily while sequences generate (the library's estimate: 1-2 kB each; its
 # default, 250,000, is up to 500 MB for one grammar). Ordinary grammars use hundreds.
