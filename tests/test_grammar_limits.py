@@ -24,10 +24,14 @@ from moe_lightning.grammar.limits import INITIAL_LEXER_FUEL
 EOS = 2
 NOTHING = "no output can match it"
 FUEL = f"exceeds the lexer's fuel ({INITIAL_LEXER_FUEL:,})"
+PATTERN = "^(a{1000}){1000}$"
 # ~40-byte grammars whose first tokens build ~200 MB of lexer tables under the library's default fuel
 HEAVY = [
     (GrammarSpec.regex("(a{1000}){1000}"), FUEL),
     (GrammarSpec.json_schema({"type": "string", "pattern": "^(a{1000}){1000}$"}), FUEL),
+    # deeper than the first tokens reach: its patterns are probed alone
+    (GrammarSpec.json_schema({"type": "object", "properties": {"x": {"type": "string", "pattern": PATTERN}}}), FUEL),
+    (GrammarSpec.tool_calls({"type": "object", "patternProperties": {"^(a{1000}){1000}$": {"type": "integer"}}}), FUEL),
 ]
 EMPTY = [
     (GrammarSpec.json_schema({"$ref": "#"}), NOTHING),
@@ -51,7 +55,11 @@ def compiler(tokenizer: Tokenizer) -> GrammarCompiler:
     return GrammarCompiler(GrammarVocabulary(tokenizer, 520, [EOS]))
 
 
-@pytest.mark.parametrize(("spec", "says"), HEAVY + EMPTY, ids=["regex", "pattern", "ref", "cycle", "no-string"])
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    HEAVY + EMPTY,
+    ids=["regex", "pattern", "nested-pattern", "tool-pattern-key", "ref", "cycle", "no-string"],
+)
 def test_a_grammar_that_cannot_start_is_refused_when_compiled(
     compiler: GrammarCompiler, spec: GrammarSpec, says: str
 ) -> None:

@@ -10,7 +10,14 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from moe_lightning.grammar.limits import heap_bytes, parser_limits, start_matcher
+from moe_lightning.grammar.limits import (
+    EXCEEDS,
+    MAX_PROBED_PATTERNS,
+    heap_bytes,
+    parser_limits,
+    schema_patterns,
+    start_matcher,
+)
 from moe_lightning.grammar.spec import GrammarError, GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
@@ -113,6 +120,25 @@ def check_grammar(spec: GrammarSpec) -> None:
         raise _error(spec, message)
 
 
+def _heavy_pattern(spec: GrammarSpec, vocabulary: GrammarVocabulary) -> str | None:
+    """Why one of a schema's patterns exceeds a limit, probed alone as a string's (limits.probe reaches
+    only the grammar's first tokens; a pattern deeper in would fail the step that reaches it)."""
+    if spec.kind not in (GrammarKind.JSON_SCHEMA, GrammarKind.TOOL_CALLS):
+        return None
+    schema = spec.parsed()
+    for pattern in schema_patterns(schema if spec.kind == GrammarKind.JSON_SCHEMA else schema["schema"])[
+        :MAX_PROBED_PATTERNS
+    ]:
+        try:
+            text = grammar_text(GrammarSpec.json_schema({"type": "string", "pattern": pattern}))
+        except ValueError:  # the whole schema compiles; this alone is not for us to judge
+            continue
+        why = start_matcher(vocabulary._ll, text, vocabulary.vocab_size, vocabulary.stop_token_ids)
+        if isinstance(why, str) and why.startswith(EXCEEDS):
+            return f"its pattern {pattern[:80]!r}: {why}"
+    return None
+
+
 class CompiledGrammar:
     """A spec compiled for one vocabulary. Holds a matcher at the start state that each sequence's
     state copies (a copy is ~10 µs and shares the lexer's lazily built tables, where a new matcher
@@ -127,6 +153,9 @@ class CompiledGrammar:
             text = grammar_text(spec, vocabulary.special_tokens)
         except ValueError as exc:  # a schema the library's JSON reader refuses
             raise _error(spec, str(exc)) from None
+        heavy = _heavy_pattern(spec, vocabulary)
+        if heavy is not None:
+            raise _error(spec, heavy)
         before = heap_bytes()
         matcher = start_matcher(vocabulary._ll, text, vocabulary.vocab_size, vocabulary.stop_token_ids)
         if isinstance(matcher, str):

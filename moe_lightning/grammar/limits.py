@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import llguidance
@@ -40,6 +40,11 @@ LIMIT_NAMES = (
 )
 # the library's error when no token can extend the text and the text is no match (the language is empty)
 NOTHING_MATCHES = "NoExtensionBias"
+EXCEEDS = "it exceeds "  # how a limit's 400 begins
+# A schema's patterns are each probed alone, as a string's (their lexemes start deeper in the grammar
+# than its first tokens reach): this many at most, each bounded by the fuel. Past them a limit is
+# reached in generation, where it ends that sequence alone.
+MAX_PROBED_PATTERNS = 32
 
 
 def parser_limits() -> llguidance.LLParserLimits:
@@ -105,8 +110,25 @@ def _why(message: str) -> str:
     message = message.replace("<non-verbose/>", "").strip()
     for needle, limit, spent in LIMIT_NAMES:
         if needle in message:
-            return f"it exceeds {limit} at its first tokens ({message}); simplify it: {spent}"
+            return f"{EXCEEDS}{limit} at its first tokens ({message}); simplify it: {spent}"
     return f"it fails at its first tokens: {message}"
+
+
+def schema_patterns(schema: Any) -> list[str]:
+    """The distinct regexes of a JSON schema (`pattern`, `patternProperties`' keys), in the order found."""
+    found: dict[str, None] = {}
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                found[node["pattern"]] = None
+            if isinstance(node.get("patternProperties"), dict):
+                found.update(dict.fromkeys(node["patternProperties"]))
+            stack.extend(reversed(list(node.values())))
+        elif isinstance(node, list):
+            stack.extend(reversed(node))
+    return list(found)
 
 
 # ---- the memory a compiled grammar keeps ---------------------------------------------------------------
