@@ -82,7 +82,8 @@ def probe(matcher: llguidance.LLMatcher, vocab_size: int, stop_token_ids: tuple[
     allowed = _allowed(matcher, vocab_size)
     if matcher.is_error():
         return _why(matcher.get_error())
-    text = [t for t in allowed if t not in stop_token_ids]
+    # the first text tokens (a permissive mask allows most of a 150,000-token vocabulary: not all read)
+    text = [t for t in allowed[: PROBE_TOKENS + len(stop_token_ids)] if t not in stop_token_ids]
     if not text and not matcher.is_accepting():
         return _why(NOTHING_MATCHES)
     for token in text[:PROBE_TOKENS]:
