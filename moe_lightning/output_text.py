@@ -96,6 +96,9 @@ class OutputText:
         self._eos = frozenset(() if request.ignore_eos else eos_ids)
         self._stop_ids = frozenset(request.sampling.stop_token_ids)
         self._min_tokens = request.sampling.min_tokens  # nothing but the token budget ends it before these
+        # ... nor anything but its grammar's end: the head lets EOS through under min_tokens only when the
+        # grammar allows nothing else (logits_processors.process_logits), and the grammar has then ended
+        self._grammar_ends = request.grammar is not None
         self._last_is_stop_token = False
         self._tokenizer = tokenizer
         self._stream = stream
@@ -142,7 +145,7 @@ class OutputText:
 
     def _check(self, token: int) -> str | None:
         early = len(self.token_ids) <= self._min_tokens  # (the head masks EOS and stop ids until then)
-        if not early and token in self._eos:  # not decoded: EOS is no part of the text
+        if (not early or self._grammar_ends) and token in self._eos:  # not decoded: EOS is no part of the text
             return FINISH_EOS
         if not early and token in self._stop_ids:  # "stop", as a stop string; the token, as EOS, is not text
             self._last_is_stop_token = True

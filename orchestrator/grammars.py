@@ -15,7 +15,7 @@ from moe_lightning.tokenizer import TextTokenizer
 if TYPE_CHECKING:
     import torch
 
-    from moe_lightning.grammar import GrammarCompiler, GrammarSpec, GrammarState
+    from moe_lightning.grammar import CompiledGrammar, GrammarCompiler, GrammarSpec, GrammarState
     from orchestrator.batcher import NewToken, ScheduledStep, Sequence
 
 # a sequence whose grammar raised, and the error it ends with (alone: issue 54)
@@ -45,18 +45,24 @@ class Grammars:
         return self._compiler
 
     def check(self, spec: GrammarSpec) -> None:
-        """A grammar the library cannot compile is the client's error (cached: its requests compile it once)."""
-        from moe_lightning.grammar import GrammarError
-
-        try:
-            self.compiler().compile(spec)
-        except GrammarError as exc:
-            raise InvalidRequestError(f"the grammar cannot be used: {exc}") from None
+        """A grammar the library cannot compile, or that cannot start (its first mask and first tokens are
+        computed: moe_lightning/grammar/limits.py), is the client's error. Runs on the API's threads, at
+        admission; cached: its requests compile it once."""
+        self._compile(spec)
 
     def start(self, request: GenerationRequest) -> GrammarState | None:
         if request.grammar is None:
             return None
-        return self.compiler().compile(request.grammar).new_state()
+        # a cache hit, but for a grammar evicted since its admission: compiled again, as admitted
+        return self._compile(request.grammar).new_state()
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        from moe_lightning.grammar import GrammarError
+
+        try:
+            return self.compiler().compile(spec)
+        except GrammarError as exc:
+            raise InvalidRequestError(f"the grammar cannot be used: {exc}") from None
 
     def attach_masks(self, step: ScheduledStep) -> Faults:
         """Sets the token mask of each work whose sequence has a grammar and whose sample the step keeps

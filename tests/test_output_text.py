@@ -100,3 +100,17 @@ def test_no_token_after_the_finish() -> None:
     assert output.append(5)[1] == FINISH_LENGTH
     with pytest.raises(ValueError, match="already finished"):
         output.append(6)
+
+
+def test_under_min_tokens_the_grammar_s_end_ends_the_output() -> None:
+    """The head lets EOS through under min_tokens only where the grammar allows nothing else (issue 54):
+    the output ends there, with the grammar's text. Without a grammar min_tokens holds."""
+    from moe_lightning.grammar import GrammarSpec
+    from moe_lightning.sampling import SamplingParams
+
+    ids = [*_ids("a"), EOS, *_ids("bc")]
+    sampling = SamplingParams(min_tokens=8)
+    guided = OutputText(GenerationRequest([1], 20, sampling, grammar=GrammarSpec.choice(["a"])), (EOS,), TOK)
+    assert _run(guided, ids)[-1] == ("a", FINISH_EOS)
+    plain = OutputText(GenerationRequest([1], len(ids), sampling), (EOS,), TOK)
+    assert _run(plain, ids)[-1][1] == FINISH_LENGTH and len(plain.token_ids) == len(ids)

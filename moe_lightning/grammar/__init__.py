@@ -26,10 +26,11 @@ from moe_lightning.grammar.masks import (
     fill_bitmask,
     set_mask_threads,
 )
-from moe_lightning.grammar.spec import MAX_SOURCE_CHARS, GrammarError, GrammarKind, GrammarSpec
+from moe_lightning.grammar.spec import MAX_CHOICES, MAX_SOURCE_CHARS, GrammarError, GrammarKind, GrammarSpec
 from moe_lightning.grammar.vocabulary import GrammarVocabulary
 
 __all__ = [
+    "MAX_CHOICES",
     "MAX_SOURCE_CHARS",
     "CompiledGrammar",
     "GrammarCompiler",

@@ -7,8 +7,17 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from moe_lightning.grammar.limits import (
+    EXCEEDS,
+    MAX_PROBED_PATTERNS,
+    heap_bytes,
+    parser_limits,
+    schema_patterns,
+    start_matcher,
+)
 from moe_lightning.grammar.spec import GrammarError, GrammarKind, GrammarSpec
 
 if TYPE_CHECKING:
@@ -27,6 +36,10 @@ JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,32}"
 JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE, "lenient": False, "coerce_one_of": False}
 
 MAX_ERROR_CHARS = 1000  # an HTTP 400's message, not a dump of the parser
+# The cache's bound (GrammarCompiler): the compiled grammars' estimated bytes, and a floor per grammar
+# (a small one's matcher, its grammar and its lexer's first tables measure ~20-100 kB).
+CACHE_BYTES = 128 * 2**20
+MIN_GRAMMAR_BYTES = 64 * 1024
 
 
 def grammar_text(spec: GrammarSpec, special_tokens: dict[str, int] | None = None) -> str:
@@ -42,8 +55,10 @@ def grammar_text(spec: GrammarSpec, special_tokens: dict[str, int] | None = None
         case GrammarKind.REGEX:
             return llguidance.LLMatcher.grammar_from_regex(spec.source)
         case GrammarKind.CHOICE:
-            # literals, not a regex of escaped alternatives: nothing in a choice is syntax
-            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_literal, spec.parsed())))
+            # literals, not a regex of escaped alternatives: nothing in a choice is syntax. Each distinct
+            # once: every alternative is an item of the parser's row, a repeated one too
+            choices = dict.fromkeys(spec.parsed())
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_literal, choices)))
         case GrammarKind.TOOL_CALLS:
             return llguidance.LLMatcher.grammar_from_lark(_tool_calls_lark(spec.parsed(), special_tokens or {}))
     raise AssertionError(spec.kind)
@@ -91,13 +106,6 @@ def _error(spec: GrammarSpec, message: str) -> GrammarError:
     return GrammarError(f"{spec.kind} grammar: {message}")
 
 
-def _limits() -> llguidance.LLParserLimits:
-    import llguidance
-
-    # verbose errors append the parser state and the whole grammar: noise in a 400, and in logs
-    return llguidance.LLParserLimits(verbose_errors=False)
-
-
 def check_grammar(spec: GrammarSpec) -> None:
     """Raises GrammarError for a spec the library cannot compile, without a vocabulary: for a process
     that has no tokenizer loaded. GrammarCompiler.check also checks against the model's tokens."""
@@ -107,28 +115,54 @@ def check_grammar(spec: GrammarSpec) -> None:
         text = grammar_text(spec)
     except ValueError as exc:
         raise _error(spec, str(exc)) from None
-    message = llguidance.LLMatcher.validate_grammar(text, None, limits=_limits())
+    message = llguidance.LLMatcher.validate_grammar(text, None, limits=parser_limits())
     if message:
         raise _error(spec, message)
+
+
+def _heavy_pattern(spec: GrammarSpec, vocabulary: GrammarVocabulary) -> str | None:
+    """Why one of a schema's patterns exceeds a limit, probed alone as a string's (limits.probe reaches
+    only the grammar's first tokens; a pattern deeper in would fail the step that reaches it)."""
+    if spec.kind not in (GrammarKind.JSON_SCHEMA, GrammarKind.TOOL_CALLS):
+        return None
+    schema = spec.parsed()
+    for pattern in schema_patterns(schema if spec.kind == GrammarKind.JSON_SCHEMA else schema["schema"])[
+        :MAX_PROBED_PATTERNS
+    ]:
+        try:
+            text = grammar_text(GrammarSpec.json_schema({"type": "string", "pattern": pattern}))
+        except ValueError:  # the whole schema compiles; this alone is not for us to judge
+            continue
+        why = start_matcher(vocabulary._ll, text, vocabulary.vocab_size, vocabulary.stop_token_ids)
+        if isinstance(why, str) and why.startswith(EXCEEDS):
+            return f"its pattern {pattern[:80]!r}: {why}"
+    return None
 
 
 class CompiledGrammar:
     """A spec compiled for one vocabulary. Holds a matcher at the start state that each sequence's
     state copies (a copy is ~10 µs and shares the lexer's lazily built tables, where a new matcher
-    rebuilds them: ~1 ms for a 30-property schema)."""
+    rebuilds them: ~1 ms for a 30-property schema). Compiling it computes its first mask and tries its
+    first tokens (limits.probe): a grammar that the library would fail at its first step, or that no
+    output can match, raises GrammarError here, before any request with it is admitted."""
 
-    __slots__ = ("_template", "spec", "vocabulary", "warnings")
+    __slots__ = ("_template", "nbytes", "spec", "vocabulary", "warnings")
 
     def __init__(self, spec: GrammarSpec, vocabulary: GrammarVocabulary) -> None:
-        import llguidance
-
         try:
             text = grammar_text(spec, vocabulary.special_tokens)
         except ValueError as exc:  # a schema the library's JSON reader refuses
             raise _error(spec, str(exc)) from None
-        matcher = llguidance.LLMatcher(vocabulary._ll, text, log_level=0, limits=_limits())
-        if matcher.is_error():
-            raise _error(spec, matcher.get_error())
+        heavy = _heavy_pattern(spec, vocabulary)
+        if heavy is not None:
+            raise _error(spec, heavy)
+        before = heap_bytes()
+        matcher = start_matcher(vocabulary._ll, text, vocabulary.vocab_size, vocabulary.stop_token_ids)
+        if isinstance(matcher, str):
+            raise _error(spec, matcher)
+        # what the compile and the first masks kept on the heap: the cache's measure of this grammar
+        # (its lexer grows later as sequences use it, up to the lexer's state limit)
+        self.nbytes = max(heap_bytes() - before, MIN_GRAMMAR_BYTES)
         self.spec = spec
         self.vocabulary = vocabulary
         self.warnings: list[str] = matcher.get_grammar_warnings()
@@ -205,17 +239,28 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    """Compiles specs for one vocabulary, keeping the last `cache_size` (a compile is cheap with
-    llguidance, ~0.1-2 ms, since it builds lexer tables lazily, but requests repeat their schema).
-    Thread-safe."""
+    """Compiles specs for one vocabulary, keeping the most recently used while their estimated bytes
+    (CompiledGrammar.nbytes) stay within `cache_bytes` and they number at most `cache_size` (a compile
+    is cheap with llguidance, ~0.1-2 ms, since it builds lexer tables lazily, but requests repeat their
+    schema). A grammar that fails is never kept. Thread-safe."""
 
-    def __init__(self, vocabulary: GrammarVocabulary, cache_size: int = 256) -> None:
+    def __init__(self, vocabulary: GrammarVocabulary, cache_size: int = 256, cache_bytes: int = CACHE_BYTES) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size must be >= 1, got {cache_size}")
+        if cache_bytes < 1:
+            raise ValueError(f"cache_bytes must be >= 1, got {cache_bytes}")
         self.vocabulary = vocabulary
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
         self._cache: OrderedDict[GrammarSpec, CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
+        # Compiles run one at a time (each is bounded by the lexer's fuel: ~0.1 s at worst), so the heap's
+        # growth while one runs is its own, and on one thread, so their memory comes from one malloc
+        # arena, where the room an evicted grammar frees is what the next one takes (on the API's
+        # threads, each with an arena of its own, the orchestrator settled 26 MiB higher in
+        # tests/test_grammar_admission_e2e.py's 50 lexer-heavy grammars).
+        self._compile_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.nbytes = 0  # the cached grammars' estimated bytes
         self.hits = 0
         self.misses = 0
 
@@ -227,14 +272,16 @@ class GrammarCompiler:
                 self.hits += 1
                 return compiled
             self.misses += 1
-        # outside the lock: a large schema takes milliseconds and other specs need not wait; two
-        # threads compiling the same spec at once both succeed and one result is kept
-        compiled = CompiledGrammar(spec, self.vocabulary)
+        # outside the cache's lock: lookups of cached specs need not wait for a compile
+        compiled = self._compile_thread.submit(CompiledGrammar, spec, self.vocabulary).result()
         with self._lock:
+            old = self._cache.pop(spec, None)  # two threads compiled it at once: one is kept
+            self.nbytes -= old.nbytes if old is not None else 0
             self._cache[spec] = compiled
-            self._cache.move_to_end(spec)
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self.nbytes += compiled.nbytes
+            # the least recent go first; one larger than the whole bound is not kept (its request has it)
+            while self._cache and (self.nbytes > self.cache_bytes or len(self._cache) > self.cache_size):
+                self.nbytes -= self._cache.popitem(last=False)[1].nbytes
         return compiled
 
     def check(self, spec: GrammarSpec) -> None:

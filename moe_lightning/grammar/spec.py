@@ -16,6 +16,10 @@ from typing import Any
 # schema (OpenAI caps a strict schema at 100 object properties and 5 levels of nesting).
 MAX_SOURCE_CHARS = 128 * 1024
 
+# Distinct choices of a choice grammar: each is an item of the parser's row, whose limit is 2,000
+# (grammar/limits.py); 1,000 is OpenAI's bound on a strict schema's enum values, with room to spare.
+MAX_CHOICES = 1000
+
 TOOL_CALL_KEYS = ("begin", "separator", "end", "schema")
 
 
@@ -134,6 +138,9 @@ def _check_choice(source: str) -> None:
     choices = _load(GrammarKind.CHOICE, source, "the choices")
     if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
         raise GrammarError("choice grammar: the choices must be a non-empty JSON list of strings")
+    distinct = len(set(choices))  # a repeated choice is compiled once (compiler.grammar_text)
+    if distinct > MAX_CHOICES:
+        raise GrammarError(f"choice grammar: {distinct} distinct choices, more than the {MAX_CHOICES} allowed")
 
 
 def _check_tool_calls(source: str) -> None:
