@@ -115,8 +115,11 @@ class Grammars:
             try:
                 grammar.accept(new.token_id)
             except Exception as exc:
+                from moe_lightning.grammar.limits import library_words
+
                 error = (
-                    f"the request's grammar failed after {grammar.num_tokens} output tokens ({exc}); the grammar "
+                    f"the request's grammar failed after {grammar.num_tokens} output tokens "
+                    f"({library_words(str(exc))}); the grammar "
                     "library's limits were reached: simplify its patterns or choices"
                 )
                 faults.append((new.seq, InvalidRequestError(error)))

@@ -95,6 +95,11 @@ def probe(matcher: llguidance.LLMatcher, vocab_size: int, stop_token_ids: tuple[
     return None
 
 
+def library_words(message: str) -> str:
+    """llguidance's error without the marker its non-verbose mode leaves in it, for a client's message."""
+    return message.replace("<non-verbose/>", "").strip()
+
+
 def _allowed(matcher: llguidance.LLMatcher, vocab_size: int) -> list[int]:
     import numpy as np
 
@@ -108,7 +113,7 @@ def _why(message: str) -> str:
             "no output can match it (its language is empty: a schema that only refers to itself, a $ref "
             "cycle, a regex that matches no string)"
         )
-    message = message.replace("<non-verbose/>", "").strip()
+    message = library_words(message)
     for needle, limit, spent in LIMIT_NAMES:
         if needle in message:
             return f"{EXCEEDS}{limit} at its first tokens ({message}); simplify it: {spent}"
