@@ -15,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from moe_lightning.exponential_race import GOLDEN, draw_seed, race
+
 if TYPE_CHECKING:
     import torch
 
@@ -137,18 +139,6 @@ def _f32(value: float) -> float:
     return struct.unpack("f", struct.pack("f", value))[0]
 
 
-_MASK64 = (1 << 64) - 1
-
-
-def draw_seed(seed: int, draw: int) -> int:
-    """The seed of a stream's `draw`-th draw: splitmix64 of (seed, draw), so draw i depends on the two
-    numbers alone and not on how many steps produced the draws before it."""
-    z = (seed + (draw + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
 @dataclass(slots=True)
 class SequenceSampler:
     """One sequence's sampling parameters and random stream, where the head keeps them.
@@ -222,47 +212,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1)
 
 
-# A draw is the exponential race: the token maximising p / q, q ~ Exp(1) drawn for every token, which
-# picks token i with probability p_i, taken in log space (x - log q, x the filtered logits / T) so no
-# softmax is needed. q comes from a counter-based stream computed on the device for all rows at once:
-# token t of the draw keyed k (`SequenceSampler.next_key`) gets u from splitmix64's output
-# `draw_seed(k, t)`, so a row's draw depends on (seed, draw index) and its logits alone, never on the
-# batch, a step count or a generator's state (the same integers on a CPU and a GPU), and costs no launch
-# per row: one torch.Generator per row, reseeded per draw, would cost an exponential_ launch each.
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # splitmix64's constants as int64: torch's integers are signed
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-_U_BITS = 23  # (n + 0.5) / 2^23 is exact in fp32 and never 0 or 1, so q is finite and > 0
 _CPU_BLOCK = 1 << 17  # elements a CPU samples at once: int64 temporaries in cache, 4x faster at 256 x 32000
-
-
-def _xor_shift(z: torch.Tensor, s: int) -> None:
-    # z ^= z >>> s: torch's >> is arithmetic, so the ones it shifts into a negative z are masked off
-    z ^= (z >> s).bitwise_and_((1 << (64 - s)) - 1)
-
-
-def race_noise(keys: torch.Tensor, ids: torch.Tensor, *, stepped: bool = False) -> torch.Tensor:
-    """keys: (R,) int64 draw keys, ids: (R, N) or (1, N) int64 token ids -> (R, N) fp32 log q, q ~ Exp(1)
-    with u = ((draw_seed(key, id) >> 40) + 0.5) / 2^23, q = -log u. Products wrap modulo 2^64 on
-    every device, as splitmix64's do (tests/test_batched_sampling.py checks it against `draw_seed`).
-    stepped: `ids` is already (ids + 1) * golden ratio, splitmix64's steps (`sample` makes them once)."""
-    z = keys[:, None] + (ids if stepped else ids * _GOLDEN + _GOLDEN)  # the state after id + 1 steps
-    _xor_shift(z, 30)
-    z *= _MIX1
-    _xor_shift(z, 27)
-    z *= _MIX2
-    _xor_shift(z, 31)
-    u = (z >> (63 - _U_BITS)).bitwise_and_((1 << _U_BITS) - 1).float().add_(0.5).mul_(2.0**-_U_BITS)
-    return u.log_().neg_().log_()
-
-
-def _race(x: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, stepped: bool) -> torch.Tensor:
-    """x: (R, N) fp32 log-weights (-inf: excluded); ids: (R, N) their token ids, or `stepped`: (1, N) the
-    steps of 0..N-1 (race_noise's) -> (R,) the tokens drawn."""
-    import torch
-
-    pos = torch.sub(x, race_noise(keys, ids, stepped=stepped)).argmax(dim=-1)
-    return pos if stepped else ids.gather(1, pos[:, None]).squeeze(1)
 
 
 def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -337,7 +287,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
     rows, key, top_k = dev[:, 0], dev[:, 1], dev[:, 2:3]
     temperature, top_p = (dev[:, c : c + 1].view(torch.float64).float() for c in (3, 4))
     temperature.clamp_min_(torch.finfo(torch.float32).tiny)  # a temperature below fp32's range is not 0
-    steps = torch.arange(vocab, device=logits.device)[None].mul_(_GOLDEN).add_(_GOLDEN)  # race_noise's
+    steps = torch.arange(vocab, device=logits.device)[None].mul_(GOLDEN).add_(GOLDEN)  # race_noise's
     cut_lo, nucleus_hi = n[0], n[0] + n[1]
     cut_hi = nucleus_hi + n[2]
 
@@ -359,13 +309,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], keys: Sequenc
             k_max = max(params[b].top_k for b in drawn[c_lo:c_hi])
             cut.masked_fill_(cut < cut.topk(k_max, dim=-1).values.gather(1, top_k[c_lo:c_hi] - 1), float("-inf"))
         if lo >= nucleus_hi:
-            return _race(x, key[lo:hi], steps, stepped=True)
+            return race(x, key[lo:hi], steps, stepped=True)
         # vLLM's top-p mask on the sorted logits: a token goes once the mass before it already
         # reaches top_p, so the most likely always stays; the race runs in the sorted order
         srt, order = x.sort(dim=-1, descending=True)
         probs = srt.softmax(dim=-1)
         srt.masked_fill_(probs.cumsum(dim=-1).sub_(probs) >= top_p[lo:hi], float("-inf"))
-        return _race(srt, key[lo:hi], order, stepped=False)
+        return race(srt, key[lo:hi], order, stepped=False)
 
     # on a device each part is one launch of each operation; on a CPU a few rows at a time keep the
     # temporaries in cache (a 32 MB buffer is fresh pages on every call)

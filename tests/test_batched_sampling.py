@@ -12,14 +12,13 @@ import pytest
 import torch
 
 from moe_lightning import sampling
+from moe_lightning.exponential_race import draw_seed, race_noise
 from moe_lightning.host_syncs import count_host_syncs
 from moe_lightning.sampling import (
     NOT_FINITE,
     SamplingParams,
     SequenceSampler,
     TokenLogprobs,
-    draw_seed,
-    race_noise,
     sample,
     sampled_logprobs,
 )

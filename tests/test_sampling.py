@@ -3,8 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moe_lightning.exponential_race import draw_seed
 from moe_lightning.quant import host_kernels
-from moe_lightning.sampling import NOT_FINITE, SamplingParams, SequenceSampler, draw_seed, greedy_tokens, sample
+from moe_lightning.sampling import NOT_FINITE, SamplingParams, SequenceSampler, greedy_tokens, sample
 
 LOGITS = torch.tensor([[0.1, 2.0, 1.9, -1.0, 0.5], [3.0, 0.0, 0.0, 0.0, 2.9]])
 
