@@ -10,11 +10,13 @@ always wins.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.config.units import format_size, parse_size
+from moe_lightning.shm.pages import SharedMemoryFullError
 
 AUTO = "auto"
 KV_SHARE = 0.9
@@ -128,6 +130,13 @@ def auto_kv_cache_memory(host: HostMemory, pending: int = 0) -> KVBudget:
         f"(memory {format_size(host.available)}, /dev/shm {format_size(host.shm_free)}) less a "
         f"{format_size(reserve)} reserve"
     )
+    if nbytes < MIN_AUTO_BYTES and host.shm_free < host.available:  # /dev/shm is what is short: it may come back
+        raise SharedMemoryFullError(
+            f"the KV cache (--kv-cache-memory auto: {why} leaves {format_size(max(nbytes, 0))})",
+            reserve + math.ceil(MIN_AUTO_BYTES / KV_SHARE),  # what auto would need to leave the least cache
+            "free space in /dev/shm or give --kv-cache-memory a size",
+            host.shm_free,
+        )
     if nbytes < MIN_AUTO_BYTES:
         raise ValueError(
             f"--kv-cache-memory auto: {why} leaves {format_size(max(nbytes, 0))}, under the "
