@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.config.units import format_size, parse_size
-from moe_lightning.shm.pages import SharedMemoryFullError
+from moe_lightning.shm.pages import SharedMemoryFullError, shm_free
 
 AUTO = "auto"
 KV_SHARE = 0.9
@@ -52,8 +51,7 @@ class HostMemory:
         if limited is not None and limited[0] < total:
             total = limited[0]
             available = min(available, limited[0] - limited[1])
-        st = os.statvfs(shm_dir)
-        return cls(total, max(0, available), st.f_bavail * st.f_frsize)
+        return cls(total, max(0, available), shm_free(shm_dir))
 
 
 def cgroup_limit(root: Path, self_cgroup: Path) -> tuple[int, int] | None:
