@@ -12,6 +12,7 @@ service outlives its launcher.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,9 +29,14 @@ from moe_lightning.config.stack import INTERNAL, SERVICE_NAMES, StackConfig, Wir
 from moe_lightning.private_paths import UnsafePathError, checked_log_dir, open_log, private_dir, read_tail
 from moe_lightning.service import names
 from moe_lightning.service.upstream import POLLING_OPTIONS, health_status, http_ready, open_channel, readiness_channel
+from moe_lightning.shm.pages import EXIT_NO_SHARED_MEMORY
 from moe_lightning.shm.segment import list_segments, sweep_stale
 from moe_lightning.spec import ModelSpec, resolve_dtype
 
+SHM_RETRY_FIRST = 1.0  # s: the first wait of a service whose start found /dev/shm full, doubling ...
+SHM_RETRY_MAX = 30.0  # ... up to this; a run of them ends after SHM_RETRY_RESET s without one
+SHM_RETRY_RESET = 300.0
+SHM_MESSAGE = re.compile(r"/dev/shm has [^\"]*? needs [\d.]+ \w+")
 OMP_SPIN_COUNT = 30_000  # libgomp's spins before a worker sleeps (its default, unbounded under ACTIVE)
 
 
@@ -77,6 +83,8 @@ class Stack:
         self._supervisor: threading.Thread | None = None
         self.restarts: dict[str, list[float]] = {name: [] for name in SERVICES}  # monotonic restart times
         self.gave_up: list[str] = []  # services in a crash loop, left down
+        self.shm_waits: dict[str, list[float]] = {name: [] for name in SERVICES}  # starts short of /dev/shm
+        self._shm_retry_at: dict[str, float] = {}  # when a service waiting for shared memory starts again
 
     @property
     def api_address(self) -> str:
@@ -213,7 +221,8 @@ class Stack:
                         raise StackInterrupted(f"asked to stop during start-up; not SERVING: {waiting}")
                     code = self.procs[name].poll()
                     if code is not None:
-                        raise StackError(f"{name} exited with code {code} during start-up{self._log_hint(name)}")
+                        why = " (too little shared memory)" if code == EXIT_NO_SHARED_MEMORY else ""
+                        raise StackError(f"{name} exited with code {code}{why} during start-up{self._log_hint(name)}")
                     health = SERVICES[name].health
                     if health is None:
                         if http_ready(self.http_address, self.config.tls_ca or self.config.tls_cert):
@@ -252,7 +261,10 @@ class Stack:
         """Restarts any service that exits while the stack runs (kill -9, a crash, the OOM killer),
         with the same address and flags: the orchestrator re-wires the workers, the weight store
         adopts the arena the workers still map. More than `max_restarts` of one service within `window`
-        seconds is a crash loop: it is left down and named in `gave_up`."""
+        seconds is a crash loop: it is left down and named in `gave_up`. A start that failed for want
+        of shared memory (EXIT_NO_SHARED_MEMORY: another user filled /dev/shm) is no crash: it is
+        tried again after a back-off (SHM_RETRY_FIRST, doubling to SHM_RETRY_MAX) for as long as it
+        takes, so the stack serves again once the space is back."""
 
         def loop() -> None:
             while not self._stopping.wait(0.2):
@@ -261,6 +273,10 @@ class Stack:
                     if code is None or self._stopping.is_set() or name in self.gave_up:
                         continue
                     now = time.monotonic()
+                    if code == EXIT_NO_SHARED_MEMORY:
+                        if self._shm_retry(name, now):
+                            self._spawn(name, self._env)
+                        continue
                     recent = [t for t in self.restarts[name] if now - t < window]
                     if len(recent) >= max_restarts:
                         self.gave_up.append(name)
@@ -274,6 +290,38 @@ class Stack:
 
         self._supervisor = threading.Thread(target=loop, name="stack-supervisor", daemon=True)
         self._supervisor.start()
+
+    def _shm_retry(self, name: str, now: float) -> bool:
+        """For a service that exited wanting shared memory: whether its back-off is over (start it
+        again now); on first sight, says why and when, once."""
+        at = self._shm_retry_at.get(name)
+        if at is None:
+            waits = [t for t in self.shm_waits[name] if now - t < SHM_RETRY_RESET]
+            waits.append(now)
+            self.shm_waits[name] = waits
+            delay = min(SHM_RETRY_MAX, SHM_RETRY_FIRST * 2 ** (len(waits) - 1))
+            self._shm_retry_at[name] = now + delay
+            sys.stderr.write(
+                f"moe-lightning: {name} could not get shared memory{self._shm_reason(name)}; "
+                f"starting it again in {delay:.0f} s (not a crash: it waits for /dev/shm to have room)\n"
+            )
+            return False
+        if now < at:
+            return False
+        del self._shm_retry_at[name]
+        if name in INTERNAL and self.run_dir is not None:
+            (self.run_dir / f"{name}.sock").unlink(missing_ok=True)
+        return True
+
+    def _shm_reason(self, name: str) -> str:
+        """The service's own words on it ("/dev/shm has N free, ... needs M"), from its log's tail."""
+        if self.config.log_dir is None:
+            return " (see its log)"
+        for line in reversed(read_tail(self.config.log_dir / f"{name}.log", 5)):
+            found = SHM_MESSAGE.search(line)
+            if found:
+                return f" ({found[0]})"
+        return ""
 
     def stop(self, timeout: float = 30.0) -> list[str]:
         """SIGTERM in order (the gateway, then the orchestrator so it drains, then the workers together),

@@ -20,6 +20,7 @@ from moe_lightning.config.host_memory import (
 )
 from moe_lightning.kv_format import bytes_per_token
 from moe_lightning.launcher import Stack
+from moe_lightning.shm.pages import EXIT_NO_SHARED_MEMORY, SharedMemoryFullError, shortage
 from moe_lightning.spec import ModelSpec
 
 GiB = 1 << 30
@@ -84,6 +85,21 @@ def test_auto_takes_a_share_past_the_reserve_within_shm() -> None:
     assert pending == int(KV_SHARE * (20 * GiB - reserve - GiB))
     with pytest.raises(ValueError, match="give --kv-cache-memory a size"):
         auto_kv_cache_memory(HostMemory(total=4 * GiB, available=2 * GiB, shm_free=4 * GiB))
+
+
+def test_auto_short_of_dev_shm_is_a_shortage_that_up_retries() -> None:
+    """/dev/shm, not the host, is what is short (another user filled it): the start fails as one that
+    lacked shared memory (exit 75, retried by `up`), saying how much /dev/shm has and auto needed."""
+    host = HostMemory(total=24 * GiB, available=20 * GiB, shm_free=2 * GiB)
+    with pytest.raises(SharedMemoryFullError) as err:
+        auto_kv_cache_memory(host)
+    text = str(err.value)
+    assert text.startswith("/dev/shm has 2.00 GiB free, the KV cache (--kv-cache-memory auto: 90% of 2.00 GiB")
+    assert "leaves 0 B) needs 2.47 GiB: free space in /dev/shm or give --kv-cache-memory a size" in text
+    try:
+        raise RuntimeError("start failed") from err.value
+    except RuntimeError as wrapped:
+        assert shortage(wrapped) is err.value and EXIT_NO_SHARED_MEMORY == 75
 
 
 def test_an_explicit_size_wins_and_the_flag_parses_both() -> None:

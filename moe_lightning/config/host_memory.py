@@ -10,11 +10,12 @@ always wins.
 from __future__ import annotations
 
 import argparse
-import os
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from moe_lightning.config.units import format_size, parse_size
+from moe_lightning.shm.pages import SharedMemoryFullError, shm_free
 
 AUTO = "auto"
 KV_SHARE = 0.9
@@ -50,8 +51,7 @@ class HostMemory:
         if limited is not None and limited[0] < total:
             total = limited[0]
             available = min(available, limited[0] - limited[1])
-        st = os.statvfs(shm_dir)
-        return cls(total, max(0, available), st.f_bavail * st.f_frsize)
+        return cls(total, max(0, available), shm_free(shm_dir))
 
 
 def cgroup_limit(root: Path, self_cgroup: Path) -> tuple[int, int] | None:
@@ -128,6 +128,13 @@ def auto_kv_cache_memory(host: HostMemory, pending: int = 0) -> KVBudget:
         f"(memory {format_size(host.available)}, /dev/shm {format_size(host.shm_free)}) less a "
         f"{format_size(reserve)} reserve"
     )
+    if nbytes < MIN_AUTO_BYTES and host.shm_free < host.available:  # /dev/shm is what is short: it may come back
+        raise SharedMemoryFullError(
+            f"the KV cache (--kv-cache-memory auto: {why} leaves {format_size(max(nbytes, 0))})",
+            reserve + math.ceil(MIN_AUTO_BYTES / KV_SHARE),  # what auto would need to leave the least cache
+            "free space in /dev/shm or give --kv-cache-memory a size",
+            host.shm_free,
+        )
     if nbytes < MIN_AUTO_BYTES:
         raise ValueError(
             f"--kv-cache-memory auto: {why} leaves {format_size(max(nbytes, 0))}, under the "

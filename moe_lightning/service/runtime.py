@@ -243,8 +243,12 @@ def serve(
     it registers its own clean-up hooks as it creates what they release (a hook registered before a
     step that may fail still runs when it does), makes `servicer` ready, and returns the fields of
     the `serving` log line. An exception of `failures` from it is a start-up failure: logged as
-    `startup_failed`, the runtime stopped (hooks run), exit code 1. Others propagate, traceback and all.
+    `startup_failed`, the runtime stopped (hooks run), exit code 1, or EXIT_NO_SHARED_MEMORY when it
+    was /dev/shm that was short (shm/pages.py: `up` retries that one with back-off). Others propagate,
+    traceback and all.
     """
+    from moe_lightning.shm.pages import EXIT_NO_SHARED_MEMORY, shortage
+
     log, runtime = bootstrap(
         config,
         owner,
@@ -260,7 +264,7 @@ def serve(
     except failures as exc:
         log.error("startup_failed", error=str(exc))
         runtime.stop()
-        return 1
+        return EXIT_NO_SHARED_MEMORY if shortage(exc) is not None else 1
     runtime.set_serving(True)
     log.info("serving", **serving)
     runtime.wait()

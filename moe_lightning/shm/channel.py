@@ -32,15 +32,15 @@ from __future__ import annotations
 
 import os
 import struct
-import threading
 import time
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import posix_ipc
 import torch
 
+from moe_lightning.shm.heartbeats import HEARTBEATS
+from moe_lightning.shm.pages import SEMAPHORE_BYTES, no_space_as_full
 from moe_lightning.shm.segment import Segment
 
 MAGIC = 0x4D4C54_43484E33  # "MLTCHN3": binary slot headers, the writer's indices in the header
@@ -71,7 +71,6 @@ _FIELDS = (
     "published_index",  # messages the writer posted (set after the post)
 )
 _OFF = {name: 8 * i for i, name in enumerate(_FIELDS)}
-HEARTBEAT_SECONDS = 0.1
 WAIT_SLICE_SECONDS = 0.05
 SPIN_SECONDS = 100e-6  # poll this long before sleeping on the semaphore: a hand-off is often imminent
 
@@ -112,34 +111,6 @@ class OutgoingSlot:
     table: list[tuple[int, int, tuple[int, ...], int]]  # (dtype code, ndim, shape, offset)
 
 
-class _Heartbeats:
-    """One daemon thread per process stamps the monotonic clock into every live channel end."""
-
-    def __init__(self) -> None:
-        self._ends: weakref.WeakSet[TensorChannel] = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def add(self, end: TensorChannel) -> None:
-        with self._lock:
-            self._ends.add(end)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="shm-heartbeat", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                ends = list(self._ends)
-            for end in ends:
-                end._beat()
-            del ends
-            time.sleep(HEARTBEAT_SECONDS)
-
-
-_HEARTBEATS = _Heartbeats()
-
-
 class TensorChannel:
     """Create with `create()` (the writer, which owns and unlinks) or `attach()` (the reader)."""
 
@@ -159,6 +130,8 @@ class TensorChannel:
             self._spaces = posix_ipc.Semaphore(self.name + ".spaces", flags, initial_value=self.slots)
         except posix_ipc.ExistentialError:
             raise FileNotFoundError(f"semaphores of channel {self.name} do not exist") from None
+        except OSError as exc:  # a semaphore is a file in /dev/shm too: a full one refuses it
+            raise no_space_as_full(exc, f"a semaphore of channel {self.name}", SEMAPHORE_BYTES) from None
         self._next_write = 0  # the next message to reserve
         self._next_publish = 0  # the next reserved message to publish
         self._next_read = 0 if is_writer else self._resync()
@@ -172,7 +145,7 @@ class TensorChannel:
         self._set(self._role_closed, 0)
         self._set(self._role_pid, os.getpid())
         self._beat()
-        _HEARTBEATS.add(self)
+        HEARTBEATS.add(self)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -180,9 +153,15 @@ class TensorChannel:
         if slots <= 0 or slot_bytes <= 0:
             raise ValueError("slots and slot_bytes must be positive")
         slot_bytes = _align(slot_bytes)
-        segment = Segment.create(name, HEADER_BYTES + slots * (SLOT_META_BYTES + slot_bytes))
+        segment = Segment.create(name, HEADER_BYTES + slots * (SLOT_META_BYTES + slot_bytes), f"channel {name}")
         struct.pack_into("<QQQ", segment.buf, 0, MAGIC, slots, slot_bytes)
-        return cls(segment, is_writer=True, dead_after=dead_after)
+        try:
+            return cls(segment, is_writer=True, dead_after=dead_after)
+        except BaseException:  # its semaphores could not be made (a full /dev/shm): nothing stays behind
+            segment.close()
+            segment.unlink()
+            _unlink_semaphores(name)
+            raise
 
     @classmethod
     def attach(cls, name: str, dead_after: float = 1.5) -> TensorChannel:
@@ -384,14 +363,18 @@ class TensorChannel:
         self.segment.close()
         if self.is_writer and self.segment.created:
             self.segment.unlink()
-            for suffix in (".items", ".spaces"):
-                try:
-                    posix_ipc.unlink_semaphore(self.name + suffix)
-                except posix_ipc.ExistentialError:
-                    pass
+            _unlink_semaphores(self.name)
 
     def __enter__(self) -> TensorChannel:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unlink_semaphores(name: str) -> None:
+    for suffix in (".items", ".spaces"):
+        try:
+            posix_ipc.unlink_semaphore(name + suffix)
+        except posix_ipc.ExistentialError:
+            pass

@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 import posix_ipc
 import structlog
 
+from moe_lightning.shm.pages import FREE_SPACE, SHM_DIR, commit
+
 if TYPE_CHECKING:
     import torch
 
 PREFIX = "mlt"
-SHM_DIR = Path("/dev/shm")
 _NAME_RE = re.compile(rf"^(?:sem\.)?{PREFIX}\.(?P<run>[\w-]+)\.(?P<owner>[\w-]+)\.(?P<pid>\d+)\.(?P<what>[\w.-]+)$")
 _SAFE = re.compile(r"^[\w-]+$")
 MODE = 0o600  # what posix_ipc creates our segments and semaphores with (its default)
@@ -187,17 +188,24 @@ def list_segments(run_id: str | None = None) -> list[str]:
 
 
 class Segment:
-    """A mapped shared-memory segment with zero-copy tensor views."""
+    """A mapped shared-memory segment with zero-copy tensor views. The creator commits its pages
+    (shm/pages.py): a full /dev/shm fails `create`, never a later touch with SIGBUS."""
 
-    def __init__(self, name: str, size: int, created: bool) -> None:
+    def __init__(self, name: str, size: int, created: bool, what: str = "", hint: str = FREE_SPACE) -> None:
         self.name = name
         self.size = size
         self.created = created
         flags = posix_ipc.O_CREX if created else 0
         shm = posix_ipc.SharedMemory(name, flags, size=size if created else 0)
         try:
+            if created:
+                commit(shm.fd, size, what or f"segment {name}", hint)
             self.size = shm.size
             self._mm = mmap.mmap(shm.fd, shm.size)
+        except BaseException:
+            if created:  # a segment we could not commit (or map) must not stay behind in /dev/shm
+                shm.unlink()
+            raise
         finally:
             shm.close_fd()
         # the tensor over the bytes is made at first use: the launcher lists and sweeps segments, and the
@@ -207,10 +215,12 @@ class Segment:
         self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], torch.Tensor] = {}
 
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
+    def create(cls, name: str, size: int, what: str = "", hint: str = FREE_SPACE) -> Segment:
+        """A new segment of `size` committed bytes; `what` and `hint` word the error when /dev/shm cannot
+        hold it (SharedMemoryFullError: "/dev/shm has N free, <what> needs M: <hint>")."""
         if size <= 0:
             raise ValueError(f"segment size must be positive, got {size}")
-        return cls(name, size, created=True)
+        return cls(name, size, created=True, what=what, hint=hint)
 
     @classmethod
     def attach(cls, name: str) -> Segment:

@@ -28,6 +28,7 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attend import BatchPlans, attend, plan_batch
 from moe_lightning.timeline import TimelineRecorder
 
+KV_HINT = "free space in /dev/shm or pass a smaller --kv-cache-memory"
 KV_BLOCKS = Gauge("moe_lightning_kv_cache_blocks", "KV cache blocks", ["state"])
 ERRORS = Counter("moe_lightning_attention_errors_total", "Attention requests answered with an error", ["code"])
 for _code in ("RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "INTERNAL"):  # the codes _handle answers with
@@ -62,10 +63,16 @@ class AttentionWorker:
         self.timeline = timeline or TimelineRecorder(None, "cpu_attention")
         self.log = structlog.get_logger()
         nbytes = PagedKVCache.storage_bytes(spec, num_blocks, block_size, kv_dtype)
-        self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), nbytes)
+        # committed now, every page (shm/pages.py): a /dev/shm filled later cannot take them back
+        self.kv_segment = Segment.create(segment_name(run_id, "cpu_attention", "kv"), nbytes, "the KV cache", KV_HINT)
         storage = PagedKVCache.storage_in(self.kv_segment.tensor, spec, num_blocks, block_size, kv_dtype)
         self.cache = PagedKVCache(spec, num_blocks, block_size, kv_dtype, storage=storage)
-        self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
+        try:
+            self.output = TensorChannel.create(segment_name(run_id, "cpu_attention", "attn"), slots, slot_bytes)
+        except BaseException:  # no stop() will run for a worker never made: its cache must not stay behind
+            self.kv_segment.close()
+            self.kv_segment.unlink()
+            raise
         self.input: TensorChannel | None = None  # owned by the loop thread (see _take_reconnect)
         self._reconnect: _Reconnect | None = None
         self._lock = threading.Lock()  # guards the cache between the loop and connect()

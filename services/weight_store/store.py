@@ -72,7 +72,7 @@ class WeightArena:
         if self.adopted:
             self.segment = Segment.attach(name)
         else:
-            self.segment = Segment.create(name, self.layout.total_bytes)
+            self.segment = Segment.create(name, self.layout.total_bytes, f"the weight arena of {model_dir.name}")
         self._ready: Segment | None = None
         self._writer: threading.Thread | None = None
         self._closing = threading.Event()
