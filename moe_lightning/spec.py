@@ -7,7 +7,7 @@ between model families live in one place.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,9 @@ class ModelSpec:
     swiglu_limit: float = 7.0  # clamped_swiglu's clamp
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # a list where a tuple is declared (`ModelSpec(**spec.to_dict())`) is one
+            if str(f.type).startswith("tuple[") and isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
         check_spec(self)  # types, bounds and finite floats first: the checks below compute with them
         positive = (
             "hidden_size",

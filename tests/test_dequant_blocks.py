@@ -73,7 +73,10 @@ def test_dequant_mm_in_blocks_is_the_row_sliced_gemm(scheme: QuantScheme) -> Non
         [dense_linear(x, kernels._dequantize_rows(ql.rows(s, s + 10), x.dtype)) for s in range(0, 96, 10)], 1
     )
     assert same_bits(got, want)
-    torch.testing.assert_close(got, x @ kernels.dequantize(ql).T, rtol=1e-5, atol=1e-5)
+    # against one GEMM over every row: BLAS sums in another order (on AMD EPYC, 0.0017 off at outputs of
+    # ~5,000 where they cancel), so the bound is fp32 round-off of the outputs' scale, not of each output
+    whole = x @ kernels.dequantize(ql).T
+    torch.testing.assert_close(got, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
