@@ -2,11 +2,14 @@
 layers run (the default) and before each step is sent (--no-grammar-mask-overlap): issue 54.
 
 Two stacks of the tiny demo model, one per mode, run side by side; each round measures, on each stack in
-turn (the order alternating), 8 plain requests alone and the same 8 beside 32 guided ones (a regex that
+turn (the order alternating), 8 plain requests' mean latency alone, beside 32 more plain ones (the same
+batch without grammars: what the batch's size alone costs) and beside 32 guided ones (a regex that
 never lets them end early: every guided request lasts its whole budget). The machine is shared and noisy:
 compare the modes within one run.
 
-    python bench/mask_overlap.py [--rounds 3] [--plain 8] [--guided 32] [--tokens 48] [--json OUT]
+    python bench/mask_overlap.py [--rounds 3] [--plain 8] [--guided 32] [--tokens 48] [--vocab 512] [--json OUT]
+
+--vocab: the tiny model's shapes with this vocabulary (a mask's fill grows with it; 512 is the tiny's).
 """
 
 from __future__ import annotations
@@ -25,17 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_lightning.client import GenerationClient, Prompt
 from moe_lightning.config.stack import StackConfig
-from moe_lightning.demo_model import write_demo_model
+from moe_lightning.demo_model import PRESETS, write_demo_model
 from moe_lightning.launcher import Stack
 
 GUIDED = ("regex", "[a-z ]{400}")  # longer than any budget: the budget ends each guided request
 
 
-def latencies(address: str, plain: int, guided: int, tokens: int) -> list[float]:
-    """Seconds each of `plain` requests took, sent at once with `guided` structured ones."""
+def latencies(address: str, plain: int, guided: int, tokens: int, grammar: bool = True) -> list[float]:
+    """Seconds each of `plain` requests took, sent at once with `guided` structured ones (`grammar`
+    False: as many more plain ones, the same batch without grammars)."""
     prompts = [Prompt(text=f"Plain {i}:", max_new_tokens=tokens, ignore_eos=True, seed=i) for i in range(plain)]
     prompts += [
-        Prompt(text=f"Guided {i}:", max_new_tokens=tokens, temperature=1.0, seed=i, grammar=GUIDED)
+        Prompt(text=f"Guided {i}:", max_new_tokens=tokens, temperature=1.0, seed=i, grammar=GUIDED if grammar else None)
         for i in range(guided)
     ]
 
@@ -67,10 +71,11 @@ def main() -> int:
     ap.add_argument("--plain", type=int, default=8)
     ap.add_argument("--guided", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--vocab", type=int, default=PRESETS["tiny"]["vocab_size"])
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mask_overlap"))
-    model = write_demo_model(tmp / "tiny", "tiny", seed=0, progress=False)
+    model = write_demo_model(tmp / "tiny", PRESETS["tiny"] | {"vocab_size": args.vocab}, seed=0, progress=False)
     modes = {"overlap": [], "no-overlap": ["--no-grammar-mask-overlap"]}
     stacks = {}
     try:
@@ -86,22 +91,29 @@ def main() -> int:
             )
             stacks[mode] = Stack(config)
             stacks[mode].start(timeout=300)
-        results: dict[str, dict[str, list[float]]] = {m: {"alone": [], "beside_guided": []} for m in modes}
+        results: dict[str, dict[str, list[float]]] = {
+            m: {"alone": [], "beside_plain": [], "beside_guided": []} for m in modes
+        }
         for r in range(args.rounds):
             for mode in list(modes)[:: 1 if r % 2 == 0 else -1]:
                 address = stacks[mode].api_address
                 alone = statistics.mean(latencies(address, args.plain, 0, args.tokens))
+                plain = statistics.mean(latencies(address, args.plain, args.guided, args.tokens, grammar=False))
                 beside = statistics.mean(latencies(address, args.plain, args.guided, args.tokens))
                 results[mode]["alone"].append(alone)
+                results[mode]["beside_plain"].append(plain)
                 results[mode]["beside_guided"].append(beside)
                 print(
-                    f"round {r} {mode:>10}: {args.plain} plain alone {alone:6.2f} s, beside {args.guided} guided "
-                    f"{beside:6.2f} s (mean latency)",
+                    f"round {r} {mode:>10}: {args.plain} plain alone {alone:6.2f} s, beside {args.guided} plain "
+                    f"{plain:6.2f} s, beside {args.guided} guided {beside:6.2f} s (mean latency)",
                     flush=True,
                 )
         summary = {m: {k: statistics.median(v) for k, v in d.items()} for m, d in results.items()}
         for mode, s in summary.items():
-            print(f"median {mode:>10}: alone {s['alone']:.2f} s, beside guided {s['beside_guided']:.2f} s")
+            print(
+                f"median {mode:>10}: alone {s['alone']:.2f} s, beside plain {s['beside_plain']:.2f} s, "
+                f"beside guided {s['beside_guided']:.2f} s"
+            )
         waits = _wait(stacks["overlap"])
         print(
             f"overlap: the head waited for masks {waits[1]:.0f} times, {1e3 * waits[0] / max(1, waits[1]):.2f} ms each"
