@@ -28,6 +28,9 @@ class SequenceWork:
     # the tokens its grammar allows next (structured output): ceil(V / 32) little-endian int32 words, bit
     # t % 32 of word t // 32 for token t (logits_processors.py); only on a step whose sample it keeps
     token_mask: bytes | None = None
+    # the token mask comes apart from the step, filled while its layers run (gpu_expert's SetStepMasks):
+    # the head waits for it only when it samples (services/gpu_expert/step_masks.py)
+    mask_follows: bool = False
 
 
 @dataclass(slots=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -141,13 +142,27 @@ class Backend:
             spec=self.spec,
         )
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def step(self, plan: StepPlan, fill_masks: Callable[[], dict[int, bytes]] | None = None) -> StepOutput:
+        """Runs one step. `fill_masks` (which must not raise): the masks of the plan's `mask_follows` rows,
+        computed here while the step runs and sent after it; should they not arrive, gpu_expert fails
+        those rows alone when its --grammar-mask-timeout passes."""
         assert self._gpu is not None, "connect() first"
         try:
-            answer = self._gpu.Step(step_plan_to_pb(plan), timeout=self.step_timeout)
+            call = self._gpu.Step.future(step_plan_to_pb(plan), timeout=self.step_timeout)
+            if fill_masks is not None:
+                self._send_masks(plan.step_id, fill_masks())
+            answer = call.result()
         except grpc.RpcError as exc:  # what the requests are told, and whether the worker is lost
             raise worker_error(plan, exc) from None
         return step_output_from_pb(answer)
+
+    def _send_masks(self, step_id: int, masks: dict[int, bytes]) -> None:
+        assert self._gpu is not None
+        pb = [gpu_expert_pb2.StepMask(seq_id=seq, token_mask=mask) for seq, mask in masks.items()]
+        try:
+            self._gpu.SetStepMasks(gpu_expert_pb2.SetStepMasksRequest(step_id=step_id, masks=pb), timeout=30)
+        except grpc.RpcError as exc:  # the step's own answer tells what happened: its masks' rows time out
+            self.log.warning("step_masks_not_sent", step_id=step_id, error=str(exc))
 
     def timeline(self, steps: int, timeout: float = 10.0) -> list[Event]:
         """The spans of the last `steps` steps gpu_expert ran, with cpu_attention's over the same time

@@ -60,6 +60,7 @@ class SchedulerConfig:
     step_schedule: str = STEP_SCHEDULES[0]  # mixed or alternating: see the module docstring
     prefill_budget: int = 0  # prompt tokens a mixed step takes on (0: max_prefill_tokens); the planner's
     expert_groups: int = 0  # groups of micro-batches whose layer FFN runs at once (0: per micro-batch); the planner's
+    mask_overlap: bool = True  # grammar masks filled while the step runs (orchestrator/grammars.py), not before
 
 
 @dataclass(slots=True, eq=False)  # identity: thousands are looked up per step

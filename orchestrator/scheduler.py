@@ -257,15 +257,11 @@ class Scheduler:
                 self.log.exception("planner_failed")
 
     def _run(self, step: ScheduledStep) -> None:
-        session = self._session
-        plan = step.plan
+        session, plan = self._session, step.plan
         t0 = time.perf_counter()
         try:
             # the scheduler's thread alone moves grammar states (in update, below): no lock needed here
-            unmasked = self.grammars.attach_masks(step)  # those end now: their works run without a mask
-            with self._cv:
-                self._end(unmasked, alone=True)
-            out = self.backend.step(plan)
+            out = self.grammars.run_step(step, self.backend, self.config.mask_overlap, self._end_alone)
         except Exception as exc:
             self.log.warning("step_failed", kind=plan.kind, error=str(exc), code=status_for(exc).name)
             if (lost := status_for(exc) == grpc.StatusCode.UNAVAILABLE) and session == self._session:
@@ -326,6 +322,10 @@ class Scheduler:
                 self.log.info("sequence_failed", request_id=seq.request.request_id, error=str(error))
             self._fail(seq, error)
         self._publish_gauges()
+
+    def _end_alone(self, ended: list[tuple[Sequence, BaseException]]) -> None:  # (lock not held)
+        with self._cv:
+            self._end(ended, alone=True)
 
     def _deliver(self, new: NewToken, now: float) -> None:
         ticket = self._tickets[new.seq.seq_id]

@@ -154,6 +154,7 @@ def _start(
         if config.prefill_budget is not None
         else prefill_budget(planner.estimate, config.max_prefill_tokens),
         config.expert_groups if config.expert_groups is not None else policy.expert_groups,
+        mask_overlap=not config.no_grammar_mask_overlap,
     )
     log.info(
         "planned",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from moe_lightning.kv_cache import PagedKVCache
 from moe_lightning.spec import ModelSpec
@@ -42,10 +43,13 @@ class FakeBackend:
         self.gate = threading.Event()
         self.gate.set()
         self.entered = threading.Event()  # set when a step has begun
+        self.masks: dict[int, dict[int, bytes]] = {}  # step id -> the masks that followed it
 
-    def step(self, plan: StepPlan) -> StepOutput:
+    def step(self, plan: StepPlan, fill_masks: Callable[[], dict[int, bytes]] | None = None) -> StepOutput:
         self.plans.append(plan)
         self.entered.set()
+        if fill_masks is not None:  # as the real backend does: once the step is sent
+            self.masks[plan.step_id] = fill_masks()
         self.gate.wait(30)
         if self.fail is not None:
             error, self.fail = self.fail, None

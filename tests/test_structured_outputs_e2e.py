@@ -113,6 +113,24 @@ def test_every_sampled_output_matches_its_schema_over_grpc(stack: Stack) -> None
     assert all(re.fullmatch(r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", d.text) for d in done[56:])
 
 
+def _metric(stack: Stack, service: str, sample: str) -> float:
+    text = httpx.get(stack.endpoints()[service]["metrics"], timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(sample))
+
+
+def test_the_masks_follow_their_step_and_arrive_in_time(stack: Stack) -> None:
+    """Issue 54: the orchestrator sends each step first and its guided rows' masks after (filled while its
+    layers run); gpu_expert's head receives them all, none timed out. They used to travel in the step,
+    filled before it was sent."""
+    before = _metric(stack, "gpu_expert", "moe_lightning_grammar_mask_deliveries_total")
+    with GenerationClient(stack.api_address, timeout=300) as c:
+        done = c.generate(Prompt(text="Pick:", max_new_tokens=8, seed=1, grammar=("choice", '["yes", "no"]')))
+    assert done.text in ("yes", "no")
+    assert _metric(stack, "gpu_expert", "moe_lightning_grammar_mask_deliveries_total") > before
+    assert _metric(stack, "gpu_expert", 'moe_lightning_grammar_mask_deliveries_total{arrival="late"}') == 0
+    assert _metric(stack, "gpu_expert", "moe_lightning_grammar_mask_timeouts_total") == 0
+
+
 def test_grammars_survive_preemption(tiny_model: Path, make_stack: Callable[..., Stack]) -> None:
     from test_preemption_e2e import kv_bytes
 

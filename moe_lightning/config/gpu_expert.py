@@ -14,6 +14,12 @@ NO_OVERLAP = Flag(
     "baseline schedule: copy each layer's experts when needed, one micro-batch at a time",
     action="store_true",
 )
+GRAMMAR_MASK_TIMEOUT = Flag(
+    "--grammar-mask-timeout",
+    "seconds the head waits for a step's grammar masks (the orchestrator fills them while the step's layers run) "
+    "before it fails the step's structured-output requests",
+    type=float,
+)
 TP_BACKEND = Flag(
     "--tp-backend",
     "the ranks' all-reduces: auto = NCCL on CUDA, gloo on CPU; gloo on CUDA runs several ranks on one GPU (a "
@@ -55,6 +61,7 @@ class GpuExpertConfig(TensorParallelConfig, WorkerConfig, ServiceConfig):
     device_kv_memory: int = option(flags.DEVICE_KV_MEMORY, 0)
     block_size: int = option(flags.BLOCK_SIZE, 16)
     no_overlap: bool = option(NO_OVERLAP, False)
+    grammar_mask_timeout: float = option(GRAMMAR_MASK_TIMEOUT, 30.0)
     expert_kernels: str = option(flags.EXPERT_KERNELS, "fastest")
     quantize_dense: str = option(flags.QUANTIZE_DENSE, "none")
     # the orchestrator's, for what to warm up at start (rank_builder.py); each step's plan carries the one in force

@@ -46,6 +46,12 @@ EXPECTED_PROMPT_LEN = Flag(
 )
 EXPECTED_GEN_LEN = Flag("--expected-gen-len", "generated tokens to plan for until seen", type=int)
 NO_REPLAN = Flag("--no-replan", "keep the start-up plan; never correct or re-plan", action="store_true")
+NO_GRAMMAR_MASK_OVERLAP = Flag(
+    "--no-grammar-mask-overlap",
+    "fill structured-output requests' token masks before each step is sent (the old way: every step waits for "
+    "them), not while its layers run",
+    action="store_true",
+)
 MAX_QUEUE = Flag(
     "--max-queue",
     "requests that may wait before RESOURCE_EXHAUSTED (default: the largest batch this server may plan, the HRM's "
@@ -89,6 +95,7 @@ class OrchestratorConfig(ServiceConfig):
     expected_prompt_len: float = option(EXPECTED_PROMPT_LEN, 77.0)
     expected_gen_len: int = option(EXPECTED_GEN_LEN, 64)
     no_replan: bool = option(NO_REPLAN, False)
+    no_grammar_mask_overlap: bool = option(NO_GRAMMAR_MASK_OVERLAP, False)
     tls_cert: Path | None = option(flags.TLS_CERT)
     tls_key: Path | None = option(flags.TLS_KEY)
     auth_token: str | None = option(flags.AUTH_TOKEN)

@@ -175,6 +175,7 @@ def step_plan_to_pb(plan: StepPlan) -> gpu_expert_pb2.StepRequest:
                         draws=s.draws,
                         prompt_length=s.prompt_len,
                         token_mask=s.token_mask or b"",
+                        mask_follows=s.mask_follows,
                     )
                     for s in mb
                 ]
@@ -204,6 +205,7 @@ def step_plan_from_pb(m: gpu_expert_pb2.StepRequest) -> StepPlan:
                     s.draws,
                     s.prompt_length,
                     s.token_mask or None,
+                    s.mask_follows,
                 )
                 for s in mb.sequences
             ]

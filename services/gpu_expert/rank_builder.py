@@ -240,6 +240,7 @@ def build_worker(
         count_syncs=config.count_syncs,
         group=group,  # the shard is the group's (one rank alone: SOLO)
         max_group_tokens=config.max_tokens_per_handoff,  # what default_budget kept activations back for
+        mask_timeout=config.grammar_mask_timeout,
     )
     log.info(
         "residency",

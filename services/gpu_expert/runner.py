@@ -63,6 +63,7 @@ from services.gpu_expert.schedule import (
     capped_groups,
 )
 from services.gpu_expert.service_attention import ServiceAttention
+from services.gpu_expert.step_masks import StepMasks
 from services.gpu_expert.step_ranks import rank_part
 from services.gpu_expert.sync_count import sync_count_part
 
@@ -102,6 +103,7 @@ class ExpertRunner:
         group: RankGroup | None = None,
         max_group_tokens: int = 1 << 62,
         routing_on_device: bool | None = None,
+        mask_timeout: float = 30.0,
     ) -> None:
         """`link`: the hand-off channels to cpu_attention (None on a rank other than 0: rank 0 talks
         to it for the group). `spec` is the whole model; a rank of `group` runs its part
@@ -109,7 +111,8 @@ class ExpertRunner:
         `max_group_tokens`: the most rows a grouped FFN takes at once (the largest micro-batch the
         device's memory reserve holds activations for, --max-tokens-per-handoff). `routing_on_device`:
         whether a micro-batch's experts may run without reading its routing back where that costs
-        nothing (stages/moe.py, routes_on_device); None: on CUDA, where a read-back stalls the host."""
+        nothing (stages/moe.py, routes_on_device); None: on CUDA, where a read-back stalls the host.
+        `mask_timeout`: seconds the head waits for the grammar masks that follow a step (step_masks.py)."""
         # as given, for the service and its tests (Describe, Connect, metrics); a step reads only parts
         self.link, self.pager, self.kv, self.group = link, pager, kv, group
         self.shard = group.shard if group is not None else SOLO
@@ -129,7 +132,8 @@ class ExpertRunner:
         on_device = device.type == "cuda" if routing_on_device is None else routing_on_device
         rule = partial(routes_on_device, num_experts=self.spec.num_experts, top_k=self.spec.top_k)
         self.experts = expert_part(pager, weights, device, rule if on_device else never)
-        self.head = head_part(self.shard.leads, self.spec, weights, self.samplers, self.clock)
+        self.masks = StepMasks(mask_timeout)
+        self.head = head_part(self.shard.leads, self.spec, weights, self.samplers, self.clock, self.masks)
         self.counted: Callable[[StepKind, Callable[[], StepOutput]], StepOutput] = sync_count_part(count_syncs, device)
         self.local = device_attention_part(kv, self.spec, device, [layer.sinks for layer in weights.layers])
         self.places: dict[Side, AttentionPlace] = {
@@ -156,6 +160,7 @@ class ExpertRunner:
         """Wires the attention channel and starts a new session (see the attention worker's connect):
         sampler streams, the device KV cache and prefetched pages of earlier requests are dropped."""
         self.samplers.clear()
+        self.masks.reset()
         self.local.reset()
         self.experts.reset()
         self.handoff.connect(input_channel, session)  # refused on a rank other than 0
@@ -177,7 +182,11 @@ class ExpertRunner:
             self._prepare(plan, place)
             place.send_release(plan.step_id)
             return StepOutput([], [], StepTimings(plan.kind))
-        return self.counted(plan.kind, lambda: self._step(plan, place))
+        self.masks.begin(plan.step_id)
+        try:
+            return self.counted(plan.kind, lambda: self._step(plan, place))
+        finally:  # sampled or failed anywhere: its masks' entry goes, a late delivery is dropped
+            self.masks.end(plan.step_id)
 
     def _prepare(self, plan: StepPlan, place: AttentionPlace) -> tuple[list[MicroBatchState], LayerSource]:
         for seq in plan.release:
@@ -219,7 +228,7 @@ class ExpertRunner:
             order = place.order(self.spec.num_layers, len(states), groups)
             self._run(order, _Step(plan, states, source, timings))
             works = [w for st in states for w in st.works]
-            tokens, logprobs, prompt_logprobs, faults = self.head.sample(states, works)
+            tokens, logprobs, prompt_logprobs, faults = self.head.sample(states, works, plan.step_id)
             # after the sampled tokens reached the host: the step's events have all completed, so the
             # device-side expert waits are known without waiting for anything
             self.experts.end_step()

@@ -142,6 +142,13 @@ class GpuExpertServicer(gpu_expert_pb2_grpc.GpuExpertServicer):
         out.timings.handler = time.perf_counter_ns() - t0  # the step plus its protobuf conversion
         return step_output_to_pb(out)
 
+    def SetStepMasks(
+        self, request: gpu_expert_pb2.SetStepMasksRequest, context: grpc.ServicerContext
+    ) -> gpu_expert_pb2.SetStepMasksResponse:
+        # no step lock: its step holds it, and its head waits for these (step_masks.py)
+        self.runner.masks.deliver(request.step_id, {m.seq_id: m.token_mask for m in request.masks})
+        return gpu_expert_pb2.SetStepMasksResponse()
+
     def GetTimeline(
         self, request: gpu_expert_pb2.GetTimelineRequest, context: grpc.ServicerContext
     ) -> gpu_expert_pb2.GetTimelineResponse:

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from moe_lightning.api.common.v1 import common_pb2 as moe__lightning_dot_api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/gpu_expert/v1/gpu_expert.proto\x12\x1fmoe_lightning.api.gpu_expert.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xde\x02\n\x10\x44\x65scribeResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x18\n\x10\x64\x65vice_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14\x64\x65vice_kv_block_size\x18\x07 \x01(\r\x12\x18\n\x10resident_experts\x18\x08 \x01(\r\x12\x19\n\x11\x65xpert_ring_slots\x18\t \x01(\r\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\x12\x1d\n\x15tensor_parallel_ranks\x18\x0b \x01(\r\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse\"\xc3\x01\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12=\n\x08sampling\x18\x04 \x01(\x0b\x32+.moe_lightning.api.common.v1.SamplingParams\x12\r\n\x05\x64raws\x18\x05 \x01(\r\x12\x15\n\rprompt_length\x18\x06 \x01(\r\x12\x12\n\ntoken_mask\x18\x07 \x01(\x0c\"O\n\nMicroBatch\x12\x41\n\tsequences\x18\x01 \x03(\x0b\x32..moe_lightning.api.gpu_expert.v1.SequenceInput\"}\n\tPlacement\x12\x38\n\tattention\x18\x01 \x01(\x0e\x32%.moe_lightning.api.gpu_expert.v1.Side\x12\x36\n\x07\x65xperts\x18\x02 \x01(\x0e\x32%.moe_lightning.api.gpu_expert.v1.Side\"\xcd\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x42\n\rmicro_batches\x18\x02 \x03(\x0b\x32+.moe_lightning.api.gpu_expert.v1.MicroBatch\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\x12=\n\tplacement\x18\x06 \x01(\x0b\x32*.moe_lightning.api.gpu_expert.v1.Placement\x12\x37\n\x04kind\x18\x07 \x01(\x0e\x32).moe_lightning.api.gpu_expert.v1.StepKind\x12\x15\n\rexpert_groups\x18\x08 \x01(\r\x12\x0f\n\x07\x64\x65\x63odes\x18\t \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x13\x61ttention_on_deviceR\x0f\x65xperts_on_host\"\xf6\x02\n\x0bStepTimings\x12\x37\n\x04kind\x18\x01 \x01(\x0e\x32).moe_lightning.api.gpu_expert.v1.StepKind\x12\x18\n\x10pre_attention_ns\x18\x02 \x01(\x04\x12\x19\n\x11post_attention_ns\x18\x03 \x01(\x04\x12\x0f\n\x07head_ns\x18\x04 \x01(\x04\x12\x19\n\x11\x61ttention_wait_ns\x18\x05 \x01(\x04\x12\x17\n\x0fhandoff_send_ns\x18\x06 \x01(\x04\x12\x16\n\x0e\x65xpert_wait_ns\x18\x07 \x01(\x04\x12\x1b\n\x13\x64\x65vice_attention_ns\x18\x08 \x01(\x04\x12\x0f\n\x07step_ns\x18\t \x01(\x04\x12\x12\n\nhandler_ns\x18\n \x01(\x04\x12\x16\n\x0e\x63ollectives_ns\x18\x0b \x01(\x04\x12\x19\n\x11\x61ttention_busy_ns\x18\x0c \x01(\x04\x12\x14\n\x0clink_busy_ns\x18\r \x01(\x04\x12\x11\n\tdecode_ns\x18\x0e \x01(\x04\"q\n\x08RankStep\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_streamed\x18\x02 \x01(\x04\x12\x16\n\x0e\x65xpert_wait_ns\x18\x03 \x01(\x04\x12\x16\n\x0e\x63ollectives_ns\x18\x04 \x01(\x04\x12\x0f\n\x07step_ns\x18\x05 \x01(\x04\"\xae\x03\n\x0cStepResponse\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12=\n\x07timings\x18\x06 \x01(\x0b\x32,.moe_lightning.api.gpu_expert.v1.StepTimings\x12\x17\n\x0flogprob_seq_ids\x18\x04 \x03(\x04\x12<\n\x08logprobs\x18\x05 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\x12\x38\n\x05ranks\x18\x07 \x03(\x0b\x32).moe_lightning.api.gpu_expert.v1.RankStep\x12\x1e\n\x16prompt_logprob_seq_ids\x18\x08 \x03(\x04\x12\x44\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32+.moe_lightning.api.common.v1.PromptLogprobs\x12>\n\x06\x66\x61ults\x18\n \x03(\x0b\x32..moe_lightning.api.gpu_expert.v1.SequenceFaultJ\x04\x08\x03\x10\x04\"J\n\rSequenceFault\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10invalid_argument\x18\x03 \x01(\x08\"O\n\x12GetTimelineRequest\x12\x39\n\x05query\x18\x01 \x01(\x0b\x32*.moe_lightning.api.common.v1.TimelineQuery\"P\n\x13GetTimelineResponse\x12\x39\n\x05spans\x18\x01 \x01(\x0b\x32*.moe_lightning.api.common.v1.TimelineSpans*g\n\x08StepKind\x12\x19\n\x15STEP_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11STEP_KIND_PREFILL\x10\x01\x12\x14\n\x10STEP_KIND_DECODE\x10\x02\x12\x13\n\x0fSTEP_KIND_MIXED\x10\x03*<\n\x04Side\x12\x14\n\x10SIDE_UNSPECIFIED\x10\x00\x12\r\n\tSIDE_HOST\x10\x01\x12\x0f\n\x0bSIDE_DEVICE\x10\x02\x32\xc9\x03\n\tGpuExpert\x12o\n\x08\x44\x65scribe\x12\x30.moe_lightning.api.gpu_expert.v1.DescribeRequest\x1a\x31.moe_lightning.api.gpu_expert.v1.DescribeResponse\x12l\n\x07\x43onnect\x12/.moe_lightning.api.gpu_expert.v1.ConnectRequest\x1a\x30.moe_lightning.api.gpu_expert.v1.ConnectResponse\x12x\n\x0bGetTimeline\x12\x33.moe_lightning.api.gpu_expert.v1.GetTimelineRequest\x1a\x34.moe_lightning.api.gpu_expert.v1.GetTimelineResponse\x12\x63\n\x04Step\x12,.moe_lightning.api.gpu_expert.v1.StepRequest\x1a-.moe_lightning.api.gpu_expert.v1.StepResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n0moe_lightning/api/gpu_expert/v1/gpu_expert.proto\x12\x1fmoe_lightning.api.gpu_expert.v1\x1a(moe_lightning/api/common/v1/common.proto\"\x11\n\x0f\x44\x65scribeRequest\"\xde\x02\n\x10\x44\x65scribeResponse\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x14\n\x0cweight_bytes\x18\x02 \x01(\x04\x12\x1b\n\x13\x64\x65vice_memory_bytes\x18\x03 \x01(\x04\x12\x16\n\x0eoutput_channel\x18\x04 \x01(\t\x12G\n\x0cmeasurements\x18\x05 \x01(\x0b\x32\x31.moe_lightning.api.common.v1.HardwareMeasurements\x12\x18\n\x10\x64\x65vice_kv_blocks\x18\x06 \x01(\r\x12\x1c\n\x14\x64\x65vice_kv_block_size\x18\x07 \x01(\r\x12\x18\n\x10resident_experts\x18\x08 \x01(\r\x12\x19\n\x11\x65xpert_ring_slots\x18\t \x01(\r\x12\x1a\n\x12max_handoff_tokens\x18\n \x01(\r\x12\x1d\n\x15tensor_parallel_ranks\x18\x0b \x01(\r\"8\n\x0e\x43onnectRequest\x12\x15\n\rinput_channel\x18\x01 \x01(\t\x12\x0f\n\x07session\x18\x02 \x01(\x04\"\x11\n\x0f\x43onnectResponse\"\xd9\x01\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0estart_position\x18\x03 \x01(\r\x12=\n\x08sampling\x18\x04 \x01(\x0b\x32+.moe_lightning.api.common.v1.SamplingParams\x12\r\n\x05\x64raws\x18\x05 \x01(\r\x12\x15\n\rprompt_length\x18\x06 \x01(\r\x12\x12\n\ntoken_mask\x18\x07 \x01(\x0c\x12\x14\n\x0cmask_follows\x18\x08 \x01(\x08\"O\n\nMicroBatch\x12\x41\n\tsequences\x18\x01 \x03(\x0b\x32..moe_lightning.api.gpu_expert.v1.SequenceInput\"}\n\tPlacement\x12\x38\n\tattention\x18\x01 \x01(\x0e\x32%.moe_lightning.api.gpu_expert.v1.Side\x12\x36\n\x07\x65xperts\x18\x02 \x01(\x0e\x32%.moe_lightning.api.gpu_expert.v1.Side\"\xcd\x02\n\x0bStepRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x42\n\rmicro_batches\x18\x02 \x03(\x0b\x32+.moe_lightning.api.gpu_expert.v1.MicroBatch\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\x04\x12=\n\tplacement\x18\x06 \x01(\x0b\x32*.moe_lightning.api.gpu_expert.v1.Placement\x12\x37\n\x04kind\x18\x07 \x01(\x0e\x32).moe_lightning.api.gpu_expert.v1.StepKind\x12\x15\n\rexpert_groups\x18\x08 \x01(\r\x12\x0f\n\x07\x64\x65\x63odes\x18\t \x01(\rJ\x04\x08\x04\x10\x05J\x04\x08\x05\x10\x06R\x13\x61ttention_on_deviceR\x0f\x65xperts_on_host\".\n\x08StepMask\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x12\n\ntoken_mask\x18\x02 \x01(\x0c\"`\n\x13SetStepMasksRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x05masks\x18\x02 \x03(\x0b\x32).moe_lightning.api.gpu_expert.v1.StepMask\"\x16\n\x14SetStepMasksResponse\"\xf6\x02\n\x0bStepTimings\x12\x37\n\x04kind\x18\x01 \x01(\x0e\x32).moe_lightning.api.gpu_expert.v1.StepKind\x12\x18\n\x10pre_attention_ns\x18\x02 \x01(\x04\x12\x19\n\x11post_attention_ns\x18\x03 \x01(\x04\x12\x0f\n\x07head_ns\x18\x04 \x01(\x04\x12\x19\n\x11\x61ttention_wait_ns\x18\x05 \x01(\x04\x12\x17\n\x0fhandoff_send_ns\x18\x06 \x01(\x04\x12\x16\n\x0e\x65xpert_wait_ns\x18\x07 \x01(\x04\x12\x1b\n\x13\x64\x65vice_attention_ns\x18\x08 \x01(\x04\x12\x0f\n\x07step_ns\x18\t \x01(\x04\x12\x12\n\nhandler_ns\x18\n \x01(\x04\x12\x16\n\x0e\x63ollectives_ns\x18\x0b \x01(\x04\x12\x19\n\x11\x61ttention_busy_ns\x18\x0c \x01(\x04\x12\x14\n\x0clink_busy_ns\x18\r \x01(\x04\x12\x11\n\tdecode_ns\x18\x0e \x01(\x04\"q\n\x08RankStep\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_streamed\x18\x02 \x01(\x04\x12\x16\n\x0e\x65xpert_wait_ns\x18\x03 \x01(\x04\x12\x16\n\x0e\x63ollectives_ns\x18\x04 \x01(\x04\x12\x0f\n\x07step_ns\x18\x05 \x01(\x04\"\xae\x03\n\x0cStepResponse\x12\x0f\n\x07seq_ids\x18\x01 \x03(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12=\n\x07timings\x18\x06 \x01(\x0b\x32,.moe_lightning.api.gpu_expert.v1.StepTimings\x12\x17\n\x0flogprob_seq_ids\x18\x04 \x03(\x04\x12<\n\x08logprobs\x18\x05 \x03(\x0b\x32*.moe_lightning.api.common.v1.TokenLogprobs\x12\x38\n\x05ranks\x18\x07 \x03(\x0b\x32).moe_lightning.api.gpu_expert.v1.RankStep\x12\x1e\n\x16prompt_logprob_seq_ids\x18\x08 \x03(\x04\x12\x44\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32+.moe_lightning.api.common.v1.PromptLogprobs\x12>\n\x06\x66\x61ults\x18\n \x03(\x0b\x32..moe_lightning.api.gpu_expert.v1.SequenceFaultJ\x04\x08\x03\x10\x04\"J\n\rSequenceFault\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x18\n\x10invalid_argument\x18\x03 \x01(\x08\"O\n\x12GetTimelineRequest\x12\x39\n\x05query\x18\x01 \x01(\x0b\x32*.moe_lightning.api.common.v1.TimelineQuery\"P\n\x13GetTimelineResponse\x12\x39\n\x05spans\x18\x01 \x01(\x0b\x32*.moe_lightning.api.common.v1.TimelineSpans*g\n\x08StepKind\x12\x19\n\x15STEP_KIND_UNSPECIFIED\x10\x00\x12\x15\n\x11STEP_KIND_PREFILL\x10\x01\x12\x14\n\x10STEP_KIND_DECODE\x10\x02\x12\x13\n\x0fSTEP_KIND_MIXED\x10\x03*<\n\x04Side\x12\x14\n\x10SIDE_UNSPECIFIED\x10\x00\x12\r\n\tSIDE_HOST\x10\x01\x12\x0f\n\x0bSIDE_DEVICE\x10\x02\x32\xc6\x04\n\tGpuExpert\x12o\n\x08\x44\x65scribe\x12\x30.moe_lightning.api.gpu_expert.v1.DescribeRequest\x1a\x31.moe_lightning.api.gpu_expert.v1.DescribeResponse\x12l\n\x07\x43onnect\x12/.moe_lightning.api.gpu_expert.v1.ConnectRequest\x1a\x30.moe_lightning.api.gpu_expert.v1.ConnectResponse\x12x\n\x0bGetTimeline\x12\x33.moe_lightning.api.gpu_expert.v1.GetTimelineRequest\x1a\x34.moe_lightning.api.gpu_expert.v1.GetTimelineResponse\x12\x63\n\x04Step\x12,.moe_lightning.api.gpu_expert.v1.StepRequest\x1a-.moe_lightning.api.gpu_expert.v1.StepResponse\x12{\n\x0cSetStepMasks\x12\x34.moe_lightning.api.gpu_expert.v1.SetStepMasksRequest\x1a\x35.moe_lightning.api.gpu_expert.v1.SetStepMasksResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'moe_lightning.api.gpu_expert.v1.gpu_expert_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STEPKIND']._serialized_start=2482
-  _globals['_STEPKIND']._serialized_end=2585
-  _globals['_SIDE']._serialized_start=2587
-  _globals['_SIDE']._serialized_end=2647
+  _globals['_STEPKIND']._serialized_start=2674
+  _globals['_STEPKIND']._serialized_end=2777
+  _globals['_SIDE']._serialized_start=2779
+  _globals['_SIDE']._serialized_end=2839
   _globals['_DESCRIBEREQUEST']._serialized_start=127
   _globals['_DESCRIBEREQUEST']._serialized_end=144
   _globals['_DESCRIBERESPONSE']._serialized_start=147
@@ -45,25 +45,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTRESPONSE']._serialized_start=557
   _globals['_CONNECTRESPONSE']._serialized_end=574
   _globals['_SEQUENCEINPUT']._serialized_start=577
-  _globals['_SEQUENCEINPUT']._serialized_end=772
-  _globals['_MICROBATCH']._serialized_start=774
-  _globals['_MICROBATCH']._serialized_end=853
-  _globals['_PLACEMENT']._serialized_start=855
-  _globals['_PLACEMENT']._serialized_end=980
-  _globals['_STEPREQUEST']._serialized_start=983
-  _globals['_STEPREQUEST']._serialized_end=1316
-  _globals['_STEPTIMINGS']._serialized_start=1319
-  _globals['_STEPTIMINGS']._serialized_end=1693
-  _globals['_RANKSTEP']._serialized_start=1695
-  _globals['_RANKSTEP']._serialized_end=1808
-  _globals['_STEPRESPONSE']._serialized_start=1811
-  _globals['_STEPRESPONSE']._serialized_end=2241
-  _globals['_SEQUENCEFAULT']._serialized_start=2243
-  _globals['_SEQUENCEFAULT']._serialized_end=2317
-  _globals['_GETTIMELINEREQUEST']._serialized_start=2319
-  _globals['_GETTIMELINEREQUEST']._serialized_end=2398
-  _globals['_GETTIMELINERESPONSE']._serialized_start=2400
-  _globals['_GETTIMELINERESPONSE']._serialized_end=2480
-  _globals['_GPUEXPERT']._serialized_start=2650
-  _globals['_GPUEXPERT']._serialized_end=3107
+  _globals['_SEQUENCEINPUT']._serialized_end=794
+  _globals['_MICROBATCH']._serialized_start=796
+  _globals['_MICROBATCH']._serialized_end=875
+  _globals['_PLACEMENT']._serialized_start=877
+  _globals['_PLACEMENT']._serialized_end=1002
+  _globals['_STEPREQUEST']._serialized_start=1005
+  _globals['_STEPREQUEST']._serialized_end=1338
+  _globals['_STEPMASK']._serialized_start=1340
+  _globals['_STEPMASK']._serialized_end=1386
+  _globals['_SETSTEPMASKSREQUEST']._serialized_start=1388
+  _globals['_SETSTEPMASKSREQUEST']._serialized_end=1484
+  _globals['_SETSTEPMASKSRESPONSE']._serialized_start=1486
+  _globals['_SETSTEPMASKSRESPONSE']._serialized_end=1508
+  _globals['_STEPTIMINGS']._serialized_start=1511
+  _globals['_STEPTIMINGS']._serialized_end=1885
+  _globals['_RANKSTEP']._serialized_start=1887
+  _globals['_RANKSTEP']._serialized_end=2000
+  _globals['_STEPRESPONSE']._serialized_start=2003
+  _globals['_STEPRESPONSE']._serialized_end=2433
+  _globals['_SEQUENCEFAULT']._serialized_start=2435
+  _globals['_SEQUENCEFAULT']._serialized_end=2509
+  _globals['_GETTIMELINEREQUEST']._serialized_start=2511
+  _globals['_GETTIMELINEREQUEST']._serialized_end=2590
+  _globals['_GETTIMELINERESPONSE']._serialized_start=2592
+  _globals['_GETTIMELINERESPONSE']._serialized_end=2672
+  _globals['_GPUEXPERT']._serialized_start=2842
+  _globals['_GPUEXPERT']._serialized_end=3424
 # @@protoc_insertion_point(module_scope)

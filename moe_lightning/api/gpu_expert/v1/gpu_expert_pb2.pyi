@@ -71,7 +71,7 @@ class ConnectResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class SequenceInput(_message.Message):
-    __slots__ = ("seq_id", "token_ids", "start_position", "sampling", "draws", "prompt_length", "token_mask")
+    __slots__ = ("seq_id", "token_ids", "start_position", "sampling", "draws", "prompt_length", "token_mask", "mask_follows")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class SequenceInput(_message.Message):
     DRAWS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    MASK_FOLLOWS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_position: int
@@ -86,7 +87,8 @@ class SequenceInput(_message.Message):
     draws: int
     prompt_length: int
     token_mask: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draws: _Optional[int] = ..., prompt_length: _Optional[int] = ..., token_mask: _Optional[bytes] = ...) -> None: ...
+    mask_follows: bool
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., start_position: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draws: _Optional[int] = ..., prompt_length: _Optional[int] = ..., token_mask: _Optional[bytes] = ..., mask_follows: _Optional[bool] = ...) -> None: ...
 
 class MicroBatch(_message.Message):
     __slots__ = ("sequences",)
@@ -119,6 +121,26 @@ class StepRequest(_message.Message):
     expert_groups: int
     decodes: int
     def __init__(self, step_id: _Optional[int] = ..., micro_batches: _Optional[_Iterable[_Union[MicroBatch, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[int]] = ..., placement: _Optional[_Union[Placement, _Mapping]] = ..., kind: _Optional[_Union[StepKind, str]] = ..., expert_groups: _Optional[int] = ..., decodes: _Optional[int] = ...) -> None: ...
+
+class StepMask(_message.Message):
+    __slots__ = ("seq_id", "token_mask")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_MASK_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_mask: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., token_mask: _Optional[bytes] = ...) -> None: ...
+
+class SetStepMasksRequest(_message.Message):
+    __slots__ = ("step_id", "masks")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    MASKS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    masks: _containers.RepeatedCompositeFieldContainer[StepMask]
+    def __init__(self, step_id: _Optional[int] = ..., masks: _Optional[_Iterable[_Union[StepMask, _Mapping]]] = ...) -> None: ...
+
+class SetStepMasksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class StepTimings(_message.Message):
     __slots__ = ("kind", "pre_attention_ns", "post_attention_ns", "head_ns", "attention_wait_ns", "handoff_send_ns", "expert_wait_ns", "device_attention_ns", "step_ns", "handler_ns", "collectives_ns", "attention_busy_ns", "link_busy_ns", "decode_ns")

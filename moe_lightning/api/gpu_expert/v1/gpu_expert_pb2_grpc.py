@@ -56,6 +56,11 @@ class GpuExpertStub:
                 request_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepRequest.SerializeToString,
                 response_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.SetStepMasks = channel.unary_unary(
+                '/moe_lightning.api.gpu_expert.v1.GpuExpert/SetStepMasks',
+                request_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.SetStepMasksRequest.SerializeToString,
+                response_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.SetStepMasksResponse.FromString,
+                _registered_method=True)
 
 
 class GpuExpertServicer:
@@ -88,6 +93,15 @@ class GpuExpertServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetStepMasks(self, request, context):
+        """The token masks of a running step's structured-output rows (those with mask_follows), filled by the
+        orchestrator while the step's layers run; the head waits for them only when it samples. Takes no
+        step lock: it arrives while its step holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GpuExpertServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -110,6 +124,11 @@ def add_GpuExpertServicer_to_server(servicer, server):
                     servicer.Step,
                     request_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepRequest.FromString,
                     response_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepResponse.SerializeToString,
+            ),
+            'SetStepMasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetStepMasks,
+                    request_deserializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.SetStepMasksRequest.FromString,
+                    response_serializer=moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.SetStepMasksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +241,33 @@ class GpuExpert:
             '/moe_lightning.api.gpu_expert.v1.GpuExpert/Step',
             moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepRequest.SerializeToString,
             moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetStepMasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_lightning.api.gpu_expert.v1.GpuExpert/SetStepMasks',
+            moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.SetStepMasksRequest.SerializeToString,
+            moe__lightning_dot_api_dot_gpu__expert_dot_v1_dot_gpu__expert__pb2.SetStepMasksResponse.FromString,
             options,
             channel_credentials,
             insecure,
