@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from moe_lightning.kv_cache import PagedKVCache
+from moe_lightning.placement import Placement
 from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import SequenceFault, StepOutput, StepPlan, StepTimings
+from orchestrator.backend import KVCapacity
+from orchestrator.scheduler import Scheduler, SchedulerConfig
 
 # the smallest K/V a PagedKVCache can hold: the mirror below keeps its block tables, not its values
 _MIRROR_SPEC = ModelSpec("MixtralForCausalLM", 8, 16, 1, 2, 1, 2, 2, 1, 400)
@@ -74,3 +79,26 @@ class FakeBackend:
                     faults[w.seq_id] = self.faults.pop(w.seq_id)
                 tokens.append(script[i] if script and i < len(script) else 10 + (w.seq_id + i) % 50)
         return StepOutput(seq_ids, tokens, StepTimings(plan.kind), faults=faults)
+
+
+# the workers' cache as the scheduler tests' loops see it: 256 blocks of 4 tokens
+FAKE_KV = KVCapacity(256, 4, "float32")
+
+
+def scheduler_on_fake(model_dir: Path, planner: object = None) -> tuple[Scheduler, FakeBackend]:
+    """A started Scheduler of the model in `model_dir` on a FakeBackend with FAKE_KV's cache."""
+    backend = FakeBackend()
+    s = Scheduler(ModelSpec.from_pretrained(model_dir), backend, None, FAKE_KV, SchedulerConfig(), planner, Placement())  # type: ignore[arg-type]
+    s.start()
+    return s, backend
+
+
+@contextmanager
+def running_scheduler(model_dir: Path) -> Iterator[tuple[Scheduler, FakeBackend]]:
+    """scheduler_on_fake's pair, stopped after (a step held at the gate let go first)."""
+    s, backend = scheduler_on_fake(model_dir)
+    try:
+        yield s, backend
+    finally:
+        backend.gate.set()
+        s.stop()

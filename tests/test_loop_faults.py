@@ -11,17 +11,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import FAKE_KV, FakeBackend, running_scheduler, scheduler_on_fake
 
-from moe_lightning.placement import Placement
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
-from moe_lightning.spec import ModelSpec
-from orchestrator.backend import KVCapacity
-from orchestrator.scheduler import Scheduler, SchedulerConfig
+from orchestrator.scheduler import Scheduler
 from orchestrator.supervisor import BackendSupervisor
 
-KV = KVCapacity(256, 4, "float32")
+KV = FAKE_KV
 
 
 class RaisingPlanner:
@@ -36,19 +33,10 @@ class RaisingPlanner:
         raise RuntimeError("optimize() failed")
 
 
-def _scheduler(tiny_model: Path, planner: object = None) -> tuple[Scheduler, FakeBackend]:
-    backend = FakeBackend()
-    s = Scheduler(ModelSpec.from_pretrained(tiny_model), backend, None, KV, SchedulerConfig(), planner, Placement())  # type: ignore[arg-type]
-    s.start()
-    return s, backend
-
-
 @pytest.fixture()
 def loop(tiny_model: Path) -> Iterator[tuple[Scheduler, FakeBackend]]:
-    s, backend = _scheduler(tiny_model)
-    yield s, backend
-    backend.gate.set()
-    s.stop()
+    with running_scheduler(tiny_model) as pair:
+        yield pair
 
 
 def _request(max_new: int = 4) -> GenerationRequest:
@@ -57,7 +45,7 @@ def _request(max_new: int = 4) -> GenerationRequest:
 
 def test_a_planner_that_raises_costs_no_request(tiny_model: Path) -> None:
     """It used to kill the scheduler thread at admission: every Generate then waited forever."""
-    s, _ = _scheduler(tiny_model, RaisingPlanner())
+    s, _ = scheduler_on_fake(tiny_model, RaisingPlanner())
     try:
         assert [s.submit(_request()).wait(10).finish_reason for _ in range(3)] == [FINISH_LENGTH] * 3
         assert s.alive

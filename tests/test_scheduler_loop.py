@@ -11,27 +11,21 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import FAKE_KV, FakeBackend, running_scheduler
 
-from moe_lightning.placement import Placement
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
-from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import StepKind
 from orchestrator.backend import KVCapacity
-from orchestrator.scheduler import Scheduler, SchedulerConfig
+from orchestrator.scheduler import Scheduler
 
-KV = KVCapacity(256, 4, "float32")
+KV = FAKE_KV
 
 
 @pytest.fixture()
 def loop(tiny_model: Path) -> Iterator[tuple[Scheduler, FakeBackend]]:
-    backend = FakeBackend()
-    s = Scheduler(ModelSpec.from_pretrained(tiny_model), backend, None, KV, SchedulerConfig(), None, Placement())  # type: ignore[arg-type]
-    s.start()
-    yield s, backend
-    backend.gate.set()
-    s.stop()
+    with running_scheduler(tiny_model) as pair:
+        yield pair
 
 
 def _request(max_new: int = 4) -> GenerationRequest:

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from fake_backend import FakeBackend
+from fake_backend import FAKE_KV, FakeBackend, running_scheduler
 from runner_pair import arena_of, wired
 
 from moe_lightning import grammar as grammar_module
@@ -22,7 +22,6 @@ from moe_lightning.arena import weights_from_arena
 from moe_lightning.grammar import GrammarSpec
 from moe_lightning.logits_processors import mask_words
 from moe_lightning.output_text import OutputText
-from moe_lightning.placement import Placement
 from moe_lightning.request import FINISH_LENGTH, GenerationRequest
 from moe_lightning.sampling import SamplingParams
 from moe_lightning.service.errors import ServiceError, UnavailableError, status_for
@@ -30,25 +29,20 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.step_protocol import SequenceFault, SequenceWork, StepKind, StepPlan
 from moe_lightning.tokenizer import TextTokenizer
 from moe_lightning.weights import ModelWeights
-from orchestrator.backend import KVCapacity
 from orchestrator.batcher import ScheduledStep, Sequence
 from orchestrator.grammars import Grammars
-from orchestrator.scheduler import Scheduler, SchedulerConfig
+from orchestrator.scheduler import Scheduler
 from orchestrator.step_faults import worker_error
 from services.gpu_expert.runner import ExpertRunner
 
-KV = KVCapacity(256, 4, "float32")
+KV = FAKE_KV
 NEW = 6
 
 
 @pytest.fixture()
 def loop(tiny_model: Path) -> Iterator[tuple[Scheduler, FakeBackend]]:
-    backend = FakeBackend()
-    s = Scheduler(ModelSpec.from_pretrained(tiny_model), backend, None, KV, SchedulerConfig(), None, Placement())  # type: ignore[arg-type]
-    s.start()
-    yield s, backend
-    backend.gate.set()
-    s.stop()
+    with running_scheduler(tiny_model) as pair:
+        yield pair
 
 
 def _request() -> GenerationRequest:
