@@ -163,6 +163,10 @@ class ModelSpec:
                 f"dense layers {list(self.dense_layers)} need a positive intermediate_size, "
                 f"got {self.dense_intermediate_size!r}"
             )
+        self._check_routing_and_layers()
+
+    def _check_routing_and_layers(self) -> None:
+        """The router's, attention's and activation's settings, against each other and the shapes."""
         if self.router_score not in ROUTER_SCORES:
             raise ModelSpecError(f"router_score must be one of {ROUTER_SCORES}, got {self.router_score!r}")
         if self.n_group < 1 or self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
