@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -43,6 +43,8 @@ from moe_lightning.spec import ModelSpec
 from moe_lightning.stages.attention import Int8KV, paged_attention, plan_attention, quantize_int8
 from moe_lightning.stages.moe import expert_ffn
 from moe_lightning.weights import ExpertWeights
+
+T = TypeVar("T")
 
 # rows per expert GEMM at which the quantized kernels' compute rate is measured: compute-bound there
 FLOPS_TOKENS = {"cpu": 64, "cuda": 1024}
@@ -198,15 +200,9 @@ def cached_host_issue(
     (~1 s each: a test suite's hundred model shapes paid it a hundred times)."""
     name = f"{platform.node() or 'host'}-host_issue-{dev.type}-{str(dtype).removeprefix('torch.')}"
     path = cache_file(cache_dir, f"{name}-{quant.key()}-k{KERNELS_VERSION}.json")
-    text = None if refresh else read_cache(path)
-    if text is not None:
-        try:
-            return HostIssue(**json.loads(text))
-        except (ValueError, TypeError, RecursionError):
-            pass  # an older or damaged cache: measure again
-    issue = host_issue_seconds(dev, dtype, quant)
-    write_cache(path, json.dumps(issue._asdict()))
-    return issue
+    return _cached(
+        path, refresh, lambda d: HostIssue(**d), lambda: host_issue_seconds(dev, dtype, quant), HostIssue._asdict
+    )
 
 
 def measure(
@@ -377,12 +373,19 @@ def cached_measurements(
 ) -> Measurements:
     """A service's warm-up measurements, re-used across restarts on this machine."""
     path = cache_file(cache_dir, f"{platform.node() or 'host'}-{key}-k{KERNELS_VERSION}.json")
+    return _cached(path, refresh, lambda d: Measurements(**d), measure_fn, asdict)
+
+
+def _cached(
+    path: Path, refresh: bool, load: Callable[[dict], T], measure: Callable[[], T], dump: Callable[[T], dict]
+) -> T:
+    """What `path` holds (`load` of its JSON), else `measure`'s result, written there (`dump`)."""
     text = None if refresh else read_cache(path)
     if text is not None:
         try:
-            return Measurements(**json.loads(text))
+            return load(json.loads(text))
         except (ValueError, TypeError, RecursionError):
             pass  # an older or damaged cache: measure again
-    m = measure_fn()
-    write_cache(path, json.dumps(asdict(m)))
-    return m
+    value = measure()
+    write_cache(path, json.dumps(dump(value)))
+    return value
